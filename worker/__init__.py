@@ -1,0 +1,6 @@
+"""kvray worker: one inference engine on one device. Never imports ray."""
+
+from worker.config import EngineConfig
+from worker.sampling import SamplingParams
+
+__all__ = ["EngineConfig", "SamplingParams"]

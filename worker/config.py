@@ -1,0 +1,72 @@
+"""EngineConfig: everything one engine on one device needs, validated once and frozen."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineConfig(BaseModel):
+    """Settings of one engine. `"auto"` fields are resolved once by `resolve()` at start."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field("demo", description="HF model directory, or 'demo' for the embedded SmolLM2-135M")
+    dtype: DType = Field("auto", description="weight/activation dtype; auto = bfloat16 on CUDA, float32 on CPU")
+    device: str = Field("auto", description="torch device; auto = cuda if available else cpu")
+    cache: Literal["auto", "contiguous", "paged"] = Field("auto", description="KV cache layout; auto = paged")
+    page_size: int = Field(16, ge=1, le=1024, description="tokens per KV page (paged cache)")
+    num_pages: int | None = Field(None, ge=2, description="KV capacity in pages; None = sized from free memory")
+    kv_memory_fraction: float = Field(0.85, gt=0, le=0.98, description="share of free device memory for KV when num_pages is None")
+    max_kv_cpu_gib: float = Field(2.0, gt=0, description="cap on automatic KV size on CPU, GiB")
+    max_running: int = Field(64, ge=1, le=4096, description="most requests decoding at once")
+    max_waiting: int = Field(1024, ge=1, description="most requests queued before submit refuses (backpressure)")
+    max_seq_len: int | None = Field(None, ge=2, description="longest prompt + output; None = the model's limit, capped at 8192")
+    token_budget: int = Field(2048, ge=1, description="tokens per step; prefill chunks fill what decodes leave")
+    backend: Literal["auto", "torch", "cuda"] = Field("auto", description="attention backend; auto = cuda on CUDA with paged cache, else torch")
+    cuda_graphs: bool = Field(True, description="capture decode CUDA graphs (CUDA backend only)")
+    prefix_cache: bool = Field(True, description="reuse full KV pages across requests sharing a prefix (paged cache)")
+    admission_watermark: float = Field(0.01, ge=0, lt=1, description="share of KV pages kept free when admitting new requests")
+    seed: int = Field(0, description="seed of the engine's sampler for requests without their own seed")
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.backend == "cuda" and self.cache == "contiguous":
+            raise ValueError("backend 'cuda' needs cache 'paged'")
+        return self
+
+    def resolve(self, *, model_max_len: int | None = None) -> EngineConfig:
+        """Return a new config with every 'auto' replaced by a concrete choice."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        is_cuda = device.startswith("cuda")
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if is_cuda else "float32")
+        cache = self.cache if self.cache != "auto" else "paged"
+        backend = self.backend
+        if backend == "auto":
+            backend = "cuda" if is_cuda and cache == "paged" else "torch"
+        max_seq_len = self.max_seq_len or min(model_max_len or 8192, 8192)
+        return self.model_copy(
+            update=dict(
+                device=device,
+                dtype=dtype,
+                cache=cache,
+                backend=backend,
+                max_seq_len=max_seq_len,
+                cuda_graphs=self.cuda_graphs and backend == "cuda",
+                prefix_cache=self.prefix_cache and cache == "paged",
+            )
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise ValueError("resolve() the config first")
+        return _TORCH_DTYPES[self.dtype]

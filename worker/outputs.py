@@ -1,0 +1,48 @@
+"""Plain data that leaves the engine: per-step deltas and finished request outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprob of the sampled token and the top-n alternatives (token id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A finished request, as `LLM.generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
