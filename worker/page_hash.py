@@ -30,3 +30,13 @@ def page_hashes(token_ids: Sequence[int], page_size: int, *, max_pages: int | No
         keys.append(int.from_bytes(digest, "little", signed=True))
         prev = digest
     return keys
+
+
+def extend_page_hashes(keys: list[int], token_ids: Sequence[int], page_size: int, upto: int) -> None:
+    """Append keys for the full pages of `token_ids[:upto]` that `keys` does not cover yet."""
+    n_full = min(upto, len(token_ids)) // page_size
+    prev = keys[-1].to_bytes(8, "little", signed=True) if keys else _ROOT
+    for i in range(len(keys), n_full):
+        row = np.asarray(token_ids[i * page_size : (i + 1) * page_size], dtype="<i4")
+        prev = hashlib.blake2b(prev + row.tobytes(), digest_size=8).digest()
+        keys.append(int.from_bytes(prev, "little", signed=True))

@@ -1,0 +1,19 @@
+import pytest
+
+from tests.factories.tiny_models import SPECS, build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """tiny_model(name) -> (dir, hf_model), built once per session per architecture."""
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = build_tiny_model(name, tmp_path_factory.mktemp(name))
+        return cache[name]
+
+    return get
+
+
+ARCHS = sorted(SPECS)

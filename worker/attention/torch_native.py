@@ -1,0 +1,102 @@
+"""TorchNativeBackend: SDPA over gathered K/V. The CPU path and the reference for the kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker.attention.base import AttentionBackend
+from worker.batch import ForwardBatch
+from worker.cache_view import CacheView
+
+
+@dataclass
+class _DecodeGroup:
+    """Requests with one new token: one batched SDPA over K/V padded to the longest."""
+
+    token_index: torch.Tensor | None  # where their tokens sit in the packed batch (None: all, in order)
+    slots: torch.Tensor  # [Bd, max_len] int64
+    mask: torch.Tensor  # [Bd, 1, 1, max_len] bool
+
+
+@dataclass
+class _PrefillSeq:
+    """A request with several new tokens: its own causal SDPA (kv_len >= q_len)."""
+
+    start: int
+    q_len: int
+    slots: torch.Tensor  # [kv_len] int64
+    mask: torch.Tensor | None  # None: plain causal (kv_len == q_len)
+
+
+class TorchNativeBackend(AttentionBackend):
+    supports_graph = False
+
+    def __init__(self, num_heads: int, head_dim: int):
+        self.scale = head_dim**-0.5
+        self.num_heads = num_heads
+        self._group: _DecodeGroup | None = None
+        self._seqs: list[_PrefillSeq] = []
+
+    def prepare(self, batch: ForwardBatch, view: CacheView) -> None:
+        self._decode = batch.is_decode
+        device = batch.input_ids.device
+        rows = batch.req_pool_indices.long()
+        decode = [i for i, q in enumerate(batch.q_lens) if q == 1]
+        self._group = None
+        if decode:
+            lens = [batch.seq_lens_host[i] for i in decode]
+            max_len = max(lens)
+            sel = None if len(decode) == batch.batch_size else torch.tensor(decode, device=device)
+            group_rows = rows if sel is None else rows[sel]
+            seq_lens = batch.seq_lens if sel is None else batch.seq_lens[sel]
+            slots = view.req_to_token[group_rows, :max_len].long()
+            mask = torch.arange(max_len, device=device)[None, :] < seq_lens[:, None]
+            token_index = None if sel is None else batch.logits_indices[sel]
+            self._group = _DecodeGroup(token_index, slots, mask[:, None, None, :])
+        self._seqs = []
+        start = 0
+        for i, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.seq_lens_host, strict=True)):
+            if q_len > 1:
+                slots = view.req_to_token[rows[i], :kv_len].long()
+                mask = None
+                if kv_len != q_len:
+                    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+                    mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
+                self._seqs.append(_PrefillSeq(start, q_len, slots, mask))
+            start += q_len
+
+    def fwd_decode(self, layer: int, q: torch.Tensor, view: CacheView) -> torch.Tensor:
+        out = torch.empty_like(q)
+        self._attend_decode(layer, q, view, out)
+        return out
+
+    def fwd_prefill(self, layer: int, q: torch.Tensor, view: CacheView) -> torch.Tensor:
+        out = torch.empty_like(q)
+        if self._group is not None:
+            self._attend_decode(layer, q, view, out)
+        for s in self._seqs:
+            qs = q[s.start : s.start + s.q_len].transpose(0, 1)  # [Hq, q_len, D]
+            ks = view.k_cache[layer, s.slots].transpose(0, 1)  # [Hkv, kv_len, D]
+            vs = view.v_cache[layer, s.slots].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=s.mask, is_causal=s.mask is None, scale=self.scale, enable_gqa=True
+            )
+            out[s.start : s.start + s.q_len] = o.transpose(0, 1)
+        return out
+
+    def _attend_decode(self, layer: int, q: torch.Tensor, view: CacheView, out: torch.Tensor) -> None:
+        g = self._group
+        assert g is not None
+        qd = q if g.token_index is None else q[g.token_index]
+        k = view.k_cache[layer, g.slots].transpose(1, 2)  # [Bd, Hkv, L, D]
+        v = view.v_cache[layer, g.slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            qd.unsqueeze(2), k, v, attn_mask=g.mask, scale=self.scale, enable_gqa=True
+        ).squeeze(2)
+        if g.token_index is None:
+            out.copy_(o)
+        else:
+            out[g.token_index] = o

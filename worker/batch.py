@@ -1,0 +1,36 @@
+"""ForwardBatch: one step's packed (ragged) batch, as views into the InferenceWorkspace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Device tensors are slices of workspace buffers; host lists are what the scheduler knew."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64: KV slot of each new token
+    req_pool_indices: torch.Tensor  # [B] int32: each request's row of req_to_token
+    seq_lens: torch.Tensor  # [B] int32: KV length after this step
+    qo_indptr: torch.Tensor  # [B+1] int32: where each request's new tokens start in the packed batch
+    kv_indptr: torch.Tensor  # [B+1] int32: prefix sums of seq_lens
+    logits_indices: torch.Tensor  # [B] int64: last new token of each request
+    q_lens: list[int]
+    seq_lens_host: list[int]
+    steady: bool = False  # same requests as last step, one more token each: metadata advanced in place
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == self.batch_size

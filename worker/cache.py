@@ -1,0 +1,382 @@
+"""The KV cache: storage, the (request row, position) -> slot table, and two layouts.
+
+- ContiguousCache: each admitted request owns a whole row of `max_seq_len` slots. Simple.
+- PageCache: slots come in pages of `page_size`; full pages are shared through the prefix
+  cache. The GPU default.
+
+Both fill the same InferenceWorkspace in `bind_tasks`, once per step; when a step is the
+last one plus one token for the same requests, the metadata is advanced in place.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from worker.batch import ForwardBatch
+from worker.cache_view import CacheView
+from worker.page_hash import extend_page_hashes
+from worker.prefix_cache import PrefixCache
+from worker.request import Request, ScheduledTask
+from worker.workspace import InferenceWorkspace
+
+
+class KVStorage:
+    """One K and one V tensor `[n_layers, n_slots, n_kv_heads, head_dim]`, zeroed (masked reads stay finite)."""
+
+    def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        shape = (n_layers, n_slots, n_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    @staticmethod
+    def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * n_layers * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ReqToTokenPool:
+    """int32 `[max_running, max_seq_len]`: (row, position) -> slot, with a host mirror.
+
+    Writes go to the mirror and are flushed to the device in one batched copy per step.
+    """
+
+    def __init__(self, max_running: int, max_seq_len: int, device: torch.device):
+        self.table = torch.zeros((max_running, max_seq_len), dtype=torch.int32, device=device)
+        self.host = np.zeros((max_running, max_seq_len), dtype=np.int32)
+        self._free_rows = list(range(max_running - 1, -1, -1))
+        self._dirty: list[tuple[int, int, int]] = []
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def alloc_row(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free_row(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def set_slots(self, row: int, start: int, slots: np.ndarray) -> None:
+        self.host[row, start : start + len(slots)] = slots
+        self._dirty.append((row, start, start + len(slots)))
+
+    def flush(self) -> None:
+        if not self._dirty:
+            return
+        width = self.host.shape[1]
+        flat = np.concatenate([np.arange(r * width + lo, r * width + hi) for r, lo, hi in self._dirty])
+        self._dirty.clear()
+        both = torch.from_numpy(np.stack([flat, self.host.reshape(-1)[flat]]).astype(np.int64))
+        both = both.to(self.table.device, non_blocking=True)
+        self.table.view(-1)[both[0]] = both[1].to(torch.int32)
+
+
+@dataclass(frozen=True)
+class _BindState:
+    """What `bind_tasks` bound last: the ordered requests, their KV lengths, whether all decoded."""
+
+    request_ids: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    all_decode: bool
+
+
+def _is_steady_increment(prev: _BindState | None, now: _BindState) -> bool:
+    """True when `now` is `prev` plus exactly one token for the same ordered requests.
+
+    Then every request sampled last step, so its input is the sampled id already on the
+    device, and all metadata can be advanced in place.
+    """
+    return (
+        prev is not None
+        and prev.all_decode
+        and now.all_decode
+        and prev.request_ids == now.request_ids
+        and all(n == p + 1 for n, p in zip(now.seq_lens, prev.seq_lens, strict=True))
+    )
+
+
+@dataclass(frozen=True)
+class DecodeSteadyState:
+    """A steady step, for the executor: reuse the sampling batch, feed last step's sampled ids back."""
+
+    batch_size: int
+
+
+class KVCache(CacheView):
+    """Owns the storage and the slot table; admits, grows, binds and releases requests."""
+
+    def __init__(self, storage: KVStorage, req_pool: ReqToTokenPool, page_size: int, workspace: InferenceWorkspace):
+        self.k_cache, self.v_cache = storage.k, storage.v
+        self.storage, self.req_pool, self.page_size, self.ws = storage, req_pool, page_size, workspace
+        self.req_to_token = req_pool.table
+        self._task_len = np.zeros(req_pool.table.shape[0], dtype=np.int64)  # tokens bound per row
+        self._last_bind: _BindState | None = None
+        self.batch: ForwardBatch | None = None
+
+    # -- capacity, in pages --------------------------------------------------------------
+    @property
+    @abstractmethod
+    def num_total_pages(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_free_pages(self) -> int:
+        """Pages a new request could get now (free plus evictable cached pages)."""
+
+    @abstractmethod
+    def pages_needed(self, request: Request, num_new: int) -> int:
+        """Pages `reserve(request, num_new)` would take."""
+
+    # -- lifecycle -----------------------------------------------------------------------
+    @abstractmethod
+    def admit(self, request: Request) -> bool:
+        """Give the request a row (and any cached prefix: sets num_computed). False: no row free."""
+
+    @abstractmethod
+    def reserve(self, request: Request, num_new: int) -> bool:
+        """Make slots exist for its next `num_new` tokens. False (and no change) when out of pages."""
+
+    @abstractmethod
+    def release(self, request: Request) -> None:
+        """Return its row and pages (full computed pages stay in the prefix cache)."""
+
+    def commit(self, request: Request) -> None:
+        """Called after a step advanced `num_computed`: publish newly full pages (prefix cache)."""
+
+    def prefix_summary(self, max_pages: int) -> list[int]:
+        return []
+
+    @property
+    def prefix_stats(self) -> tuple[int, int]:
+        """(hit tokens, queried tokens) since start."""
+        return 0, 0
+
+    # -- binding -------------------------------------------------------------------------
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        loc = self.batch.out_cache_loc if self.batch is not None else None
+        assert loc is not None, "bind_tasks first"
+        self.k_cache[layer, loc] = k
+        self.v_cache[layer, loc] = v
+
+    def bind_tasks(self, tasks: list[ScheduledTask]) -> ForwardBatch:
+        """Fill the workspace metadata for this step, once for all layers."""
+        ws = self.ws
+        rows = [t.request.row for t in tasks]
+        starts = self._task_len[rows]
+        seq_lens = [int(s) + t.num_new for s, t in zip(starts, tasks, strict=True)]
+        now = _BindState(tuple(id(t.request) for t in tasks), tuple(seq_lens), all(t.num_new == 1 and t.samples for t in tasks))
+        steady = _is_steady_increment(self._last_bind, now)
+        self._last_bind = now
+        self.req_pool.flush()
+        b = len(tasks)
+        q_lens = [t.num_new for t in tasks]
+        n_tokens = sum(q_lens)
+        if steady:
+            ws.positions[:b] += 1
+            ws.seq_lens[:b] += 1
+            ws.kv_indptr[: b + 1] += ws.arange[: b + 1]
+            ws.out_cache_loc[:b] = self.req_to_token[ws.req_pool_indices[:b].long(), ws.positions[:b]]
+        else:
+            self._bind_from_host(tasks, rows, starts, seq_lens, n_tokens)
+        self._task_len[rows] = seq_lens
+        self.batch = ForwardBatch(
+            input_ids=ws.input_ids[:n_tokens],
+            positions=ws.positions[:n_tokens],
+            out_cache_loc=ws.out_cache_loc[:n_tokens],
+            req_pool_indices=ws.req_pool_indices[:b],
+            seq_lens=ws.seq_lens[:b],
+            qo_indptr=ws.qo_indptr[: b + 1],
+            kv_indptr=ws.kv_indptr[: b + 1],
+            logits_indices=ws.logits_indices[:b],
+            q_lens=q_lens,
+            seq_lens_host=seq_lens,
+            steady=steady,
+        )
+        return self.batch
+
+    def _bind_from_host(self, tasks, rows, starts, seq_lens, n_tokens: int) -> None:
+        ws, b = self.ws, len(tasks)
+        h64, h32 = ws.host_i64.numpy(), ws.host_i32.numpy()
+        pos = 0
+        for t, row, start in zip(tasks, rows, starts, strict=True):
+            n, start = t.num_new, int(start)
+            h64[0, pos : pos + n] = t.request.token_ids(start, start + n)
+            h64[1, pos : pos + n] = np.arange(start, start + n)
+            h64[2, pos : pos + n] = self.req_pool.host[row, start : start + n]
+            pos += n
+        h32[0, :b] = rows
+        h32[1, :b] = seq_lens
+        h32[2, 0], h32[3, 0] = 0, 0
+        h32[2, 1 : b + 1] = np.cumsum([t.num_new for t in tasks])
+        h32[3, 1 : b + 1] = np.cumsum(seq_lens)
+        hl = ws.host_logits.numpy()
+        hl[:b] = h32[2, 1 : b + 1] - 1
+        ws.input_ids[:n_tokens].copy_(ws.host_i64[0, :n_tokens], non_blocking=True)
+        ws.positions[:n_tokens].copy_(ws.host_i64[1, :n_tokens], non_blocking=True)
+        ws.out_cache_loc[:n_tokens].copy_(ws.host_i64[2, :n_tokens], non_blocking=True)
+        ws.req_pool_indices[:b].copy_(ws.host_i32[0, :b], non_blocking=True)
+        ws.seq_lens[:b].copy_(ws.host_i32[1, :b], non_blocking=True)
+        ws.qo_indptr[: b + 1].copy_(ws.host_i32[2, : b + 1], non_blocking=True)
+        ws.kv_indptr[: b + 1].copy_(ws.host_i32[3, : b + 1], non_blocking=True)
+        ws.logits_indices[:b].copy_(ws.host_logits[:b], non_blocking=True)
+
+    def invalidate_bind(self) -> None:
+        """Forget the last bind (after an aborted step), so the next one rebuilds everything."""
+        self._last_bind = None
+
+    def _reset_row(self, request: Request) -> None:
+        self._task_len[request.row] = 0
+        self.req_pool.free_row(request.row)
+        request.row = -1
+
+
+class ContiguousCache(KVCache):
+    """Row r owns slots [r * max_seq_len, (r + 1) * max_seq_len): a request never runs out mid-way."""
+
+    def __init__(self, storage: KVStorage, req_pool: ReqToTokenPool, workspace: InferenceWorkspace):
+        max_running, max_seq_len = req_pool.table.shape
+        super().__init__(storage, req_pool, page_size=max_seq_len, workspace=workspace)
+        for row in range(max_running):
+            req_pool.set_slots(row, 0, np.arange(row * max_seq_len, (row + 1) * max_seq_len, dtype=np.int32))
+        req_pool.flush()
+
+    @property
+    def num_total_pages(self) -> int:
+        return self.req_pool.table.shape[0]
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.req_pool.num_free_rows
+
+    def pages_needed(self, request: Request, num_new: int) -> int:
+        return 0
+
+    def admit(self, request: Request) -> bool:
+        row = self.req_pool.alloc_row()
+        if row is None:
+            return False
+        request.row, request.num_computed = row, 0
+        return True
+
+    def reserve(self, request: Request, num_new: int) -> bool:
+        return request.num_computed + num_new <= self.page_size
+
+    def release(self, request: Request) -> None:
+        if request.row >= 0:
+            self._reset_row(request)
+
+
+class PageCache(KVCache):
+    """Pages of `page_size` slots; page 0 is a scratch page (graph padding writes there)."""
+
+    def __init__(self, storage: KVStorage, req_pool: ReqToTokenPool, page_size: int, num_pages: int, workspace: InferenceWorkspace, prefix_cache: bool):
+        super().__init__(storage, req_pool, page_size, workspace)
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, 0, -1))
+        self._ref = np.zeros(num_pages, dtype=np.int32)
+        self._pages: list[list[int]] = [[] for _ in range(req_pool.table.shape[0])]
+        self._published = np.zeros(req_pool.table.shape[0], dtype=np.int64)  # pages of a row in the prefix cache
+        self.prefix = PrefixCache(page_size) if prefix_cache else None
+
+    @property
+    def num_total_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free) + (self.prefix.num_evictable if self.prefix else 0)
+
+    def pages_needed(self, request: Request, num_new: int) -> int:
+        have = len(self._pages[request.row]) if request.row >= 0 else 0
+        return max(0, -(-(request.num_computed + num_new) // self.page_size) - have)
+
+    def admit(self, request: Request) -> bool:
+        row = self.req_pool.alloc_row()
+        if row is None:
+            return False
+        request.row, request.num_computed = row, 0
+        if self.prefix is not None:
+            # Match at most num_tokens - 1 tokens: the last one must run to give logits.
+            _extend_keys(request, self.page_size, request.num_tokens - 1)
+            first = request.num_preemptions == 0
+            keys = request.page_keys[: (request.num_tokens - 1) // self.page_size]
+            hits = self.prefix.match(keys, request.num_tokens if first else None)
+            for page in hits:
+                self._ref[page] += 1
+            if hits:
+                self._pages[row] = list(hits)
+                self._set_page_slots(row, 0, hits)
+            self._published[row] = len(hits)
+            request.num_computed = len(hits) * self.page_size
+            self._task_len[row] = request.num_computed
+            if first:
+                request.num_cached = request.num_computed
+        return True
+
+    def reserve(self, request: Request, num_new: int) -> bool:
+        need = self.pages_needed(request, num_new)
+        if need == 0:
+            return True
+        if need > self.num_free_pages:
+            return False
+        new = [self._take_page() for _ in range(need)]
+        pages = self._pages[request.row]
+        self._set_page_slots(request.row, len(pages), new)
+        pages.extend(new)
+        return True
+
+    def commit(self, request: Request) -> None:
+        if self.prefix is None:
+            return
+        row, n_full = request.row, request.num_computed // self.page_size
+        if n_full <= self._published[row]:
+            return
+        _extend_keys(request, self.page_size, request.num_computed)
+        pages = self._pages[row]
+        for i in range(int(self._published[row]), n_full):
+            self.prefix.publish(request.page_keys[i], pages[i])
+        self._published[row] = n_full
+
+    def release(self, request: Request) -> None:
+        if request.row < 0:
+            return
+        self.commit(request)
+        row = request.row
+        for page in reversed(self._pages[row]):  # deepest first: evicted before its ancestors
+            self._ref[page] -= 1
+            if self._ref[page] == 0 and not (self.prefix and self.prefix.park(page)):
+                self._free.append(page)
+        self._pages[row] = []
+        self._published[row] = 0
+        self._reset_row(request)
+
+    def prefix_summary(self, max_pages: int) -> list[int]:
+        return self.prefix.summary(max_pages) if self.prefix else []
+
+    @property
+    def prefix_stats(self) -> tuple[int, int]:
+        return (self.prefix.hit_tokens, self.prefix.query_tokens) if self.prefix else (0, 0)
+
+    def _take_page(self) -> int:
+        page = self._free.pop() if self._free else self.prefix.evict()  # type: ignore[union-attr]
+        self._ref[page] = 1
+        return page
+
+    def _set_page_slots(self, row: int, first_page: int, pages: list[int]) -> None:
+        ps = self.page_size
+        slots = (np.asarray(pages, dtype=np.int32)[:, None] * ps + np.arange(ps, dtype=np.int32)).reshape(-1)
+        width = self.req_pool.host.shape[1]
+        start = first_page * ps
+        self.req_pool.set_slots(row, start, slots[: max(0, width - start)])
+
+
+def _extend_keys(request: Request, page_size: int, upto: int) -> None:
+    if len(request.page_keys) < upto // page_size:
+        extend_page_hashes(request.page_keys, request.all_ids(), page_size, upto)

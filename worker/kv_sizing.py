@@ -1,0 +1,48 @@
+"""How many KV pages an engine gets, and the cache that holds them."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from worker.cache import ContiguousCache, KVCache, KVStorage, PageCache, ReqToTokenPool
+from worker.config import EngineConfig
+from worker.model.config import ModelConfig
+from worker.workspace import InferenceWorkspace
+
+log = logging.getLogger("kvray.cache")
+
+
+def auto_num_pages(cfg: EngineConfig, model: ModelConfig, bytes_per_token: int) -> int:
+    """Pages that fit the KV memory budget, but never more than max_running full sequences need."""
+    assert cfg.max_seq_len is not None
+    device = torch.device(cfg.device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * cfg.kv_memory_fraction
+    else:
+        budget = cfg.max_kv_cpu_gib * 2**30
+    fit = int(budget // (bytes_per_token * cfg.page_size))
+    useful = cfg.max_running * -(-cfg.max_seq_len // cfg.page_size) + 1
+    return max(2, min(fit, useful))
+
+
+def build_cache(cfg: EngineConfig, model: ModelConfig, workspace: InferenceWorkspace) -> KVCache:
+    assert cfg.max_seq_len is not None
+    device, dtype = torch.device(cfg.device), cfg.torch_dtype
+    per_token = KVStorage.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+    req_pool = ReqToTokenPool(cfg.max_running, cfg.max_seq_len, device)
+    if cfg.cache == "contiguous":
+        n_slots = cfg.max_running * cfg.max_seq_len
+        storage = KVStorage(model.num_layers, n_slots, model.num_kv_heads, model.head_dim, dtype, device)
+        cache: KVCache = ContiguousCache(storage, req_pool, workspace)
+    else:
+        num_pages = cfg.num_pages or auto_num_pages(cfg, model, per_token)
+        storage = KVStorage(model.num_layers, num_pages * cfg.page_size, model.num_kv_heads, model.head_dim, dtype, device)
+        cache = PageCache(storage, req_pool, cfg.page_size, num_pages, workspace, cfg.prefix_cache)
+    log.info(
+        "KV cache: %s, %d pages of %d tokens, %.2f GiB (%d B/token)",
+        cfg.cache, cache.num_total_pages, cache.page_size, storage.nbytes / 2**30, per_token,
+    )
+    return cache

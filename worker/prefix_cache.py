@@ -1,0 +1,79 @@
+"""Prefix cache: full KV pages keyed by the chained hash of their tokens.
+
+A page enters when its request has computed it (`publish`); while requests reference it,
+it is pinned; when the last reference goes it is parked in an LRU list, and evicted from
+there only when a page is needed and no free page is left.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class PrefixCache:
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._page_of: dict[int, int] = {}  # key -> page
+        self._key_of: dict[int, int] = {}  # page -> key
+        self._parked: OrderedDict[int, None] = OrderedDict()  # unreferenced cached pages, oldest first
+        self._recent: OrderedDict[int, None] = OrderedDict()  # keys, least recently used first
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._parked)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._page_of)
+
+    def match(self, keys: list[int], num_tokens: int | None) -> list[int]:
+        """Pages of the longest cached prefix of `keys`; un-parks them (the caller takes a reference).
+
+        `num_tokens` counts the lookup in the hit-rate statistics (None: a re-admission, not counted).
+        """
+        pages: list[int] = []
+        for key in keys:
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+            self._parked.pop(page, None)
+            self._recent.move_to_end(key)
+        if num_tokens is not None:
+            self.query_tokens += num_tokens
+            self.hit_tokens += len(pages) * self.page_size
+        return pages
+
+    def publish(self, key: int, page: int) -> None:
+        """Make a just-computed full page findable (no-op if that prefix is already cached)."""
+        if key in self._page_of or page in self._key_of:
+            return
+        self._page_of[key] = page
+        self._key_of[page] = key
+        self._recent[key] = None
+
+    def park(self, page: int) -> bool:
+        """The last reference to `page` went away: keep it evictable if cached. False: not cached."""
+        if page not in self._key_of:
+            return False
+        self._parked[page] = None
+        return True
+
+    def evict(self) -> int:
+        """Drop the least recently parked page and return it for reuse."""
+        page, _ = self._parked.popitem(last=False)
+        key = self._key_of.pop(page)
+        del self._page_of[key]
+        self._recent.pop(key, None)
+        return page
+
+    def summary(self, max_pages: int) -> list[int]:
+        """Keys now cached, most recently used first (what the router matches prompts against)."""
+        out = []
+        for key in reversed(self._recent):
+            out.append(key)
+            if len(out) == max_pages:
+                break
+        return out

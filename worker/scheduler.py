@@ -1,0 +1,99 @@
+"""Continuous batching under a per-step token budget.
+
+Every running request advances every step: decodes take one token each, unfinished
+prompts take chunks of what the budget leaves, and waiting requests are admitted into the
+rest while KV pages last (above a watermark). When pages run out mid-decode, the newest
+running request is preempted: its pages go back (full ones stay in the prefix cache) and
+it returns to the front of the queue to be recomputed. Nothing is aborted for memory.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from worker.cache import KVCache
+from worker.config import EngineConfig
+from worker.request import Request, ScheduledTask, Status
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cache: KVCache):
+        self.cache = cache
+        self.token_budget = config.token_budget
+        self.max_running = config.max_running
+        self.watermark_pages = int(config.admission_watermark * cache.num_total_pages)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out (finished or aborted) and give back its KV."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        elif request.status is Status.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        self.cache.release(request)
+
+    def schedule(self) -> tuple[list[ScheduledTask], list[Request]]:
+        """This step's tasks, and requests that cannot ever fit (finish them with 'length')."""
+        budget = self.token_budget
+        tasks: list[ScheduledTask] = []
+        too_long: list[Request] = []
+        for request in list(self.running):
+            if request.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_pending, budget)
+            if num_new == 0:
+                break
+            if not self._reserve_or_preempt(request, num_new):
+                if request.status is Status.RUNNING:  # alone and still out of pages
+                    too_long.append(request)
+                continue
+            tasks.append(ScheduledTask(request, num_new))
+            budget -= num_new
+        budget = self._admit(tasks, budget)
+        return tasks, too_long
+
+    def _reserve_or_preempt(self, request: Request, num_new: int) -> bool:
+        while not self.cache.reserve(request, num_new):
+            victim = self.running[-1]
+            if victim is request and len(self.running) == 1:
+                return False
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.cache.release(request)
+        request.status = Status.WAITING
+        request.num_computed = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _admit(self, tasks: list[ScheduledTask], budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            request = self.waiting[0]
+            if not self.cache.admit(request):
+                break
+            num_new = min(request.num_pending, budget)
+            free_after = self.cache.num_free_pages - self.cache.pages_needed(request, num_new)
+            if (self.running and free_after < self.watermark_pages) or not self.cache.reserve(request, num_new):
+                self.cache.release(request)
+                request.num_computed = 0
+                break
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            self.running.append(request)
+            tasks.append(ScheduledTask(request, num_new))
+            budget -= num_new
+        return budget

@@ -1,0 +1,51 @@
+"""InferenceWorkspace: every fixed-address buffer a step touches, allocated once.
+
+The executor writes into slices of these; CUDA graphs capture their addresses. Host
+staging twins (pinned on CUDA) let a non-steady step fill metadata with numpy and copy
+each buffer once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+DECODE_SPLIT_TOKENS = 256  # KV tokens per split of the split-KV decode kernel
+
+
+class InferenceWorkspace:
+    def __init__(
+        self,
+        *,
+        max_tokens: int,
+        max_running: int,
+        max_seq_len: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        split_kv: bool,
+    ):
+        self.max_tokens, self.max_running, self.device = max_tokens, max_running, device
+        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(max_tokens, **i64)
+        self.positions = torch.zeros(max_tokens, **i64)
+        self.out_cache_loc = torch.zeros(max_tokens, **i64)
+        self.req_pool_indices = torch.zeros(max_running, **i32)
+        self.seq_lens = torch.zeros(max_running, **i32)
+        self.qo_indptr = torch.zeros(max_running + 1, **i32)
+        self.kv_indptr = torch.zeros(max_running + 1, **i32)
+        self.logits_indices = torch.zeros(max_running, **i64)
+        self.next_token_ids = torch.zeros(max_running, **i64)
+        self.arange = torch.arange(max_running + 1, **i32)
+        # Split-KV decode: the split count follows the longest possible sequence, never live lengths.
+        self.num_kv_splits = math.ceil(max_seq_len / DECODE_SPLIT_TOKENS) if split_kv else 0
+        s = self.num_kv_splits
+        self.decode_out = torch.zeros((max_running if s else 0, num_heads, head_dim), dtype=dtype, device=device)
+        self.decode_o_part = torch.zeros((max_running if s else 0, num_heads, s, head_dim), dtype=torch.float32, device=device)
+        self.decode_ml_part = torch.zeros((max_running if s else 0, num_heads, s, 2), dtype=torch.float32, device=device)
+        pin = device.type == "cuda"
+        self.host_i64 = torch.zeros((3, max_tokens), dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
+        self.host_i32 = torch.zeros((4, max_running + 1), dtype=torch.int32, pin_memory=pin)  # rows, lens, qo, kv
+        self.host_logits = torch.zeros(max_running, dtype=torch.int64, pin_memory=pin)
