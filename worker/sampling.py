@@ -1,10 +1,25 @@
-"""Sampling: per-request SamplingParams, the per-batch SamplingBatchInfo, and the sampler."""
+"""Sampling: per-request SamplingParams, the per-batch SamplingBatchInfo, and the sampler.
+
+The engine builds a SamplingBatchInfo once per set of running requests (host data copied to
+the device in one go), calls `sample` every step and `SamplingBatchInfo.record` after it.
+Neither of those two touches the host: the engine's one copy of the sampled ids is the only
+sync of a step. Work a batch does not need (penalties, sorting, log-softmax, noise) is left
+out when the batch is built, by plain Python decisions on the host-side parameters.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_LOGPROBS = 20
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed accepts
+_NEG_INF = float("-inf")
 
 
 class SamplingParams(BaseModel):
@@ -15,28 +30,73 @@ class SamplingParams(BaseModel):
     n: int = Field(1, ge=1, le=16, description="independent samples of the same prompt")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 = greedy")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus: keep the smallest set with this mass")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the top probability")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtract x count of the token in the output")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtract once if the token is in the output")
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="HF-style: divide positive / multiply negative logits of seen tokens")
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, description="nucleus: keep the smallest set with this mass"
+    )
+    min_p: float = Field(
+        0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the top probability"
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="subtract x count of the token in the output"
+    )
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="subtract once if the token is in the output"
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0.0,
+        le=10.0,
+        description="HF-style: divide positive / multiply negative logits of seen tokens",
+    )
     seed: int | None = Field(None, description="per-request seed: same seed, same output")
-    max_tokens: int | None = Field(None, ge=1, description="most new tokens; None = up to the context limit")
-    min_tokens: int = Field(0, ge=0, description="EOS and stop ids are suppressed until this many tokens")
+    max_tokens: int | None = Field(
+        None, ge=1, description="most new tokens; None = up to the context limit"
+    )
+    min_tokens: int = Field(
+        0, ge=0, description="EOS and stop ids are suppressed until this many tokens"
+    )
     stop: tuple[str, ...] = Field((), description="stop strings (applied on detokenized text)")
     stop_token_ids: tuple[int, ...] = Field((), description="extra token ids that end the request")
     ignore_eos: bool = Field(False, description="keep going past EOS")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="return the sampled token's logprob and this many top alternatives")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="return the sampled token's logprob and this many top alternatives",
+    )
     skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
-    include_stop_str_in_output: bool = Field(False, description="keep the matched stop string in the text")
+    include_stop_str_in_output: bool = Field(
+        False, description="keep the matched stop string in the text"
+    )
 
-    @model_validator(mode="after")
-    def _check(self) -> SamplingParams:
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+    @field_validator("seed")
+    @classmethod
+    def _seed_fits_generator(cls, seed: int | None) -> int | None:
+        if seed is not None and not _SEED_MIN <= seed <= _SEED_MAX:
+            raise ValueError(f"seed must lie in [{_SEED_MIN}, {_SEED_MAX}]")
+        return seed
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_not_above_max(cls, min_tokens: int, info: ValidationInfo) -> int:
+        max_tokens = info.data.get("max_tokens")  # declared before min_tokens, so already checked
+        if max_tokens is not None and min_tokens > max_tokens:
             raise ValueError("min_tokens must not exceed max_tokens")
-        if any(s == "" for s in self.stop):
+        return min_tokens
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_non_empty(cls, stop: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in stop):
             raise ValueError("stop strings must be non-empty")
-        return self
+        return stop
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids_non_negative(cls, ids: tuple[int, ...]) -> tuple[int, ...]:
+        if any(i < 0 for i in ids):
+            raise ValueError("stop token ids must be >= 0")
+        return ids
 
     @property
     def greedy(self) -> bool:
@@ -44,4 +104,348 @@ class SamplingParams(BaseModel):
 
     @property
     def has_penalties(self) -> bool:
-        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One step's result, all on the device; the engine copies `token_ids` to the host once."""
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32: log_softmax(raw logits) at token_ids
+    top_ids: torch.Tensor | None  # [B, K] int64, most likely first; K = largest `logprobs` asked
+    top_logprobs: torch.Tensor | None  # [B, K] float32, matching top_ids
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor; on CUDA from pinned memory without waiting, so a build never syncs."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _token_counts(
+    rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[B, V] float32 count of each token id in each row, filled on the device from one copy."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    flat = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int64)
+    row_of = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+    where = _to_device(torch.stack([row_of, flat]), device)
+    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
+    ones = torch.ones(flat.numel(), dtype=torch.float32, device=device)
+    return counts.index_put_((where[0], where[1]), ones, accumulate=True)
+
+
+@dataclass(eq=False)
+class _Penalties:
+    """Token-history penalties; built only when some row has a non-neutral penalty."""
+
+    repetition: torch.Tensor  # [B, 1] divisor for positive / factor for negative seen logits
+    frequency: torch.Tensor  # [B, 1] subtracted per occurrence in the output
+    presence: torch.Tensor  # [B, 1] subtracted once if present in the output
+    seen: torch.Tensor | None  # [B, V] bool, prompt + output; None when no repetition penalty
+    counts: torch.Tensor | None  # [B, V] float32 output counts; None when no freq/presence
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Return penalized logits as a new tensor (the raw ones stay intact for logprobs)."""
+        if self.seen is not None:
+            scale = torch.where(self.seen, self.repetition, 1.0)
+            logits = torch.where(logits > 0, logits / scale, logits * scale)
+        if self.counts is not None:
+            penalty = self.counts * self.frequency + (self.counts > 0) * self.presence
+            logits = logits - penalty
+        return logits
+
+    def record(self, token_ids: torch.Tensor) -> None:
+        column = token_ids.view(-1, 1)
+        if self.seen is not None:
+            self.seen.scatter_(1, column, True)
+        if self.counts is not None:
+            self.counts.scatter_add_(1, column, torch.ones_like(column, dtype=torch.float32))
+
+
+@dataclass(eq=False)
+class _MinTokens:
+    """Holds EOS and stop ids at -inf in rows that have produced fewer than min_tokens tokens."""
+
+    rows: torch.Tensor  # [N] row of each blocked (row, token) pair
+    ids: torch.Tensor  # [N] token of each pair
+    min_tokens: torch.Tensor  # [B]
+    out_len: torch.Tensor  # [B] tokens produced so far, advanced by record()
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        blocked = (self.out_len < self.min_tokens)[self.rows]
+        values = logits[self.rows, self.ids].masked_fill(blocked, _NEG_INF)
+        return logits.index_put((self.rows, self.ids), values)
+
+
+@dataclass(eq=False)
+class SamplingBatchInfo:
+    """Per-row sampling state of one batch, on the device; rebuilt only when the batch changes.
+
+    A field is None when no row of the batch needs it, and then `sample` skips that stage.
+    """
+
+    batch_size: int
+    vocab_size: int
+    device: torch.device
+    all_greedy: bool
+    greedy: torch.Tensor | None  # [B] bool; None when no row, or every row, is greedy
+    temperature: torch.Tensor | None  # [B, 1]; 1.0 in greedy rows; None when all greedy
+    top_k: torch.Tensor | None  # [B, 1] int64, 0 = off; None when no row uses it
+    max_top_k: int
+    top_p: torch.Tensor | None  # [B, 1], inf = off; None when no row uses it
+    log_min_p: torch.Tensor | None  # [B, 1], -inf = off; None when no row uses it
+    penalties: _Penalties | None
+    min_tokens: _MinTokens | None
+    seeded: tuple[
+        tuple[int, torch.Generator], ...
+    ]  # sampling rows that draw from their own generator
+    any_unseeded: bool  # some sampling row draws from default_generator
+    default_generator: torch.Generator | None  # None = torch's default generator of the device
+    max_logprobs: int | None  # most top alternatives asked for; None = nobody wants logprobs
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        *,
+        vocab_size: int,
+        device: torch.device | str,
+        eos_token_ids: frozenset[int] = frozenset(),
+        default_generator: torch.Generator | None = None,
+    ) -> SamplingBatchInfo:
+        """Gather the batch's parameters (row i = request i) and copy them to `device` once.
+
+        `prompt_ids` / `output_ids` seed the penalty counts and min_tokens counters; after
+        this, `record` keeps them current. A request's generator must live on `device`.
+        """
+        dev = torch.device(device)
+        batch = len(params)
+        _check_batch(batch, prompt_ids, output_ids, generators, dev, default_generator)
+        floats, ints = _pack_scalars(params, output_ids, vocab_size, dev)
+        sampling = [not p.greedy for p in params]
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            batch_size=batch,
+            vocab_size=vocab_size,
+            device=dev,
+            all_greedy=not any(sampling),
+            greedy=ints[:, 3].bool() if any(sampling) and not all(sampling) else None,
+            temperature=floats[:, 0:1] if any(sampling) else None,
+            top_k=ints[:, 0:1] if any(p.top_k > 0 for p in params if not p.greedy) else None,
+            max_top_k=min(max([p.top_k for p in params if not p.greedy] or [0]), vocab_size),
+            top_p=floats[:, 1:2] if any(p.top_p < 1.0 for p in params if not p.greedy) else None,
+            log_min_p=floats[:, 2:3]
+            if any(p.min_p > 0.0 for p in params if not p.greedy)
+            else None,
+            penalties=_build_penalties(params, prompt_ids, output_ids, floats, vocab_size, dev),
+            min_tokens=_build_min_tokens(params, output_ids, ints, eos_token_ids, vocab_size, dev),
+            seeded=tuple((i, g) for i, g in enumerate(generators) if g is not None and sampling[i]),
+            any_unseeded=any(s and g is None for s, g in zip(sampling, generators, strict=True)),
+            default_generator=default_generator,
+            max_logprobs=min(max(logprobs), vocab_size) if logprobs else None,
+        )
+
+    def record(self, token_ids: torch.Tensor) -> None:
+        """Count this step's sampled ids ([B] int64, device) in place, for the next step."""
+        if self.penalties is not None:
+            self.penalties.record(token_ids)
+        if self.min_tokens is not None:
+            self.min_tokens.out_len.add_(1)
+
+
+def _check_batch(
+    batch: int,
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    generators: Sequence[torch.Generator | None],
+    device: torch.device,
+    default_generator: torch.Generator | None,
+) -> None:
+    """Fail at build, with a plain message, on what would otherwise fail obscurely per step."""
+    if batch == 0:
+        raise ValueError("a sampling batch needs at least one request")
+    if not batch == len(prompt_ids) == len(output_ids) == len(generators):
+        raise ValueError(
+            "params, prompt_ids, output_ids and generators must have one entry per row"
+        )
+    for g in [*generators, default_generator]:
+        if g is not None and g.device.type != device.type:
+            raise ValueError(f"generator on {g.device} cannot sample on {device}")
+
+
+def _pack_scalars(
+    params: Sequence[SamplingParams],
+    output_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every per-row scalar in two device tensors (two copies); the batch info keeps views.
+
+    floats: temperature, top_p, log(min_p), repetition, frequency, presence.
+    ints: top_k, min_tokens, tokens produced so far, greedy flag.
+    Greedy rows get neutral sampling values so they never divide by 0 or mask anything.
+    """
+    floats, ints = [], []
+    for p, out in zip(params, output_ids, strict=True):
+        s = not p.greedy
+        floats.append(
+            [
+                p.temperature if s else 1.0,
+                p.top_p if s and p.top_p < 1.0 else math.inf,
+                math.log(p.min_p) if s and p.min_p > 0.0 else -math.inf,
+                p.repetition_penalty,
+                p.frequency_penalty,
+                p.presence_penalty,
+            ]
+        )
+        ints.append([min(p.top_k, vocab_size) if s else 0, p.min_tokens, len(out), int(p.greedy)])
+    host_f = torch.tensor(floats, dtype=torch.float32)
+    host_i = torch.tensor(ints, dtype=torch.int64)
+    return _to_device(host_f, device), _to_device(host_i, device)
+
+
+def _build_penalties(
+    params: Sequence[SamplingParams],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    floats: torch.Tensor,
+    vocab_size: int,
+    device: torch.device,
+) -> _Penalties | None:
+    """History tensors only for the penalties some row uses, and only that row's history."""
+    use_rep = [p.repetition_penalty != 1.0 for p in params]
+    use_out = [p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params]
+    if not any(use_rep) and not any(use_out):
+        return None
+    seen = None
+    if any(use_rep):
+        history = [
+            [*pr, *out] if u else []
+            for pr, out, u in zip(prompt_ids, output_ids, use_rep, strict=True)
+        ]
+        seen = _token_counts(history, vocab_size, device) > 0
+    counts = None
+    if any(use_out):
+        outputs = [out if u else [] for out, u in zip(output_ids, use_out, strict=True)]
+        counts = _token_counts(outputs, vocab_size, device)
+    return _Penalties(floats[:, 3:4], floats[:, 4:5], floats[:, 5:6], seen, counts)
+
+
+def _build_min_tokens(
+    params: Sequence[SamplingParams],
+    output_ids: Sequence[Sequence[int]],
+    ints: torch.Tensor,
+    eos_token_ids: frozenset[int],
+    vocab_size: int,
+    device: torch.device,
+) -> _MinTokens | None:
+    """(row, token) pairs to block: EOS and stop ids of rows still short of min_tokens."""
+    pairs: list[tuple[int, int]] = []
+    for row, (p, out) in enumerate(zip(params, output_ids, strict=True)):
+        if len(out) < p.min_tokens:
+            stops = sorted(t for t in eos_token_ids | set(p.stop_token_ids) if t < vocab_size)
+            pairs.extend((row, t) for t in stops)
+    if not pairs:
+        return None
+    where = _to_device(torch.tensor(pairs, dtype=torch.int64).T.contiguous(), device)
+    return _MinTokens(where[0], where[1], ints[:, 1], ints[:, 2])
+
+
+def penalized_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """`logits` after penalties and min_tokens: what greedy rows take the argmax of.
+
+    Returns `logits` itself (as float32) when the batch has neither; never modifies it.
+    """
+    if logits.shape != (info.batch_size, info.vocab_size):
+        shape = tuple(logits.shape)
+        raise ValueError(f"logits {shape} do not match batch {info.batch_size} x {info.vocab_size}")
+    x = logits.float()
+    x = x if info.penalties is None else info.penalties.apply(x)
+    return x if info.min_tokens is None else info.min_tokens.apply(x)
+
+
+def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
+    """Pick one token per row of `logits` ([B, V], row i = request i); no host sync.
+
+    Order: penalties, min_tokens, temperature, top-k, top-p, min-p, then a draw. Greedy
+    rows take the argmax after penalties and min_tokens. `logits` is left unmodified.
+    """
+    x = penalized_logits(logits, info)
+    ids = x.argmax(dim=-1) if info.all_greedy else _sample_rows(x, info)
+    return _with_logprobs(logits.float(), ids, info)
+
+
+def _sample_rows(x: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    assert info.temperature is not None  # set whenever a row samples
+    greedy_ids = x.argmax(dim=-1) if info.greedy is not None else None
+    x = x / info.temperature  # a new tensor: the stages below work in place on it
+    _top_k_top_p_(x, info)
+    if info.log_min_p is not None:
+        x.masked_fill_(x < x.amax(dim=-1, keepdim=True) + info.log_min_p, _NEG_INF)
+    ids = _exponential_race(x.softmax(dim=-1), info)
+    if info.greedy is None or greedy_ids is None:
+        return ids
+    return torch.where(info.greedy, greedy_ids, ids)
+
+
+def _top_k_top_p_(x: torch.Tensor, info: SamplingBatchInfo) -> None:
+    """Mask, in place, what falls outside each row's top-k and nucleus; sorts only for top-p."""
+    if info.top_p is None:
+        if info.top_k is not None:
+            _top_k_only_(x, info.top_k, info.max_top_k)
+        return
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    if info.top_k is not None:
+        rank = torch.arange(x.shape[-1], device=x.device)
+        sorted_x.masked_fill_((rank >= info.top_k) & (info.top_k > 0), _NEG_INF)
+    probs = sorted_x.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1).sub_(probs)  # the top token always has 0 before it
+    sorted_x.masked_fill_(mass_before >= info.top_p, _NEG_INF)
+    x.scatter_(1, order, sorted_x)
+
+
+def _top_k_only_(x: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> None:
+    """Top-k through one partial topk of the largest k, no full sort; ties at the k-th value stay."""
+    kth = x.topk(max_top_k, dim=-1).values.gather(1, (top_k - 1).clamp(min=0))
+    kth.masked_fill_(top_k == 0, _NEG_INF)
+    x.masked_fill_(x < kth, _NEG_INF)
+
+
+def _exponential_race(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """argmax(p / E), E ~ Exp(1) i.i.d., picks token i with probability p_i (no cumsum, no sync).
+
+    Seeded rows draw their noise from their own generator, V values per step, so their
+    draws do not depend on which other requests share the batch.
+    """
+    noise = torch.empty_like(probs)
+    if info.any_unseeded:
+        noise.exponential_(generator=info.default_generator)
+    else:
+        noise.fill_(1.0)  # only greedy rows are left undrawn; their pick is replaced anyway
+    for row, generator in info.seeded:
+        noise[row].exponential_(generator=generator)
+    # An exact 0 from the noise would turn a masked 0 probability into NaN, which argmax picks.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def _with_logprobs(raw: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
+    """Logprobs under the model's own distribution, computed only when some row asked."""
+    if info.max_logprobs is None:
+        return SamplerOutput(ids, None, None, None)
+    logprobs = torch.log_softmax(raw, dim=-1)
+    chosen = logprobs.gather(1, ids.view(-1, 1)).view(-1)
+    if info.max_logprobs == 0:
+        return SamplerOutput(ids, chosen, None, None)
+    top = logprobs.topk(info.max_logprobs, dim=-1)
+    return SamplerOutput(ids, chosen, top.indices, top.values)

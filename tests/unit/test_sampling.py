@@ -1,0 +1,451 @@
+"""The sampler: allowed sets, the distribution it draws from, penalties, min_tokens, seeds,
+logprobs, and SamplingParams validation. Statistical tests use many rows of one batch (one
+`sample` call gives one draw per row) and a fixed generator, so they are fast and repeatable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from worker.sampling import (
+    MAX_LOGPROBS,
+    SamplingBatchInfo,
+    SamplingParams,
+    penalized_logits,
+    sample,
+)
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+        ],
+    ),
+]
+
+# Fixed logits over a small vocabulary with distinct values, so allowed sets have no ties.
+BASE_LOGITS = [2.0, 1.5, 1.2, 0.9, 0.4, 0.0, -0.3, -0.8, -1.5, -2.5, -3.0, -4.0]
+V = len(BASE_LOGITS)
+
+
+def build(
+    params: Sequence[SamplingParams],
+    device: str = "cpu",
+    *,
+    vocab_size: int = V,
+    prompts: Sequence[Sequence[int]] | None = None,
+    outputs: Sequence[Sequence[int]] | None = None,
+    generators: Sequence[torch.Generator | None] | None = None,
+    eos: frozenset[int] = frozenset(),
+    seed: int | None = 0,
+) -> SamplingBatchInfo:
+    """A batch info with defaults for what a test does not care about."""
+    n = len(params)
+    default = None if seed is None else torch.Generator(device).manual_seed(seed)
+    return SamplingBatchInfo.build(
+        params,
+        prompts if prompts is not None else [[0]] * n,
+        outputs if outputs is not None else [[]] * n,
+        generators if generators is not None else [None] * n,
+        vocab_size=vocab_size,
+        device=device,
+        eos_token_ids=eos,
+        default_generator=default,
+    )
+
+
+def draws(params: SamplingParams, n: int, device: str, logits: list[float] = BASE_LOGITS):
+    """`n` independent draws from one logit vector: a batch of n identical rows."""
+    info = build([params] * n, device, vocab_size=len(logits))
+    rows = torch.tensor([logits], device=device).expand(n, -1).contiguous()
+    return sample(rows, info).token_ids.cpu()
+
+
+def probs64(logits: list[float], temperature: float = 1.0) -> list[float]:
+    """Softmax in float64, written out independently of the sampler."""
+    top = max(logits)
+    weights = [math.exp((x - top) / temperature) for x in logits]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def allowed_set(logits: list[float], *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> set[int]:
+    """Tokens a request may get: top-k, then the nucleus of what is left, then min-p."""
+    order = sorted(range(len(logits)), key=lambda i: -logits[i])
+    keep = order[:top_k] if top_k > 0 else order
+    p = probs64([logits[i] for i in keep], temperature)
+    nucleus, mass = [], 0.0
+    for token, prob in zip(keep, p, strict=True):
+        if mass >= top_p:
+            break
+        nucleus.append(token)
+        mass += prob
+    full = probs64(logits, temperature)
+    best = max(full)
+    return {i for i in nucleus if full[i] >= min_p * best}
+
+
+# --- allowed sets --------------------------------------------------------------------
+
+
+FILTERS = [
+    dict(top_k=1),
+    dict(top_k=4),
+    dict(top_p=0.5),
+    dict(top_p=0.9),
+    dict(min_p=0.2),
+    dict(min_p=0.05, temperature=0.7),
+    dict(top_k=6, top_p=0.8, temperature=1.3),
+    dict(top_k=5, top_p=0.9, min_p=0.3, temperature=0.8),  # each of the three cuts a token
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kw", FILTERS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_filters_never_sample_outside_allowed_set(device, kw):
+    allowed = allowed_set(BASE_LOGITS, **kw)
+    seen = set(draws(SamplingParams(**kw), 4000, device).tolist())
+    assert seen <= allowed
+    # and the mask is not stricter than asked: every allowed token here has p > 1 %
+    assert seen == allowed
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_with_different_filters_in_one_batch(device):
+    configs = [dict(top_k=2), dict(top_p=0.6), dict(min_p=0.3), dict(), dict(temperature=0.0)]
+    n = 800
+    params = [SamplingParams(**kw) for kw in configs for _ in range(n)]
+    logits = torch.tensor([BASE_LOGITS], device=device).expand(len(params), -1).contiguous()
+    ids = sample(logits, build(params, device)).token_ids.cpu().view(len(configs), n)
+    for kw, row in zip(configs, ids, strict=True):
+        if kw.get("temperature") == 0.0:
+            assert set(row.tolist()) == {0}
+        else:
+            assert set(row.tolist()) <= allowed_set(BASE_LOGITS, **kw)
+
+
+# --- the distribution -----------------------------------------------------------------
+
+
+def chi_square_p_value(counts: torch.Tensor, expected_probs: list[float]) -> float:
+    """Pearson chi-square p-value. The chi2(df) survival function is the regularized upper
+    incomplete gamma Q(df/2, x/2) (scipy is not a dependency); e.g. df=7, x=24.32 gives
+    p=0.001, the table value."""
+    n = int(counts.sum())
+    expected = torch.tensor(expected_probs, dtype=torch.float64) * n
+    stat = ((counts.double() - expected) ** 2 / expected).sum()
+    df = torch.tensor((len(expected_probs) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(df, stat / 2))
+
+
+def test_chi_square_helper_matches_table():
+    # 14.067 is the 0.95 quantile of chi2 with 7 degrees of freedom.
+    df = torch.tensor(3.5, dtype=torch.float64)
+    assert float(torch.special.gammaincc(df, torch.tensor(14.067 / 2))) == pytest.approx(
+        0.05, abs=1e-4
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_temperature_sampling_matches_softmax(device, temperature):
+    logits = [1.0, 0.5, 0.2, 0.0, -0.4, -0.7, -1.0, -1.6]  # every expected count >= 250
+    n = 20000
+    ids = draws(SamplingParams(temperature=temperature), n, device, logits)
+    counts = torch.bincount(ids, minlength=len(logits))
+    assert chi_square_p_value(counts, probs64(logits, temperature)) > 1e-3
+    # the test has power: the same draws are far from the other temperature's distribution
+    other = 1.0 if temperature == 0.5 else 0.5
+    assert chi_square_p_value(counts, probs64(logits, other)) < 1e-12
+
+
+# --- penalties and min_tokens ----------------------------------------------------------
+
+PENALTY_LOGITS = [3.0, -2.0, 1.0, -0.5, 0.0, 2.5, -1.0, 0.75]  # exact in float32
+PROMPT, OUTPUT = [0, 1, 4], [2, 3, 3, 2, 3]
+
+
+def penalized(
+    params: SamplingParams, device: str, outputs=OUTPUT
+) -> tuple[list[float], SamplingBatchInfo]:
+    info = build([params], device, vocab_size=8, prompts=[PROMPT], outputs=[outputs])
+    logits = torch.tensor([PENALTY_LOGITS], device=device)
+    raw = logits.clone()
+    out = penalized_logits(logits, info)
+    assert torch.equal(logits, raw)  # the raw logits stay untouched (logprobs need them)
+    return out[0].tolist(), info
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_repetition_penalty_hits_prompt_and_output_tokens_only(device):
+    got, _ = penalized(SamplingParams(repetition_penalty=2.0), device)
+    seen = set(PROMPT) | set(OUTPUT)
+    for t, x in enumerate(PENALTY_LOGITS):
+        want = (x / 2.0 if x > 0 else x * 2.0) if t in seen else x
+        assert got[t] == pytest.approx(want), t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_frequency_penalty_scales_with_output_count(device):
+    got, _ = penalized(SamplingParams(frequency_penalty=0.5), device)
+    for t, x in enumerate(PENALTY_LOGITS):
+        assert got[t] == pytest.approx(x - 0.5 * OUTPUT.count(t)), t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_presence_penalty_once_per_output_token(device):
+    got, _ = penalized(SamplingParams(presence_penalty=-1.5), device)
+    for t, x in enumerate(PENALTY_LOGITS):
+        assert got[t] == pytest.approx(x + 1.5 if t in OUTPUT else x), t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_record_feeds_the_next_step(device):
+    params = SamplingParams(frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.5)
+    before, info = penalized(params, device, outputs=[])
+    assert before[5] == 2.5  # token 5 is in neither prompt nor output yet
+    for _ in range(2):
+        info.record(torch.tensor([5], device=device))
+    after = penalized_logits(torch.tensor([PENALTY_LOGITS], device=device), info)[0].tolist()
+    assert after[5] == pytest.approx(2.5 / 1.5 - 2 * 1.0 - 0.5)
+    assert after[:5] + after[6:] == before[:5] + before[6:]
+
+
+def test_unused_stages_leave_no_state():
+    info = build([SamplingParams(), SamplingParams(temperature=0.0)], prompts=[[1, 2], [3]])
+    assert info.penalties is None and info.min_tokens is None and info.max_logprobs is None
+    assert info.top_k is None and info.top_p is None and info.log_min_p is None
+    only_rep = build([SamplingParams(repetition_penalty=1.2)])
+    assert only_rep.penalties is not None and only_rep.penalties.counts is None
+    only_freq = build([SamplingParams(frequency_penalty=0.1)])
+    assert only_freq.penalties is not None and only_freq.penalties.seen is None
+    # a greedy row's filters are moot: they must not switch a stage on
+    greedy_filters = build([SamplingParams(temperature=0.0, top_k=3, top_p=0.5, min_p=0.1)])
+    assert (
+        greedy_filters.all_greedy and greedy_filters.top_k is None and greedy_filters.top_p is None
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_tokens_blocks_eos_and_stop_ids_until_reached(device):
+    eos, stop = 7, 4
+    rows = [
+        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(stop,)),
+        SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True),
+        SamplingParams(temperature=0.0),  # no min_tokens: EOS stays allowed
+    ]
+    info = build(rows, device, vocab_size=8, eos=frozenset({eos}))
+    logits = torch.zeros(3, 8, device=device)
+    logits[:, eos], logits[:, stop], logits[:, 1] = 5.0, 4.0, 3.0
+    blocked = penalized_logits(logits, info)
+    assert blocked[0, eos] == -math.inf and blocked[0, stop] == -math.inf
+    assert blocked[1, eos] == -math.inf and blocked[1, stop] == 4.0  # stop id only for row 0
+    assert blocked[2].tolist() == logits[2].tolist()
+    steps = []
+    for _ in range(3):
+        ids = sample(logits, info).token_ids
+        steps.append(ids.tolist())
+        info.record(ids)
+    assert steps == [[1, stop, eos], [1, stop, eos], [eos, eos, eos]]
+
+
+def test_min_tokens_already_reached_at_build():
+    params = SamplingParams(temperature=0.0, min_tokens=2)
+    info = build([params], vocab_size=8, outputs=[[1, 2]], eos=frozenset({7}))
+    assert info.min_tokens is None
+
+
+# --- greedy and seeds ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_rows_in_mixed_batch_equal_argmax(device):
+    torch.manual_seed(0)
+    logits = torch.randn(32, 500, device=device)
+    params = [
+        SamplingParams(temperature=0.0 if i % 2 else 1.5, top_k=50 * (i % 3)) for i in range(32)
+    ]
+    ids = sample(logits, build(params, device, vocab_size=500)).token_ids
+    assert torch.equal(ids[1::2], logits[1::2].argmax(-1))
+    assert not torch.equal(ids[0::2], logits[0::2].argmax(-1))  # the others do sample
+
+
+def test_all_greedy_batch_is_argmax():
+    logits = torch.randn(8, 100)
+    info = build([SamplingParams(temperature=0.0)] * 8, vocab_size=100)
+    assert info.all_greedy and info.temperature is None and info.top_p is None
+    assert torch.equal(sample(logits, info).token_ids, logits.argmax(-1))
+
+
+def run_seeded(
+    device: str, seeds: list[int | None], steps: int, default_seed: int
+) -> list[list[int]]:
+    """Per-row sequences over `steps` steps; row logits depend on the seed alone."""
+    gens = [None if s is None else torch.Generator(device).manual_seed(s) for s in seeds]
+    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=s) for s in seeds]
+    info = build(params, device, vocab_size=1000, generators=gens, seed=default_seed)
+    out: list[list[int]] = [[] for _ in seeds]
+    for step in range(steps):
+        rows = [
+            torch.randn(1000, generator=torch.Generator().manual_seed(1000 * step + (s or 0)))
+            for s in seeds
+        ]
+        ids = sample(torch.stack(rows).to(device), info).token_ids.tolist()
+        for seq, token in zip(out, ids, strict=True):
+            seq.append(token)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_seed_same_sequence_in_any_batch(device):
+    alone = run_seeded(device, [7], 12, default_seed=0)[0]
+    crowded = run_seeded(device, [None, 3, 7, None], 12, default_seed=99)[2]
+    assert alone == crowded
+    other = run_seeded(device, [8], 12, default_seed=0)[0]
+    assert other != alone
+
+
+# --- logprobs -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_are_raw_log_softmax_of_sampled_and_top(device):
+    torch.manual_seed(1)
+    logits = torch.randn(6, 300, device=device) * 3
+    params = [
+        SamplingParams(logprobs=5, temperature=0.7, repetition_penalty=1.3),
+        SamplingParams(logprobs=0, temperature=0.0),
+        SamplingParams(logprobs=2, top_k=10),
+        SamplingParams(),
+        SamplingParams(min_tokens=3, logprobs=1),
+        SamplingParams(presence_penalty=1.0, logprobs=3),
+    ]
+    info = build(params, device, vocab_size=300, prompts=[[1, 2, 3]] * 6, eos=frozenset({4}))
+    out = sample(logits, info)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    want = ref.gather(1, out.token_ids[:, None]).squeeze(1)
+    torch.testing.assert_close(out.logprobs.double(), want, atol=1e-5, rtol=1e-5)
+    assert out.top_ids.shape == (6, 5) and out.top_logprobs.shape == (6, 5)
+    top = ref.topk(5, dim=-1)
+    assert torch.equal(out.top_ids, top.indices)
+    torch.testing.assert_close(out.top_logprobs.double(), top.values, atol=1e-5, rtol=1e-5)
+    assert bool((out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all())
+
+
+def test_no_logprobs_unless_asked():
+    out = sample(torch.randn(2, 50), build([SamplingParams()] * 2, vocab_size=50))
+    assert out.logprobs is None and out.top_ids is None and out.top_logprobs is None
+    out = sample(torch.randn(2, 50), build([SamplingParams(logprobs=0)] * 2, vocab_size=50))
+    assert out.logprobs is not None and out.top_ids is None
+
+
+# --- build-time checks and validation ------------------------------------------------
+
+
+def test_build_rejects_mismatched_inputs():
+    with pytest.raises(ValueError, match="one entry per row"):
+        SamplingBatchInfo.build(
+            [SamplingParams()], [[1], [2]], [[]], [None], vocab_size=8, device="cpu"
+        )
+    with pytest.raises(ValueError, match="logits"):
+        sample(torch.zeros(2, 9), build([SamplingParams()] * 2, vocab_size=8))
+
+
+INVALID = st.one_of(
+    st.tuples(
+        st.just("temperature"), st.sampled_from([math.nan, math.inf, -math.inf, -0.5, 101.0])
+    ),
+    st.tuples(st.just("max_tokens"), st.integers(max_value=0)),
+    st.tuples(st.just("top_p"), st.sampled_from([0.0, -0.1, 1.5, math.nan])),
+    st.tuples(st.just("logprobs"), st.integers(min_value=MAX_LOGPROBS + 1)),
+    st.tuples(st.just("top_k"), st.integers(max_value=-1)),
+    st.tuples(st.just("stop"), st.lists(st.text(min_size=1), max_size=3).map(lambda s: (*s, ""))),
+    st.tuples(st.just("stop_token_ids"), st.integers(max_value=-1).map(lambda i: (1, i))),
+    st.tuples(st.just("seed"), st.integers(min_value=2**64)),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(INVALID)
+def test_invalid_params_name_the_field(bad):
+    field, value = bad
+    with pytest.raises(ValidationError) as err:
+        SamplingParams(**{field: value})
+    assert field in {e["loc"][0] for e in err.value.errors() if e["loc"]}
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 1000), st.integers(1, 1000))
+def test_min_tokens_above_max_tokens_names_min_tokens(max_tokens, extra):
+    with pytest.raises(ValidationError) as err:
+        SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens + extra)
+    assert [e["loc"] for e in err.value.errors()] == [("min_tokens",)]
+
+
+VALID = st.fixed_dictionaries(
+    {
+        "temperature": st.floats(0.0, 100.0),
+        "top_k": st.integers(0, 10_000),
+        "top_p": st.floats(0.0, 1.0, exclude_min=True),
+        "min_p": st.floats(0.0, 1.0),
+        "frequency_penalty": st.floats(-2.0, 2.0),
+        "presence_penalty": st.floats(-2.0, 2.0),
+        "repetition_penalty": st.floats(0.0, 10.0, exclude_min=True),
+        "seed": st.none() | st.integers(-(2**63), 2**64 - 1),
+        "min_tokens": st.integers(0, 50),
+        "stop": st.lists(st.text(min_size=1), max_size=3).map(tuple),
+        "logprobs": st.none() | st.integers(0, MAX_LOGPROBS),
+    }
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(VALID, st.integers(0, 50))
+def test_valid_params_construct_and_build(kw, headroom):
+    params = SamplingParams(**kw, max_tokens=kw["min_tokens"] + headroom + 1)
+    assert params.greedy == (kw["temperature"] == 0.0)
+    ids = sample(torch.randn(1, 64), build([params], vocab_size=64)).token_ids
+    assert 0 <= int(ids[0]) < 64
+
+
+# --- on CUDA: no host sync inside sample() or record() ------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_sample_and_record_do_not_sync_on_cuda():
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+        SamplingParams(top_k=20, top_p=0.9, min_p=0.05, seed=3, logprobs=4),
+        SamplingParams(frequency_penalty=0.5, presence_penalty=0.5, min_tokens=4),
+        SamplingParams(top_k=5),
+    ]
+    gens = [None, torch.Generator("cuda").manual_seed(3), None, None]
+    info = build(
+        params,
+        "cuda",
+        vocab_size=32000,
+        prompts=[[1, 2, 3]] * 4,
+        generators=gens,
+        eos=frozenset({2}),
+    )
+    logits = torch.randn(4, 32000, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            out = sample(logits, info)
+            info.record(out.token_ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.token_ids.shape == (4,)
