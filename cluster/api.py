@@ -1,0 +1,290 @@
+"""The ingress: FastAPI under `serve.ingress`, speaking the OpenAI API.
+
+Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
+POST /v1/chat/completions. A request is authorized, parsed, templated and tokenized here
+(on CPU, so worker replicas never tokenize), checked against the model's context length,
+then handed to the Dispatcher, which batches and routes it to a worker replica. Any
+failure becomes an OpenAI error body with the matching status code; a streaming request
+waits for the worker to accept it before answering 200, so 429 and 400 stay statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+
+from cluster.config import ClusterConfig
+from cluster.dispatch import CallError, Dispatcher, Group
+from cluster.errors import ApiError, from_call, from_validation
+from cluster.generation import Generation
+from cluster.metrics import CONTENT_TYPE, Metrics
+from cluster.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    new_id,
+    now,
+)
+from cluster.responses import ChunkWriter, Collector, usage_of
+from cluster.router import RouteHint
+from cluster.transport import WireRequest
+from worker.model.demo import resolve_model_path
+from worker.page_hash import page_hashes
+from worker.sampling import SamplingParams
+from worker.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_INFO_TIMEOUT_S = 30.0
+_STATS_TIMEOUT_S = 5.0
+
+ParsedRequest = ChatCompletionRequest | CompletionRequest
+
+
+@serve.ingress()
+class Ingress:
+    """One ingress replica; `app.build_app` wraps it with `serve.deployment`."""
+
+    def __init__(self, config: ClusterConfig, worker: Any):
+        self._config = config
+        self._worker = worker
+        self._tokenizer = Tokenizer.from_dir(str(resolve_model_path(config.engine.model)))
+        self._dispatcher = Dispatcher(worker, config.router.batch_window_ms / 1000.0, config.limits)
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        self._metrics = Metrics(config.model_name, replica_id)
+        self._created = now()
+        self._info: dict[str, Any] | None = None
+        self._info_lock = asyncio.Lock()
+        self._token_text_cache: dict[int, str] = {}
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        app = FastAPI(title="kvray", docs_url=None, redoc_url=None)
+        app.add_exception_handler(ApiError, self._on_api_error)  # type: ignore[arg-type]
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        return app
+
+    # -- routes ---------------------------------------------------------------------------
+
+    async def health(self) -> Response:
+        await self._engine_info()
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self) -> Response:
+        try:
+            stats = await self._worker.broadcast("stats").results_async(
+                timeout_s=_STATS_TIMEOUT_S, return_exceptions=True
+            )
+        except Exception as exc:  # no replica answered: export the ingress figures alone
+            log.warning("could not read worker stats: %r", exc)
+            stats = []
+        snapshot = [s for s in stats if isinstance(s, dict)]
+        return Response(self._metrics.render(snapshot), media_type=CONTENT_TYPE)
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        info = self._info or {}
+        card = ModelCard(
+            id=self._config.model_name, created=self._created, max_model_len=info.get("max_seq_len")
+        )
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.perf_counter()
+        req = await self._parse(request, ChatCompletionRequest)
+        assert isinstance(req, ChatCompletionRequest)
+        prompt = self._tokenizer.apply_chat_template(req.template_messages())
+        return await self._generate(req, [list(prompt)], req.sampling_params(), arrival, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        arrival = time.perf_counter()
+        req = await self._parse(request, CompletionRequest)
+        assert isinstance(req, CompletionRequest)
+        prompts = [self._tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts()]
+        return await self._generate(
+            req, [list(p) for p in prompts], req.sampling_params(), arrival, chat=False
+        )
+
+    # -- request handling -----------------------------------------------------------------
+
+    async def _parse(self, request: Request, model: type[ParsedRequest]) -> ParsedRequest:
+        self._authorize(request)
+        body = await request.body()
+        if len(body) > self._config.limits.max_request_bytes:
+            raise ApiError(
+                413, f"request body exceeds {self._config.limits.max_request_bytes} bytes"
+            )
+        try:
+            req = model.model_validate_json(body)
+        except ValidationError as exc:
+            raise from_validation(exc) from None
+        if req.model != self._config.model_name:
+            raise ApiError(
+                404,
+                f"The model `{req.model}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        refused = req.refused_field()
+        if refused:
+            raise ApiError(
+                400,
+                f"'{refused}' is not supported by this server",
+                param=refused,
+                code="unsupported",
+            )
+        if req.n > self._config.limits.max_n:
+            raise ApiError(400, f"n must be at most {self._config.limits.max_n}", param="n")
+        return req
+
+    async def _generate(
+        self,
+        req: ParsedRequest,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        arrival: float,
+        chat: bool,
+    ) -> Response:
+        info = await self._engine_info()
+        for prompt in prompts:
+            self._check_length(prompt, params.max_tokens, info["max_seq_len"])
+        stream = self._dispatcher.submit(self._group(prompts, params, req.n, info))
+        gen = Generation(
+            stream, self._tokenizer, params, arrival, self._metrics.observe_choice, n=req.n
+        )
+        try:
+            await stream.accepted()
+        except CallError as exc:
+            stream.close()
+            raise from_call(exc, self._config.limits.retry_after_s) from None
+        rid, model = new_id("chatcmpl" if chat else "cmpl"), self._config.model_name
+        if req.stream:
+            writer = ChunkWriter(rid, now(), model, chat, self._token_text, req.include_usage)
+            return StreamingResponse(
+                self._sse(gen, writer, len(stream.group.requests)), media_type="text/event-stream"
+            )
+        collector = Collector(len(stream.group.requests), params.logprobs is not None)
+        try:
+            async for deltas in gen.deltas():
+                for delta in deltas:
+                    collector.add(delta)
+        except CallError as exc:
+            raise from_call(exc, self._config.limits.retry_after_s) from None
+        self._count_finished(collector.choices.values())
+        build = collector.chat if chat else collector.completion
+        return JSONResponse(build(rid, now(), model, usage_of(gen), self._token_text).model_dump())
+
+    async def _sse(
+        self, gen: Generation, writer: ChunkWriter, num_choices: int
+    ) -> AsyncIterator[str]:
+        try:
+            for line in writer.start(num_choices):
+                yield line
+            async for deltas in gen.deltas():
+                for delta in deltas:
+                    if delta.finish_reason:
+                        self._metrics.count_finished(delta.finish_reason)
+                for line in writer.deltas(deltas):
+                    yield line
+            for line in writer.usage(usage_of(gen)):
+                yield line
+        except CallError as exc:
+            error = from_call(exc, self._config.limits.retry_after_s)
+            self._metrics.count_failed(error.status)
+            yield error.sse()
+        finally:
+            gen.stream.close()
+        yield "data: [DONE]\n\n"
+
+    def _group(
+        self, prompts: list[list[int]], params: SamplingParams, n: int, info: dict[str, Any]
+    ) -> Group:
+        base = new_id("req")
+        requests = []
+        for p, prompt in enumerate(prompts):
+            for i in range(n):
+                seed = params.seed + i if params.seed is not None and n > 1 else params.seed
+                one = params.model_copy(update={"seed": seed}) if seed != params.seed else params
+                requests.append(WireRequest(f"{base}-{p}-{i}", prompt, one))
+        hashes: tuple[tuple[int, ...], ...] = ()
+        if info.get("prefix_cache"):
+            pages = self._config.router.prompt_pages
+            hashes = tuple(
+                tuple(page_hashes(prompt, info["page_size"], max_pages=pages)) for prompt in prompts
+            )
+        return Group(requests, hashes)
+
+    def _check_length(self, prompt: list[int], max_tokens: int | None, max_seq_len: int) -> None:
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if len(prompt) >= max_seq_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {max_seq_len} tokens. However, your prompt is {len(prompt)} tokens.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if max_tokens is not None and len(prompt) + max_tokens > max_seq_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
+                f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} for the completion).",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        keys = self._config.api_keys
+        if not keys:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        if not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
+            raise ApiError(401, "Incorrect or missing API key.", code="invalid_api_key")
+
+    async def _engine_info(self) -> dict[str, Any]:
+        """The resolved engine facts (context length, page size), asked of a worker once."""
+        if self._info is not None:
+            return self._info
+        async with self._info_lock:
+            if self._info is None:
+                try:
+                    async with asyncio.timeout(_INFO_TIMEOUT_S):
+                        self._info = await self._worker.info.remote(RouteHint())
+                except Exception as exc:
+                    raise ApiError(
+                        503,
+                        f"no worker replica is available: {exc!r}",
+                        retry_after=self._config.limits.retry_after_s,
+                    ) from None
+        assert self._info is not None
+        return self._info
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self._token_text_cache[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+    def _count_finished(self, choices: Any) -> None:
+        for choice in choices:
+            self._metrics.count_finished(choice.finish_reason or "stop")
+
+    def _on_api_error(self, request: Request, exc: ApiError) -> Response:
+        self._metrics.count_failed(exc.status)
+        return exc.response()

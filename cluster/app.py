@@ -1,0 +1,111 @@
+"""build_app(config) -> serve.Application: the one entry point of every way to start kvray.
+
+`kvray serve` calls it; `serve run cluster.app:build_app config=cluster.yaml` and a
+RayService (`import_path: cluster.app:build_app`, `args:` = the ClusterConfig document or
+`{config: path}`) call it too, so one YAML describes the application everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+from cluster.api import Ingress
+from cluster.autoscaling import POLICY_PATH
+from cluster.config import ClusterConfig
+from cluster.deployment import WorkerDeployment
+from cluster.router import ROUTER_CLASS_PATH
+
+log = logging.getLogger(__name__)
+
+WORKER_NAME = "KvrayWorker"
+INGRESS_NAME = "KvrayIngress"
+
+
+def load_config(config: ClusterConfig | dict[str, Any] | str | Path | None) -> ClusterConfig:
+    """A ClusterConfig from an object, a dict (`serve run` / RayService args) or a YAML path.
+
+    A dict whose only key is `config` names a YAML file (`serve run ... config=FILE`).
+    """
+    if isinstance(config, str | Path):
+        return ClusterConfig.from_yaml(config)
+    if isinstance(config, dict) and set(config) == {"config"}:
+        return ClusterConfig.from_yaml(config["config"])
+    return ClusterConfig.coerce(config)
+
+
+def _cluster_has_gpus() -> bool:
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+
+
+def _autoscaling(config: ClusterConfig) -> AutoscalingConfig | None:
+    auto = config.autoscaling
+    if auto is None:
+        return None
+    return AutoscalingConfig(
+        min_replicas=auto.min_replicas,
+        max_replicas=auto.max_replicas,
+        initial_replicas=auto.initial_replicas,
+        target_ongoing_requests=auto.target_ongoing_requests,
+        upscale_delay_s=auto.upscale_delay_s,
+        downscale_delay_s=auto.downscale_delay_s,
+        look_back_period_s=auto.look_back_period_s,
+        metrics_interval_s=auto.metrics_interval_s,
+        policy={
+            "policy_function": POLICY_PATH,
+            "policy_kwargs": {
+                "target_requests": auto.target_ongoing_requests,
+                "target_kv_usage": auto.target_kv_usage,
+            },
+        },
+    )
+
+
+def _worker(config: ClusterConfig) -> Any:
+    router = RequestRouterConfig(
+        request_router_class=ROUTER_CLASS_PATH,
+        request_router_kwargs={"imbalance_threshold": config.router.imbalance_threshold},
+        request_routing_stats_period_s=config.router.stats_period_s,
+        request_routing_stats_timeout_s=max(5.0, 4 * config.router.stats_period_s),
+    )
+    autoscaling = _autoscaling(config)
+    scaling: dict[str, Any] = (
+        {"autoscaling_config": autoscaling}
+        if autoscaling
+        else {"num_replicas": config.worker_replicas}
+    )
+    deployment = serve.deployment(WorkerDeployment).options(
+        name=WORKER_NAME,
+        **scaling,
+        ray_actor_options=config.worker_ray_resources(_cluster_has_gpus()),
+        max_ongoing_requests=config.max_calls_per_worker,
+        health_check_period_s=config.health_check_period_s,
+        health_check_timeout_s=max(30.0, config.health_check_period_s),
+        request_router_config=router,
+        graceful_shutdown_timeout_s=5,
+    )
+    return deployment.bind(config.engine, config.router.summary_pages, config.stall_threshold_s)
+
+
+def build_app(
+    config: ClusterConfig | dict[str, Any] | str | Path | None = None,
+) -> serve.Application:
+    """The kvray application: an OpenAI ingress in front of the worker deployment."""
+    cfg = load_config(config)
+    ingress = serve.deployment(Ingress).options(
+        name=INGRESS_NAME,
+        num_replicas=cfg.ingress_replicas,
+        ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
+        max_ongoing_requests=max(1024, 2 * cfg.engine.max_waiting),
+    )
+    log.info(
+        "kvray app: model %s, %s",
+        cfg.model_name,
+        "autoscaling" if cfg.autoscaling else f"{cfg.worker_replicas} worker replica(s)",
+    )
+    return ingress.bind(cfg, _worker(cfg))

@@ -1,0 +1,205 @@
+"""ClusterConfig: one YAML document for `kvray serve -c`, `serve run` and the RayService.
+
+It wraps the worker's EngineConfig and adds what only the cluster knows: how many worker
+and ingress replicas run and on what resources, how the router weighs prefix affinity
+against load, per-request limits, API keys and where HTTP listens. Like EngineConfig it is
+validated once and frozen; the environment (KVRAY_API_KEYS) is read only here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from worker.config import EngineConfig
+
+API_KEYS_ENV = "KVRAY_API_KEYS"
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class AutoscalingSettings(BaseModel):
+    """Serve autoscaling of the worker deployment, driven by engine queue depth and KV usage."""
+
+    model_config = _FROZEN
+
+    min_replicas: int = Field(
+        1, ge=0, description="fewest worker replicas (0 allows scale to zero)"
+    )
+    max_replicas: int = Field(1, ge=1, description="most worker replicas")
+    initial_replicas: int | None = Field(
+        None, ge=0, description="replicas at deploy time; None = min_replicas"
+    )
+    target_ongoing_requests: float = Field(
+        16.0, gt=0, description="engine requests (running + waiting) per replica to aim for"
+    )
+    target_kv_usage: float = Field(
+        0.9, gt=0, le=1, description="scale up while mean KV cache usage is above this"
+    )
+    upscale_delay_s: float = Field(
+        30.0, ge=0, description="a scale-up decision must hold this long"
+    )
+    downscale_delay_s: float = Field(
+        600.0, ge=0, description="a scale-down decision must hold this long"
+    )
+    look_back_period_s: float = Field(
+        30.0, gt=0, description="window the replica metrics are averaged over"
+    )
+    metrics_interval_s: float = Field(
+        10.0, gt=0, description="how often replicas report autoscaling metrics"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoscalingSettings:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must not exceed max_replicas")
+        if (
+            self.initial_replicas is not None
+            and not self.min_replicas <= self.initial_replicas <= self.max_replicas
+        ):
+            raise ValueError("initial_replicas must lie between min_replicas and max_replicas")
+        return self
+
+
+class RouterSettings(BaseModel):
+    """How the ingress picks a worker replica and batches calls to it."""
+
+    model_config = _FROZEN
+
+    batch_window_ms: float = Field(
+        2.0, ge=0, description="requests arriving this close together travel in one call; 0 = off"
+    )
+    imbalance_threshold: float = Field(
+        8.0,
+        ge=0,
+        description="load (running + waiting requests) a replica may exceed the least loaded by and still win on prefix affinity",
+    )
+    stats_period_s: float = Field(
+        0.5, gt=0, description="how often replicas report load and prefix summary to routers"
+    )
+    prompt_pages: int = Field(
+        256, ge=1, description="leading pages of a prompt hashed for affinity"
+    )
+    summary_pages: int = Field(4096, ge=1, description="most prefix-cache keys a replica reports")
+
+
+class RequestLimits(BaseModel):
+    """Per-request limits and timeouts enforced by the ingress."""
+
+    model_config = _FROZEN
+
+    max_n: int = Field(16, ge=1, le=16, description="largest `n` accepted")
+    max_request_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="largest request body accepted"
+    )
+    accept_timeout_s: float = Field(
+        60.0, gt=0, description="time for a worker to accept a call before 503"
+    )
+    stall_timeout_s: float = Field(
+        300.0, gt=0, description="longest silence of a running call before it counts as failed"
+    )
+    retry_after_s: int = Field(1, ge=0, description="Retry-After sent with 429 and 503")
+
+
+class ClusterConfig(BaseModel):
+    """Everything `build_app` needs; loadable from YAML (`from_yaml`) or a plain dict."""
+
+    model_config = _FROZEN
+
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="the engine every worker replica runs"
+    )
+    served_model_name: str | None = Field(
+        None, description="model id clients send; None = 'demo' or the model directory's name"
+    )
+    worker_replicas: int = Field(
+        1, ge=1, description="fixed number of worker replicas (ignored with autoscaling)"
+    )
+    autoscaling: AutoscalingSettings | None = Field(
+        None, description="autoscale worker replicas instead of a fixed number"
+    )
+    worker_resources: dict[str, float] | None = Field(
+        None,
+        description="Ray resources of one worker replica, e.g. {num_gpus: 1} or {my_gpu: 1}; None = one GPU unless the engine runs on CPU",
+    )
+    worker_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per worker replica")
+    ingress_replicas: int = Field(
+        1, ge=1, description="ingress (HTTP, tokenization, routing) replicas"
+    )
+    ingress_num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per ingress replica")
+    max_calls_per_worker: int = Field(
+        1024,
+        ge=1,
+        description="Serve max_ongoing_requests of a worker replica (calls, not requests)",
+    )
+    health_check_period_s: float = Field(
+        5.0, gt=0, description="how often Serve checks a worker replica"
+    )
+    stall_threshold_s: float = Field(
+        60.0,
+        gt=0,
+        description="a replica whose engine has work but has not stepped this long is unhealthy",
+    )
+    router: RouterSettings = Field(default_factory=RouterSettings)
+    limits: RequestLimits = Field(default_factory=RequestLimits)
+    host: str = Field("127.0.0.1", description="HTTP host of the Serve proxy")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port of the Serve proxy")
+    route_prefix: str = Field("/", description="route prefix of the application")
+    app_name: str = Field("kvray", description="Serve application name")
+    api_keys: tuple[str, ...] = Field(
+        (),
+        description=f"accepted bearer tokens; empty = no auth; also read from ${API_KEYS_ENV} (comma separated)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_from_env(cls, data: Any) -> Any:
+        env = os.environ.get(API_KEYS_ENV, "")
+        keys = tuple(k.strip() for k in env.split(",") if k.strip())
+        if keys and isinstance(data, dict):
+            data = {**data, "api_keys": tuple(data.get("api_keys", ())) + keys}
+        return data
+
+    @property
+    def model_name(self) -> str:
+        """The model id of /v1/models and the `model` field clients must send."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.engine.model if self.engine.model == "demo" else Path(self.engine.model).name
+
+    def worker_ray_resources(self, cluster_has_gpus: bool) -> dict[str, Any]:
+        """Ray actor options of one worker replica: explicit resources, or one GPU when there is one."""
+        options: dict[str, Any] = {"num_cpus": self.worker_num_cpus}
+        if self.worker_resources is not None:
+            custom = dict(self.worker_resources)
+            for key in ("num_gpus", "num_cpus", "memory"):
+                if key in custom:
+                    options[key] = custom.pop(key)
+            if custom:
+                options["resources"] = custom
+            return options
+        device = self.engine.device
+        wants_gpu = device.startswith("cuda") or (device == "auto" and cluster_has_gpus)
+        if wants_gpu:
+            options["num_gpus"] = 1
+        return options
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ClusterConfig:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level")
+        return cls.model_validate(data)
+
+    @classmethod
+    def coerce(cls, config: ClusterConfig | dict[str, Any] | None) -> ClusterConfig:
+        """Accept a ClusterConfig, a dict (YAML args of `serve run` / RayService) or None."""
+        if config is None:
+            return cls()
+        if isinstance(config, ClusterConfig):
+            return config
+        return cls.model_validate(config)

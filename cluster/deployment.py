@@ -1,0 +1,114 @@
+"""WorkerDeployment: one Engine per Serve replica (one GPU each, or CPU).
+
+A replica answers `generate` calls with a stream of msgpack frames (see transport.py):
+accept or refuse, then one frame per engine step. It reports its load and prefix-cache
+keys to routers (`record_routing_stats`), its queue depth and KV usage to the autoscaler
+(`record_autoscaling_stats`), and counts as unhealthy when the engine loop died or has
+work but stopped stepping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from cluster.router import RouteHint
+from cluster.transport import decode_requests, encode_accepted, encode_deltas, encode_refused
+from worker.config import EngineConfig
+from worker.engine import Engine, EngineFull, EngineRequest
+
+log = logging.getLogger(__name__)
+
+
+class WorkerDeployment:
+    """The body of the worker deployment; `app.build_app` wraps it with `serve.deployment`."""
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        summary_pages: int = 4096,
+        stall_threshold_s: float = 60.0,
+    ):
+        self._engine = Engine(engine_config)
+        self._engine.start()
+        self._summary_pages = summary_pages
+        self._stall_threshold_s = stall_threshold_s
+        self._replica_id = serve.get_replica_context().replica_id.unique_id
+        log.info("worker replica %s ready: %s", self._replica_id, self._engine.config)
+
+    async def generate(self, hint: RouteHint, payload: bytes) -> AsyncIterator[bytes]:
+        """Queue a batch of requests; stream accept/refuse, then one frame per engine step."""
+        requests = [
+            EngineRequest(r.request_id, r.prompt_token_ids, r.params)
+            for r in decode_requests(payload)
+        ]
+        try:
+            stream = self._engine.submit(requests)
+        except EngineFull as exc:
+            yield encode_refused("full", str(exc) or "the worker's waiting queue is full")
+            return
+        except ValueError as exc:
+            yield encode_refused("invalid", str(exc))
+            return
+        yield encode_accepted(self._replica_id)
+        try:
+            async for deltas in stream:
+                yield encode_deltas(deltas)
+        finally:
+            stream.close()  # a cancelled call (client gone) aborts what is unfinished
+
+    async def abort(self, hint: RouteHint, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._engine.abort(request_id)
+
+    async def info(self, hint: RouteHint | None = None) -> dict[str, Any]:
+        """The resolved engine config the ingress validates prompts against."""
+        config = self._engine.config
+        return {
+            "max_seq_len": config.max_seq_len,
+            "page_size": config.page_size,
+            "prefix_cache": config.prefix_cache,
+            "engine": config.model_dump(),
+        }
+
+    async def stats(self) -> dict[str, Any]:
+        """Engine stats for /metrics, tagged with this replica's id."""
+        return {"replica_id": self._replica_id, **dataclasses.asdict(self._engine.stats())}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        stats = self._engine.stats()
+        return {
+            "time": time.time(),
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "waiting_tokens": stats.waiting_tokens,
+            "num_free_pages": stats.num_free_pages,
+            "kv_usage": stats.kv_usage,
+            "prefix_keys": self._engine.prefix_summary(self._summary_pages),
+        }
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        stats = self._engine.stats()
+        return {
+            "engine_requests": float(stats.num_running + stats.num_waiting),
+            "kv_usage": float(stats.kv_usage),
+        }
+
+    def check_health(self) -> None:
+        stats = self._engine.stats()
+        if not stats.loop_alive:
+            raise RuntimeError("engine loop is not running")
+        busy = stats.num_running + stats.num_waiting > 0
+        silent_s = time.monotonic() - stats.last_step_time
+        if busy and silent_s > self._stall_threshold_s:
+            raise RuntimeError(f"engine has work but has not stepped for {silent_s:.0f} s")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.shutdown()

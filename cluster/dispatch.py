@@ -1,0 +1,266 @@
+"""Ingress side of worker calls: the batching window, one call per batch, one stream per request.
+
+An OpenAI request becomes a `Group` (its n x prompts engine requests). `Dispatcher.submit`
+returns the group's `GroupStream` at once and sends the group either alone (the ingress was
+idle for a window, or the window is 0) or together with every group that arrives within
+`window_s` (a request batch: one Serve call, one routing decision, one msgpack frame per
+engine step for all of them). A `_Call` reads the worker's frames and hands each group the
+deltas of its own requests.
+
+Failures never hang a client: a refused call, a replica that dies, a call that is not
+accepted within `accept_timeout_s` or goes silent for `stall_timeout_s` ends every group of
+the call with a `CallError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from cluster.router import RouteHint
+from cluster.transport import Refused, WireRequest, decode_deltas, decode_first, encode_requests
+from worker.outputs import RequestDelta
+
+log = logging.getLogger(__name__)
+
+ErrorKind = Literal["full", "invalid", "internal", "unavailable"]
+
+
+class CallError(Exception):
+    """A worker call failed for a group: `kind` maps to the HTTP status."""
+
+    def __init__(self, kind: ErrorKind, message: str):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """The engine requests of one OpenAI request, and the page hashes of its prompts."""
+
+    requests: list[WireRequest]
+    page_hashes: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.prompt_token_ids) for r in self.requests)
+
+
+_END = object()
+
+
+class GroupStream:
+    """One OpenAI request's view of its call: accept, then its deltas step by step."""
+
+    def __init__(self, dispatcher: Dispatcher, group: Group):
+        self.group = group
+        self._dispatcher = dispatcher
+        self._accepted: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._unfinished = {r.request_id for r in group.requests}
+        self._call: _Call | None = None
+        self.closed = False
+
+    async def accepted(self) -> str:
+        """Wait until a worker queued the requests; its replica id. Raises CallError."""
+        return await self._accepted
+
+    def __aiter__(self) -> AsyncIterator[list[RequestDelta]]:
+        return self._frames()
+
+    async def _frames(self) -> AsyncIterator[list[RequestDelta]]:
+        await self._accepted
+        while self._unfinished:
+            item = await self._queue.get()
+            if isinstance(item, CallError):
+                raise item
+            if item is _END:
+                return
+            yield item
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop some requests (stop string hit): free them on the worker, stop waiting for them."""
+        live = [rid for rid in request_ids if rid in self._unfinished]
+        self._unfinished.difference_update(live)
+        if live and self._accepted.done() and not self._accepted.exception():
+            self._dispatcher.send_abort(self._accepted.result(), live)
+        if not self._unfinished:
+            self._queue.put_nowait(_END)
+
+    def close(self) -> None:
+        """The client is gone or done: abort whatever is unfinished."""
+        if self.closed:
+            return
+        self.closed = True
+        self.abort(list(self._unfinished))
+        if self._call is not None:
+            self._call.group_closed()
+
+    # -- called by _Call ------------------------------------------------------------------
+
+    def _on_accept(self, replica_id: str) -> None:
+        if not self._accepted.done():
+            self._accepted.set_result(replica_id)
+        if self.closed:  # closed while the call was being routed
+            self._dispatcher.send_abort(replica_id, [r.request_id for r in self.group.requests])
+
+    def _on_deltas(self, deltas: list[RequestDelta]) -> None:
+        mine = [d for d in deltas if d.request_id in self._unfinished]
+        for d in mine:
+            if d.finished:
+                self._unfinished.discard(d.request_id)
+        if mine:
+            self._queue.put_nowait(mine)
+
+    def _on_error(self, error: CallError) -> None:
+        if not self._accepted.done():
+            self._accepted.set_exception(error)
+            self._accepted.exception()  # mark retrieved: a closed group may never await it
+        if self._unfinished:
+            self._queue.put_nowait(error)
+
+
+@dataclass
+class _Call:
+    """One Serve call carrying one or more groups; reads the worker's frames."""
+
+    dispatcher: Dispatcher
+    streams: list[GroupStream]
+    by_request: dict[str, GroupStream] = field(default_factory=dict)
+    response: Any = None
+
+    def __post_init__(self) -> None:
+        for stream in self.streams:
+            stream._call = self
+            for r in stream.group.requests:
+                self.by_request[r.request_id] = stream
+
+    def group_closed(self) -> None:
+        if all(s.closed for s in self.streams) and self.response is not None:
+            self.response.cancel()
+
+    async def run(self) -> None:
+        try:
+            await self._run()
+        except CallError as error:
+            self._fail(error)
+        except asyncio.CancelledError:
+            self._fail(CallError("unavailable", "the call was cancelled"))
+            raise
+        except Exception as exc:  # a dead replica surfaces as a Ray error of some kind
+            if all(s.closed for s in self.streams):
+                return  # every client left and the call was cancelled on purpose
+            log.warning("worker call failed: %r", exc)
+            self._fail(CallError("unavailable", f"worker failed: {type(exc).__name__}: {exc}"))
+
+    async def _run(self) -> None:
+        groups = [s.group for s in self.streams]
+        hint = RouteHint(
+            page_hashes=tuple(p for g in groups for p in g.page_hashes),
+            num_requests=sum(len(g.requests) for g in groups),
+            num_tokens=sum(g.num_tokens for g in groups),
+        )
+        payload = encode_requests([r for g in groups for r in g.requests])
+        limits = self.dispatcher.limits
+        self.response = self.dispatcher.generate_handle.remote(hint, payload)
+        try:
+            async with asyncio.timeout(limits.accept_timeout_s):
+                first = decode_first(await self.response.__anext__())
+        except TimeoutError:
+            self.response.cancel()
+            raise CallError(
+                "unavailable",
+                f"no worker accepted the request within {limits.accept_timeout_s:.0f} s",
+            ) from None
+        if isinstance(first, Refused):
+            self._refused(first)
+            return
+        for stream in self.streams:
+            stream._on_accept(first.replica_id)
+        await self._pump(limits.stall_timeout_s)
+
+    def _refused(self, refusal: Refused) -> None:
+        if refusal.kind == "invalid" and len(self.streams) > 1:
+            for stream in self.streams:  # find which group is invalid: retry each alone
+                self.dispatcher.send([stream])
+            return
+        self._fail(CallError(refusal.kind, refusal.message))
+
+    async def _pump(self, stall_timeout_s: float) -> None:
+        iterator = self.response.__aiter__()
+        while True:
+            try:
+                async with asyncio.timeout(stall_timeout_s):
+                    frame = await iterator.__anext__()
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                self.response.cancel()
+                raise CallError(
+                    "unavailable", f"the worker sent nothing for {stall_timeout_s:.0f} s"
+                ) from None
+            deltas = decode_deltas(frame)
+            for stream in self.streams:
+                stream._on_deltas(
+                    [d for d in deltas if self.by_request.get(d.request_id) is stream]
+                )
+        self._fail(CallError("internal", "the worker ended the stream early"))
+
+    def _fail(self, error: CallError) -> None:
+        for stream in self.streams:
+            stream._on_error(error)
+
+
+class Dispatcher:
+    """Batches groups within a window and sends each batch as one streaming worker call."""
+
+    def __init__(self, worker_handle: Any, window_s: float, limits: Any):
+        self.generate_handle = worker_handle.options(method_name="generate", stream=True)
+        self._abort_handle = worker_handle.options(method_name="abort")
+        self.limits = limits
+        self._window_s = window_s
+        self._pending: list[GroupStream] = []
+        self._last_send = -1e9
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def submit(self, group: Group) -> GroupStream:
+        stream = GroupStream(self, group)
+        now = time.monotonic()
+        idle = not self._pending and now - self._last_send > self._window_s
+        if self._window_s <= 0 or idle:
+            self._last_send = now
+            self.send([stream])
+            return stream
+        self._pending.append(stream)
+        if len(self._pending) == 1:
+            asyncio.get_running_loop().call_later(self._window_s, self._flush)
+        return stream
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        live = [s for s in batch if not s.closed]
+        self._last_send = time.monotonic()
+        if live:
+            self.send(live)
+
+    def send(self, streams: list[GroupStream]) -> None:
+        self._spawn(_Call(self, streams).run())
+
+    def send_abort(self, replica_id: str, request_ids: list[str]) -> None:
+        self._spawn(self._abort(replica_id, request_ids))
+
+    async def _abort(self, replica_id: str, request_ids: list[str]) -> None:
+        with contextlib.suppress(Exception):  # the replica may be gone: nothing left to free
+            async with asyncio.timeout(self.limits.accept_timeout_s):
+                await self._abort_handle.remote(RouteHint(replica_id=replica_id), request_ids)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,79 @@
+"""OpenAI-style error responses: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from cluster.dispatch import CallError
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+# CallError.kind -> HTTP status
+CALL_STATUS = {"full": 429, "invalid": 400, "internal": 500, "unavailable": 503}
+
+
+class ApiError(Exception):
+    """Raised anywhere in a request; the ingress turns it into the error body and status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, "server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+    def sse(self) -> str:
+        return f"data: {json.dumps(self.body())}\n\n"
+
+
+def from_validation(exc: ValidationError) -> ApiError:
+    """The first validation problem, naming its field (`messages.0.role`)."""
+    first = exc.errors()[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return ApiError(
+            400, f"request body is not valid JSON: {first.get('msg')}", code="invalid_json"
+        )
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+def from_call(error: CallError, retry_after: int) -> ApiError:
+    status = CALL_STATUS[error.kind]
+    retry = retry_after if status in (429, 503) else None
+    return ApiError(status, error.message, code=error.kind, retry_after=retry)

@@ -1,0 +1,119 @@
+"""One OpenAI request in the ingress: from worker deltas to choice deltas.
+
+Each choice (an engine request) has its own incremental detokenizer (`TextStream`), which
+also applies stop strings. When a stop string hits, the request is aborted on the worker at
+once so its KV pages go back; the engine itself stops on EOS, stop token ids and lengths.
+Timing of every choice feeds the latency histograms.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from cluster.dispatch import CallError, GroupStream
+from cluster.protocol import FinishReason
+from worker.outputs import RequestDelta, TokenLogprobs
+from worker.sampling import SamplingParams
+from worker.tokenizer import TextStream, Tokenizer
+
+# (ttft_s, tpot_s | None, e2e_s, num_generated) of one finished choice
+LatencySink = Callable[[float, float | None, float, int], None]
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """New text of one choice; `finish_reason` is set on its last delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(slots=True)
+class _Choice:
+    index: int
+    request_id: str
+    detok: TextStream
+    num_tokens: int = 0
+    num_cached: int = 0
+    first_token_at: float | None = None
+    finished: bool = False
+
+
+@dataclass
+class Generation:
+    """Drives one GroupStream; `deltas()` yields one list of ChoiceDelta per engine step."""
+
+    stream: GroupStream
+    tokenizer: Tokenizer
+    params: SamplingParams
+    arrival: float
+    on_latency: LatencySink
+    n: int = 1  # samples per prompt: choice i belongs to prompt i // n
+    num_prompt_tokens: int = 0
+    _choices: dict[str, _Choice] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for index, request in enumerate(self.stream.group.requests):
+            detok = TextStream(
+                self.tokenizer,
+                stop=list(self.params.stop),
+                include_stop_str_in_output=self.params.include_stop_str_in_output,
+                skip_special_tokens=self.params.skip_special_tokens,
+            )
+            self._choices[request.request_id] = _Choice(index, request.request_id, detok)
+            if index % self.n == 0:
+                self.num_prompt_tokens += len(request.prompt_token_ids)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(c.num_cached for c in self._choices.values() if c.index % self.n == 0)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self._choices.values())
+
+    async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
+        try:
+            async for frame in self.stream:
+                out = [d for d in (self._advance(delta) for delta in frame) if d is not None]
+                if out:
+                    yield out
+        finally:
+            self.stream.close()
+
+    def _advance(self, delta: RequestDelta) -> ChoiceDelta | None:
+        choice = self._choices[delta.request_id]
+        if choice.finished:
+            return None
+        if delta.finish_reason == "error" or delta.error:
+            raise CallError("internal", delta.error or "the worker failed this request")
+        if delta.finish_reason == "abort":
+            raise CallError("unavailable", "the worker aborted this request")
+        choice.num_cached = max(choice.num_cached, delta.num_cached_tokens)
+        now = time.perf_counter()
+        if delta.new_token_ids and choice.first_token_at is None:
+            choice.first_token_at = now
+        choice.num_tokens += len(delta.new_token_ids)
+        text = choice.detok.push(delta.new_token_ids)
+        finish: FinishReason | None = None
+        if choice.detok.stopped:
+            finish = "stop"
+            self.stream.abort([choice.request_id])
+        elif delta.finish_reason is not None:
+            text += choice.detok.finish()
+            finish = "length" if delta.finish_reason == "length" else "stop"
+        if finish is not None:
+            choice.finished = True
+            self._record(choice, now)
+        return ChoiceDelta(choice.index, text, delta.new_token_ids, delta.logprobs, finish)
+
+    def _record(self, choice: _Choice, now: float) -> None:
+        first = choice.first_token_at if choice.first_token_at is not None else now
+        ttft = first - self.arrival
+        tpot = (now - first) / (choice.num_tokens - 1) if choice.num_tokens > 1 else None
+        self.on_latency(ttft, tpot, now - self.arrival, choice.num_tokens)

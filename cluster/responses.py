@@ -1,0 +1,222 @@
+"""OpenAI response bodies from choice deltas: whole responses, SSE chunks, logprobs, usage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cluster.generation import ChoiceDelta, Generation
+from cluster.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    DeltaMessage,
+    FinishReason,
+    TopLogprob,
+    Usage,
+)
+from worker.outputs import TokenLogprobs
+
+TokenText = Callable[[int], str]
+
+
+def usage_of(gen: Generation) -> Usage:
+    prompt, completion = gen.num_prompt_tokens, gen.num_completion_tokens
+    details = {"cached_tokens": gen.num_cached_tokens} if gen.num_cached_tokens else None
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=details,
+    )
+
+
+def _top(token_text: TokenText, token_id: int, logprob: float) -> TopLogprob:
+    text = token_text(token_id)
+    return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+
+def chat_logprobs(
+    token_text: TokenText, logprobs: list[TokenLogprobs] | None
+) -> ChatLogprobs | None:
+    if logprobs is None:
+        return None
+    content = []
+    for lp in logprobs:
+        top = [_top(token_text, tid, v) for tid, v in lp.top.items()]
+        text = token_text(lp.token_id)
+        content.append(
+            ChatTokenLogprob(
+                token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(
+    token_text: TokenText, logprobs: list[TokenLogprobs] | None, offset: int
+) -> CompletionLogprobs | None:
+    if logprobs is None:
+        return None
+    out = CompletionLogprobs()
+    for lp in logprobs:
+        text = token_text(lp.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append({token_text(tid): v for tid, v in lp.top.items()})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+@dataclass
+class _Collected:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class Collector:
+    """Gathers every delta of a non-streaming request."""
+
+    num_choices: int
+    wants_logprobs: bool
+    choices: dict[int, _Collected] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.choices = {
+            i: _Collected(logprobs=[] if self.wants_logprobs else None)
+            for i in range(self.num_choices)
+        }
+
+    def add(self, delta: ChoiceDelta) -> None:
+        c = self.choices[delta.index]
+        c.text.append(delta.text)
+        if c.logprobs is not None and delta.logprobs:
+            c.logprobs.extend(delta.logprobs)
+        if delta.finish_reason:
+            c.finish_reason = delta.finish_reason
+
+    def chat(
+        self, rid: str, created: int, model: str, usage: Usage, token_text: TokenText
+    ) -> ChatCompletion:
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content="".join(c.text)),
+                logprobs=chat_logprobs(token_text, c.logprobs),
+                finish_reason=c.finish_reason,
+            )
+            for i, c in sorted(self.choices.items())
+        ]
+        return ChatCompletion(id=rid, created=created, model=model, choices=choices, usage=usage)
+
+    def completion(
+        self, rid: str, created: int, model: str, usage: Usage, token_text: TokenText
+    ) -> Completion:
+        choices = [
+            CompletionChoice(
+                index=i,
+                text="".join(c.text),
+                logprobs=completion_logprobs(token_text, c.logprobs, 0),
+                finish_reason=c.finish_reason,
+            )
+            for i, c in sorted(self.choices.items())
+        ]
+        return Completion(id=rid, created=created, model=model, choices=choices, usage=usage)
+
+
+@dataclass
+class ChunkWriter:
+    """Turns deltas into SSE `data:` lines for a streaming request."""
+
+    rid: str
+    created: int
+    model: str
+    chat: bool
+    token_text: TokenText
+    include_usage: bool
+    _offsets: dict[int, int] = field(default_factory=dict)
+
+    def start(self, num_choices: int) -> list[str]:
+        """Chat streams open each choice with the assistant role."""
+        if not self.chat:
+            return []
+        choices = [
+            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+            for i in range(num_choices)
+        ]
+        return [
+            self._sse(
+                ChatCompletionChunk(
+                    id=self.rid, created=self.created, model=self.model, choices=choices
+                )
+            )
+        ]
+
+    def deltas(self, deltas: list[ChoiceDelta]) -> list[str]:
+        if self.chat:
+            chat_choices = [
+                ChatChunkChoice(
+                    index=d.index,
+                    delta=DeltaMessage(content=d.text),
+                    logprobs=chat_logprobs(self.token_text, d.logprobs),
+                    finish_reason=d.finish_reason,
+                )
+                for d in deltas
+            ]
+            return [
+                self._sse(
+                    ChatCompletionChunk(
+                        id=self.rid, created=self.created, model=self.model, choices=chat_choices
+                    )
+                )
+            ]
+        choices = []
+        for d in deltas:
+            offset = self._offsets.get(d.index, 0)
+            choices.append(
+                CompletionChoice(
+                    index=d.index,
+                    text=d.text,
+                    logprobs=completion_logprobs(self.token_text, d.logprobs, offset),
+                    finish_reason=d.finish_reason,
+                )
+            )
+            self._offsets[d.index] = offset + len(d.text)
+        return [
+            self._sse(
+                Completion(id=self.rid, created=self.created, model=self.model, choices=choices)
+            )
+        ]
+
+    def usage(self, usage: Usage) -> list[str]:
+        if not self.include_usage:
+            return []
+        if self.chat:
+            return [
+                self._sse(
+                    ChatCompletionChunk(
+                        id=self.rid, created=self.created, model=self.model, choices=[], usage=usage
+                    )
+                )
+            ]
+        return [
+            self._sse(
+                Completion(
+                    id=self.rid, created=self.created, model=self.model, choices=[], usage=usage
+                )
+            )
+        ]
+
+    @staticmethod
+    def _sse(body: ChatCompletionChunk | Completion) -> str:
+        return f"data: {body.model_dump_json()}\n\n"

@@ -1,0 +1,170 @@
+"""Replica choice for worker calls: prefix affinity first, then load.
+
+`PrefixLoadRouter` is a Ray Serve `RequestRouter` (public API, `ray.serve.request_router`)
+installed on the worker deployment, so it runs inside every handle that calls workers,
+that is inside each ingress replica. Every call carries a `RouteHint` as its first
+argument: the chained page hashes of each prompt (the same hash the worker's prefix cache
+uses), the number of requests and tokens, or a target replica for control calls (abort).
+
+Replicas report `routing_stats` (load and their prefix-cache keys) every
+`stats_period_s` through `record_routing_stats`. Between two reports the router adds what
+it sent since the report, so a burst of calls does not all land on the replica that looked
+idle half a second ago, and a prefix it just sent somewhere counts as cached there.
+
+Ranking (`rank_replicas`): replicas whose load is within `imbalance_threshold` of the least
+loaded one are ordered by matched prefix pages, then load; the rest follow by load. So
+affinity decides while the cluster is balanced, and one hot prefix cannot pile onto one
+replica beyond the threshold.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+ROUTER_CLASS_PATH = "cluster.router:PrefixLoadRouter"
+
+
+@dataclass(frozen=True, slots=True)
+class RouteHint:
+    """What the router needs to know about one call; the first argument of every worker call."""
+
+    page_hashes: tuple[tuple[int, ...], ...] = ()  # per distinct prompt of the call
+    num_requests: int = 0
+    num_tokens: int = 0
+    replica_id: str | None = None  # control calls: route to exactly this replica
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """One replica as the policy sees it: load and cached prefix keys."""
+
+    replica_id: str
+    load: float
+    kv_usage: float = 0.0
+    keys: frozenset[int] | set[int] = frozenset()
+
+
+def matched_pages(page_hashes: Sequence[int], keys: frozenset[int] | set[int]) -> int:
+    """Leading pages of one prompt found in a replica's prefix cache."""
+    n = 0
+    for key in page_hashes:
+        if key not in keys:
+            break
+        n += 1
+    return n
+
+
+def rank_replicas(
+    hint: RouteHint | None, views: Sequence[ReplicaView], imbalance_threshold: float
+) -> list[str]:
+    """Replica ids, best first (see the module docstring)."""
+    if not views:
+        return []
+    order = list(views)
+    random.shuffle(order)  # ties go to a random replica, not always the first
+    least = min(v.load for v in order)
+    prompts = hint.page_hashes if hint else ()
+
+    def affinity(v: ReplicaView) -> int:
+        return sum(matched_pages(p, v.keys) for p in prompts)
+
+    balanced = [v for v in order if v.load <= least + imbalance_threshold]
+    overloaded = [v for v in order if v.load > least + imbalance_threshold]
+    balanced.sort(key=lambda v: (-affinity(v), v.load, v.kv_usage))
+    overloaded.sort(key=lambda v: (v.load, v.kv_usage))
+    return [v.replica_id for v in balanced + overloaded]
+
+
+@dataclass(slots=True)
+class _Sent:
+    """A call this router sent to a replica, remembered until the replica's next report."""
+
+    at: float
+    num_requests: int
+    keys: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _ReplicaMemory:
+    sent: deque[_Sent] = field(default_factory=deque)
+    stats_time: float = -1.0
+    reported_keys: frozenset[int] = frozenset()
+
+
+def _hint_of(pending_request: PendingRequest | None) -> RouteHint | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    first = pending_request.args[0]
+    return first if isinstance(first, RouteHint) else None
+
+
+class PrefixLoadRouter(RequestRouter):
+    """Serve request router for WorkerDeployment: affinity + load (see module docstring)."""
+
+    def initialize_state(
+        self, imbalance_threshold: float = 8.0, memory_s: float = 10.0, **kwargs: Any
+    ) -> None:
+        """`memory_s`: forget a sent call after this long even if its replica never reports."""
+        self._imbalance_threshold = imbalance_threshold
+        self._memory_s = memory_s
+        self._memory: dict[ReplicaID, _ReplicaMemory] = {}
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        hint = _hint_of(pending_request)
+        if hint is not None and hint.replica_id is not None:
+            target = [r for r in candidate_replicas if r.replica_id.unique_id == hint.replica_id]
+            # A control call for a replica that is gone has nothing left to act on anywhere.
+            return [target] if target else [candidate_replicas]
+        self._forget_gone(candidate_replicas)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        views = [self._view(r) for r in candidate_replicas]
+        ranked = rank_replicas(hint, views, self._imbalance_threshold)
+        return [[by_id[rid]] for rid in ranked]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        hint = _hint_of(pending_request)
+        if hint is None or hint.replica_id is not None or hint.num_requests == 0:
+            return
+        keys = tuple(k for prompt in hint.page_hashes for k in prompt)
+        self._memory.setdefault(replica_id, _ReplicaMemory()).sent.append(
+            _Sent(time.time(), hint.num_requests, keys)
+        )
+
+    def _forget_gone(self, candidates: list[RunningReplica]) -> None:
+        if len(self._memory) > len(candidates):
+            alive = {r.replica_id for r in candidates}
+            self._memory = {rid: m for rid, m in self._memory.items() if rid in alive}
+
+    def _view(self, replica: RunningReplica) -> ReplicaView:
+        stats: Mapping[str, Any] = replica.routing_stats or {}
+        memory = self._memory.setdefault(replica.replica_id, _ReplicaMemory())
+        stats_time = float(stats.get("time", -1.0))
+        if stats_time != memory.stats_time:
+            memory.stats_time = stats_time
+            memory.reported_keys = frozenset(stats.get("prefix_keys", ()))
+        horizon = max(stats_time, time.time() - self._memory_s)
+        while memory.sent and memory.sent[0].at <= horizon:
+            memory.sent.popleft()
+        keys: frozenset[int] | set[int] = memory.reported_keys
+        if memory.sent:
+            keys = set(memory.reported_keys)
+            for sent in memory.sent:
+                keys.update(sent.keys)
+        reported_load = float(stats.get("num_running", 0)) + float(stats.get("num_waiting", 0))
+        load = reported_load + sum(s.num_requests for s in memory.sent)
+        return ReplicaView(
+            replica.replica_id.unique_id, load, float(stats.get("kv_usage", 0.0)), keys
+        )

@@ -1,0 +1,109 @@
+"""The wire format between ingress and worker replicas: msgpack, one frame per engine step.
+
+A call carries a batch of engine requests (one or more OpenAI requests bound for the same
+replica). The worker answers with a stream of frames: first an *accept* frame (its replica
+id) or a *refuse* frame (queue full, invalid input), then one frame per engine step that
+advanced any request of the call. Every frame is plain msgpack so neither side unpickles
+anything the other sent, and a frame costs one small bytes object on the Serve stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgpack
+
+from worker.outputs import RequestDelta, TokenLogprobs
+from worker.sampling import SamplingParams
+
+RefusalKind = Literal["full", "invalid", "internal"]
+
+
+@dataclass(frozen=True, slots=True)
+class WireRequest:
+    """One engine request as the ingress sends it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """The worker queued every request of the call."""
+
+    replica_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The worker queued nothing: `kind` says why (full -> 429, invalid -> 400, internal -> 500)."""
+
+    kind: RefusalKind
+    message: str
+
+
+def encode_requests(requests: list[WireRequest]) -> bytes:
+    rows = [
+        [r.request_id, r.prompt_token_ids, r.params.model_dump(exclude_defaults=True)]
+        for r in requests
+    ]
+    return msgpack.packb(rows)
+
+
+def decode_requests(payload: bytes) -> list[WireRequest]:
+    rows = msgpack.unpackb(payload, strict_map_key=False)
+    return [WireRequest(rid, list(ids), SamplingParams(**params)) for rid, ids, params in rows]
+
+
+def encode_accepted(replica_id: str) -> bytes:
+    return msgpack.packb({"accepted": replica_id})
+
+
+def encode_refused(kind: RefusalKind, message: str) -> bytes:
+    return msgpack.packb({"refused": kind, "message": message})
+
+
+def decode_first(frame: bytes) -> Accepted | Refused:
+    data = msgpack.unpackb(frame)
+    if "accepted" in data:
+        return Accepted(data["accepted"])
+    return Refused(data["refused"], data["message"])
+
+
+def _pack_logprobs(logprobs: list[TokenLogprobs] | None) -> list[Any] | None:
+    if logprobs is None:
+        return None
+    return [[lp.token_id, lp.logprob, list(lp.top.items())] for lp in logprobs]
+
+
+def _unpack_logprobs(rows: list[Any] | None) -> list[TokenLogprobs] | None:
+    if rows is None:
+        return None
+    return [TokenLogprobs(tid, lp, {int(k): v for k, v in top}) for tid, lp, top in rows]
+
+
+def encode_deltas(deltas: list[RequestDelta]) -> bytes:
+    rows = [
+        [
+            d.request_id,
+            d.new_token_ids,
+            _pack_logprobs(d.logprobs),
+            d.finish_reason,
+            d.error,
+            d.num_prompt_tokens,
+            d.num_cached_tokens,
+        ]
+        for d in deltas
+    ]
+    return msgpack.packb(rows)
+
+
+def decode_deltas(frame: bytes) -> list[RequestDelta]:
+    return [
+        RequestDelta(rid, list(ids), _unpack_logprobs(lps), finish, error, n_prompt, n_cached)
+        for rid, ids, lps, finish, error, n_prompt, n_cached in msgpack.unpackb(
+            frame, strict_map_key=False
+        )
+    ]
