@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -185,6 +185,26 @@ class _MinTokens:
 
 
 @dataclass(eq=False)
+class _TopK:
+    """Per-row top-k with its index arithmetic done at build, so a step spends no kernels on it."""
+
+    keep: torch.Tensor  # [B, 1] int64: k, or V where off (compared with sorted ranks)
+    kth_index: torch.Tensor  # [B, 1] int64: k - 1, or 0 where off (into a partial topk)
+    off: torch.Tensor  # [B, 1] bool
+    max_k: int
+    ranks: torch.Tensor | None  # [V] 0..V-1 for the sorted (top-p) path; None without top-p
+
+    def mask_(self, x: torch.Tensor) -> None:
+        """One partial topk of the largest k, no full sort; ties at the k-th value stay."""
+        kth = x.topk(self.max_k, dim=-1).values.gather(1, self.kth_index)
+        x.masked_fill_(x < kth.masked_fill_(self.off, _NEG_INF), _NEG_INF)
+
+    def mask_sorted_(self, sorted_x: torch.Tensor) -> None:
+        assert self.ranks is not None
+        sorted_x.masked_fill_(self.ranks >= self.keep, _NEG_INF)
+
+
+@dataclass(eq=False)
 class SamplingBatchInfo:
     """Per-row sampling state of one batch, on the device; rebuilt only when the batch changes.
 
@@ -197,15 +217,13 @@ class SamplingBatchInfo:
     all_greedy: bool
     greedy: torch.Tensor | None  # [B] bool; None when no row, or every row, is greedy
     temperature: torch.Tensor | None  # [B, 1]; 1.0 in greedy rows; None when all greedy
-    top_k: torch.Tensor | None  # [B, 1] int64, 0 = off; None when no row uses it
-    max_top_k: int
+    top_k: _TopK | None  # None when no row uses it
     top_p: torch.Tensor | None  # [B, 1], inf = off; None when no row uses it
     log_min_p: torch.Tensor | None  # [B, 1], -inf = off; None when no row uses it
     penalties: _Penalties | None
     min_tokens: _MinTokens | None
-    seeded: tuple[
-        tuple[int, torch.Generator], ...
-    ]  # sampling rows that draw from their own generator
+    # sampling rows that draw their noise from their own generator
+    seeded: tuple[tuple[int, torch.Generator], ...]
     any_unseeded: bool  # some sampling row draws from default_generator
     default_generator: torch.Generator | None  # None = torch's default generator of the device
     max_logprobs: int | None  # most top alternatives asked for; None = nobody wants logprobs
@@ -220,7 +238,7 @@ class SamplingBatchInfo:
         *,
         vocab_size: int,
         device: torch.device | str,
-        eos_token_ids: frozenset[int] = frozenset(),
+        eos_token_ids: Collection[int] = frozenset(),
         default_generator: torch.Generator | None = None,
     ) -> SamplingBatchInfo:
         """Gather the batch's parameters (row i = request i) and copy them to `device` once.
@@ -233,20 +251,19 @@ class SamplingBatchInfo:
         _check_batch(batch, prompt_ids, output_ids, generators, dev, default_generator)
         floats, ints = _pack_scalars(params, output_ids, vocab_size, dev)
         sampling = [not p.greedy for p in params]
+        sampled = [p for p in params if not p.greedy]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        top_p = floats[:, 1:2] if any(p.top_p < 1.0 for p in sampled) else None
         return cls(
             batch_size=batch,
             vocab_size=vocab_size,
             device=dev,
             all_greedy=not any(sampling),
-            greedy=ints[:, 3].bool() if any(sampling) and not all(sampling) else None,
-            temperature=floats[:, 0:1] if any(sampling) else None,
-            top_k=ints[:, 0:1] if any(p.top_k > 0 for p in params if not p.greedy) else None,
-            max_top_k=min(max([p.top_k for p in params if not p.greedy] or [0]), vocab_size),
-            top_p=floats[:, 1:2] if any(p.top_p < 1.0 for p in params if not p.greedy) else None,
-            log_min_p=floats[:, 2:3]
-            if any(p.min_p > 0.0 for p in params if not p.greedy)
-            else None,
+            greedy=ints[:, 5].bool() if sampled and len(sampled) < batch else None,
+            temperature=floats[:, 0:1] if sampled else None,
+            top_k=_build_top_k(sampled, ints, vocab_size, with_ranks=top_p is not None),
+            top_p=top_p,
+            log_min_p=floats[:, 2:3] if any(p.min_p > 0.0 for p in sampled) else None,
             penalties=_build_penalties(params, prompt_ids, output_ids, floats, vocab_size, dev),
             min_tokens=_build_min_tokens(params, output_ids, ints, eos_token_ids, vocab_size, dev),
             seeded=tuple((i, g) for i, g in enumerate(generators) if g is not None and sampling[i]),
@@ -292,7 +309,8 @@ def _pack_scalars(
     """Every per-row scalar in two device tensors (two copies); the batch info keeps views.
 
     floats: temperature, top_p, log(min_p), repetition, frequency, presence.
-    ints: top_k, min_tokens, tokens produced so far, greedy flag.
+    ints: top-k keep count, top-k kth index, top-k off flag, min_tokens, tokens produced
+    so far, greedy flag.
     Greedy rows get neutral sampling values so they never divide by 0 or mask anything.
     """
     floats, ints = [], []
@@ -308,7 +326,10 @@ def _pack_scalars(
                 p.presence_penalty,
             ]
         )
-        ints.append([min(p.top_k, vocab_size) if s else 0, p.min_tokens, len(out), int(p.greedy)])
+        k = min(p.top_k, vocab_size) if s else 0
+        ints.append(
+            [k or vocab_size, max(k - 1, 0), int(k == 0), p.min_tokens, len(out), int(not s)]
+        )
     host_f = torch.tensor(floats, dtype=torch.float32)
     host_i = torch.tensor(ints, dtype=torch.int64)
     return _to_device(host_f, device), _to_device(host_i, device)
@@ -345,7 +366,7 @@ def _build_min_tokens(
     params: Sequence[SamplingParams],
     output_ids: Sequence[Sequence[int]],
     ints: torch.Tensor,
-    eos_token_ids: frozenset[int],
+    eos_token_ids: Collection[int],
     vocab_size: int,
     device: torch.device,
 ) -> _MinTokens | None:
@@ -353,12 +374,22 @@ def _build_min_tokens(
     pairs: list[tuple[int, int]] = []
     for row, (p, out) in enumerate(zip(params, output_ids, strict=True)):
         if len(out) < p.min_tokens:
-            stops = sorted(t for t in eos_token_ids | set(p.stop_token_ids) if t < vocab_size)
+            stops = sorted(t for t in {*eos_token_ids, *p.stop_token_ids} if t < vocab_size)
             pairs.extend((row, t) for t in stops)
     if not pairs:
         return None
     where = _to_device(torch.tensor(pairs, dtype=torch.int64).T.contiguous(), device)
-    return _MinTokens(where[0], where[1], ints[:, 1], ints[:, 2])
+    return _MinTokens(where[0], where[1], ints[:, 3], ints[:, 4])
+
+
+def _build_top_k(
+    sampled: Sequence[SamplingParams], ints: torch.Tensor, vocab_size: int, *, with_ranks: bool
+) -> _TopK | None:
+    max_k = min(max((p.top_k for p in sampled), default=0), vocab_size)
+    if max_k == 0:
+        return None
+    ranks = torch.arange(vocab_size, device=ints.device) if with_ranks else None
+    return _TopK(ints[:, 0:1], ints[:, 1:2], ints[:, 2:3].bool(), max_k, ranks)
 
 
 def penalized_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -402,23 +433,15 @@ def _top_k_top_p_(x: torch.Tensor, info: SamplingBatchInfo) -> None:
     """Mask, in place, what falls outside each row's top-k and nucleus; sorts only for top-p."""
     if info.top_p is None:
         if info.top_k is not None:
-            _top_k_only_(x, info.top_k, info.max_top_k)
+            info.top_k.mask_(x)
         return
     sorted_x, order = x.sort(dim=-1, descending=True)
     if info.top_k is not None:
-        rank = torch.arange(x.shape[-1], device=x.device)
-        sorted_x.masked_fill_((rank >= info.top_k) & (info.top_k > 0), _NEG_INF)
+        info.top_k.mask_sorted_(sorted_x)
     probs = sorted_x.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1).sub_(probs)  # the top token always has 0 before it
     sorted_x.masked_fill_(mass_before >= info.top_p, _NEG_INF)
     x.scatter_(1, order, sorted_x)
-
-
-def _top_k_only_(x: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> None:
-    """Top-k through one partial topk of the largest k, no full sort; ties at the k-th value stay."""
-    kth = x.topk(max_top_k, dim=-1).values.gather(1, (top_k - 1).clamp(min=0))
-    kth.masked_fill_(top_k == 0, _NEG_INF)
-    x.masked_fill_(x < kth, _NEG_INF)
 
 
 def _exponential_race(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

@@ -134,6 +134,17 @@ def test_rows_with_different_filters_in_one_batch(device):
             assert set(row.tolist()) <= allowed_set(BASE_LOGITS, **kw)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_rows_beside_unfiltered_rows(device):
+    """Without top-p, top-k takes its partial-topk path; rows with top_k=0 must stay whole."""
+    n = 1000
+    params = [SamplingParams(top_k=2)] * n + [SamplingParams(top_k=0)] * n
+    logits = torch.tensor([BASE_LOGITS], device=device).expand(2 * n, -1).contiguous()
+    ids = sample(logits, build(params, device)).token_ids.cpu()
+    assert set(ids[:n].tolist()) == {0, 1}
+    assert set(ids[n:].tolist()) >= set(range(8))  # each of the top 8 has p > 2 %
+
+
 # --- the distribution -----------------------------------------------------------------
 
 
