@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import ClusterConfig
 from cluster.dispatch import CallError, Dispatcher, Group
@@ -45,6 +46,7 @@ from worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+REPLICA_HEADER = "x-kvray-replica"  # which worker replica served the request
 _INFO_TIMEOUT_S = 30.0
 _STATS_TIMEOUT_S = 5.0
 
@@ -70,6 +72,7 @@ class Ingress:
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="kvray", docs_url=None, redoc_url=None)
         app.add_exception_handler(ApiError, self._on_api_error)  # type: ignore[arg-type]
+        app.add_exception_handler(StarletteHTTPException, self._on_http_error)  # type: ignore[arg-type]
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
@@ -166,16 +169,16 @@ class Ingress:
             stream, self._tokenizer, params, arrival, self._metrics.observe_choice, n=req.n
         )
         try:
-            await stream.accepted()
+            replica_id = await stream.accepted()
         except CallError as exc:
             stream.close()
             raise from_call(exc, self._config.limits.retry_after_s) from None
         rid, model = new_id("chatcmpl" if chat else "cmpl"), self._config.model_name
+        headers = {REPLICA_HEADER: replica_id}
         if req.stream:
             writer = ChunkWriter(rid, now(), model, chat, self._token_text, req.include_usage)
-            return StreamingResponse(
-                self._sse(gen, writer, len(stream.group.requests)), media_type="text/event-stream"
-            )
+            body = self._sse(gen, writer, len(stream.group.requests))
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
         collector = Collector(len(stream.group.requests), params.logprobs is not None)
         try:
             async for deltas in gen.deltas():
@@ -185,7 +188,8 @@ class Ingress:
             raise from_call(exc, self._config.limits.retry_after_s) from None
         self._count_finished(collector.choices.values())
         build = collector.chat if chat else collector.completion
-        return JSONResponse(build(rid, now(), model, usage_of(gen), self._token_text).model_dump())
+        body = build(rid, now(), model, usage_of(gen), self._token_text)
+        return JSONResponse(body.model_dump(), headers=headers)
 
     async def _sse(
         self, gen: Generation, writer: ChunkWriter, num_choices: int
@@ -284,6 +288,9 @@ class Ingress:
     def _count_finished(self, choices: Any) -> None:
         for choice in choices:
             self._metrics.count_finished(choice.finish_reason or "stop")
+
+    def _on_http_error(self, request: Request, exc: StarletteHTTPException) -> Response:
+        return self._on_api_error(request, ApiError(exc.status_code, str(exc.detail)))
 
     def _on_api_error(self, request: Request, exc: ApiError) -> Response:
         self._metrics.count_failed(exc.status)

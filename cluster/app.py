@@ -7,6 +7,7 @@ RayService (`import_path: cluster.app:build_app`, `args:` = the ClusterConfig do
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,16 @@ def load_config(config: ClusterConfig | dict[str, Any] | str | Path | None) -> C
     if isinstance(config, dict) and set(config) == {"config"}:
         return ClusterConfig.from_yaml(config["config"])
     return ClusterConfig.coerce(config)
+
+
+def checkout_runtime_env() -> dict[str, Any] | None:
+    """Ray runtime_env for a driver running from a plain checkout (kvray not pip-installed):
+    Ray workers then find `cluster` and `worker` through PYTHONPATH. None when installed."""
+    try:
+        importlib.metadata.distribution("kvray")
+        return None
+    except importlib.metadata.PackageNotFoundError:
+        return {"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}}
 
 
 def _cluster_has_gpus() -> bool:
@@ -88,6 +99,7 @@ def _worker(config: ClusterConfig) -> Any:
         health_check_timeout_s=max(30.0, config.health_check_period_s),
         request_router_config=router,
         graceful_shutdown_timeout_s=5,
+        logging_config={"enable_access_log": False},  # one line per internal call is noise
     )
     return deployment.bind(config.engine, config.router.summary_pages, config.stall_threshold_s)
 

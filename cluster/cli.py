@@ -1,0 +1,172 @@
+"""`kvray` command line: serve | generate | prepare-demo | bench offline | bench serve.
+
+Heavy imports (ray, torch, the engine) happen inside the subcommand that needs them, so
+`kvray --help` is instant and `kvray bench offline` loads only what it uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+BENCH_MODULES = {"offline": "cluster.bench_offline", "serve": "cluster.bench_serve"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvray", description="LLM serving on Ray Serve.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start local Ray and the OpenAI-compatible server")
+    serve.add_argument("-c", "--config", help="ClusterConfig YAML file")
+    serve.add_argument("--model", help="HF model directory or 'demo' (overrides the config)")
+    serve.add_argument("--replicas", type=int, help="worker replicas (overrides the config)")
+    serve.add_argument("--host", help="HTTP host (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    serve.add_argument("--address", help="join this Ray cluster instead of starting a local one")
+
+    sub.add_parser("prepare-demo", help="convert the demo model once and print its directory")
+
+    gen = sub.add_parser("generate", help="generate text in this process (no server)")
+    gen.add_argument("prompts", nargs="+", help="one or more prompts")
+    gen.add_argument("--model", default="demo", help="HF model directory or 'demo'")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+
+    bench = sub.add_parser("bench", help="benchmarks: offline (engine) or serve (HTTP)")
+    bench.add_argument("target", choices=sorted(BENCH_MODULES))
+    bench.add_argument(
+        "args", nargs=argparse.REMAINDER, help="options of the benchmark (see its --help)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    commands = {
+        "serve": _serve,
+        "prepare-demo": _prepare_demo,
+        "generate": _generate,
+        "bench": _bench,
+    }
+    return commands[args.command](args)
+
+
+# -- serve -----------------------------------------------------------------------------------
+
+
+def _serve_config(args: argparse.Namespace) -> Any:
+    import yaml
+
+    from cluster.config import ClusterConfig
+
+    data: dict[str, Any] = {}
+    if args.config:
+        data = yaml.safe_load(Path(args.config).read_text()) or {}
+    if args.model:
+        data["engine"] = {**data.get("engine", {}), "model": args.model}
+    overrides = {"worker_replicas": args.replicas, "host": args.host, "port": args.port}
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return ClusterConfig.model_validate(data)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app, checkout_runtime_env
+
+    config = _serve_config(args)
+    ray.init(address=args.address, runtime_env=checkout_runtime_env())
+    try:
+        serve.start(http_options={"host": config.host, "port": config.port})
+        print(f"kvray: deploying {config.model_name} ...", flush=True)
+        start = time.perf_counter()
+        serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
+        print(f"kvray: ready in {time.perf_counter() - start:.0f} s\n", flush=True)
+        print(_examples(config), flush=True)
+        _wait_for_interrupt()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("\nkvray: shutting down ...", flush=True)
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _examples(config: Any) -> str:
+    base = f"http://{config.host}:{config.port}"
+    key = config.api_keys[0] if config.api_keys else "unused"
+    auth = f' -H "Authorization: Bearer {key}"' if config.api_keys else ""
+    return (
+        f"Try it:\n\n  curl {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\\n"
+        f'    -d \'{{"model": "{config.model_name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}\'\n\n'
+        "  python - <<'EOF'\n"
+        "  from openai import OpenAI\n"
+        f'  client = OpenAI(base_url="{base}/v1", api_key="{key}")\n'
+        f'  stream = client.chat.completions.create(model="{config.model_name}", stream=True,\n'
+        '      messages=[{"role": "user", "content": "Tell me a story"}])\n'
+        "  for chunk in stream:\n"
+        '      print(chunk.choices[0].delta.content or "", end="", flush=True)\n'
+        "  EOF\n\n"
+        f"Metrics: {base}/metrics   Stop: Ctrl-C"
+    )
+
+
+def _wait_for_interrupt() -> None:
+    """Block until Ctrl-C or SIGTERM."""
+    stop = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while not stop:
+        time.sleep(0.2)
+
+
+# -- the others ------------------------------------------------------------------------------
+
+
+def _prepare_demo(args: argparse.Namespace) -> int:
+    from worker.model.demo import ensure_demo_model
+
+    print(ensure_demo_model())
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from worker.llm import LLM
+    from worker.sampling import SamplingParams
+
+    llm = LLM(args.model)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    for prompt in args.prompts:
+        if len(args.prompts) > 1:
+            print(f"\n>>> {prompt}")
+        for piece in llm.stream(prompt, params, chat=args.chat):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        print()
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    module = importlib.import_module(BENCH_MODULES[args.target])
+    parser = argparse.ArgumentParser(prog=f"kvray bench {args.target}")
+    module.add_arguments(parser)
+    result = module.run(parser.parse_args(args.args))
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Real Ray Serve on this machine, shared by the cluster tests.
+
+Starting Ray and the app costs ~20 s on two cores, so one app serves every single-node
+test module (session fixture `served`), and the multi-node module swaps it for a
+`ray.cluster_utils.Cluster` (one Ray runtime per process at a time). All apps run the real
+engine on the demo model with a small KV cache so CPU steps stay fast.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from cluster.app import INGRESS_NAME, WORKER_NAME, build_app, checkout_runtime_env
+from cluster.config import ClusterConfig
+
+API_KEY = "test-key"
+APP_NAME = "kvray"
+ENGINE = {
+    "model": "demo",
+    "num_pages": 96,
+    "page_size": 16,
+    "max_running": 4,
+    "max_waiting": 6,
+    "max_seq_len": 512,
+    "token_budget": 512,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Served:
+    """A running app: where it listens and how to reach its worker replicas."""
+
+    config: ClusterConfig
+    base_url: str
+
+    @property
+    def api_key(self) -> str:
+        return self.config.api_keys[0] if self.config.api_keys else "unused"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def worker_handle(self) -> Any:
+        return serve.get_deployment_handle(WORKER_NAME, app_name=APP_NAME)
+
+    def worker_stats(self) -> dict[str, dict[str, Any]]:
+        """Engine stats of every worker replica, by replica id."""
+        stats = self.worker_handle().broadcast("stats").results(timeout_s=30)
+        return {s["replica_id"]: s for s in stats}
+
+
+def deploy(config: ClusterConfig) -> Served:
+    serve.start(http_options={"host": config.host, "port": config.port})
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    served = Served(config, f"http://{config.host}:{config.port}")
+    wait_healthy(served)
+    return served
+
+
+def wait_healthy(served: Served, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{served.base_url}/health", timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("the app did not become healthy")
+
+
+class RayHarness:
+    """Owns the one Ray runtime of this test process: a local one, or a multi-node Cluster."""
+
+    def __init__(self) -> None:
+        self.local: Served | None = None
+        self.cluster: Any = None
+
+    def local_app(self) -> Served:
+        if self.local is None:
+            self.stop()
+            ray.init(num_cpus=4, runtime_env=checkout_runtime_env(), include_dashboard=False)
+            config = ClusterConfig.model_validate(
+                {
+                    "engine": ENGINE,
+                    "api_keys": [API_KEY],
+                    "port": free_port(),
+                    "router": {"stats_period_s": 0.2},
+                    "limits": {"accept_timeout_s": 30, "stall_timeout_s": 60},
+                }
+            )
+            self.local = deploy(config)
+        return self.local
+
+    def multinode_app(self, worker_nodes: int, worker_config: dict[str, Any]) -> Served:
+        from ray.cluster_utils import Cluster
+
+        self.stop()
+        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+        for _ in range(worker_nodes):
+            self.cluster.add_node(num_cpus=2, resources={"fake_gpu": 1})
+        ray.init(address=self.cluster.address, runtime_env=checkout_runtime_env())
+        self.cluster.wait_for_nodes()
+        config = ClusterConfig.model_validate(
+            {
+                "engine": ENGINE,
+                "port": free_port(),
+                "worker_resources": {"fake_gpu": 1},
+                **worker_config,
+            }
+        )
+        return deploy(config)
+
+    def stop(self) -> None:
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+            self.cluster = None
+        self.local = None
+
+
+@pytest.fixture(scope="session")
+def ray_harness() -> Iterator[RayHarness]:
+    harness = RayHarness()
+    yield harness
+    harness.stop()
+
+
+@pytest.fixture(scope="module")
+def served(ray_harness: RayHarness) -> Served:
+    return ray_harness.local_app()
+
+
+__all__ = ["API_KEY", "ENGINE", "INGRESS_NAME", "WORKER_NAME", "Served", "RayHarness", "free_port"]

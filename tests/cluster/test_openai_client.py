@@ -1,0 +1,140 @@
+"""The official `openai` client against the running app (real Serve, real engine, demo model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from openai import OpenAI
+
+from tests.cluster.conftest import ENGINE, Served
+from worker.llm import LLM
+from worker.sampling import SamplingParams
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = [{"role": "user", "content": "Write a short story about a robot learning to paint."}]
+
+
+@pytest.fixture(scope="module")
+def client(served: Served) -> OpenAI:
+    return OpenAI(
+        base_url=f"{served.base_url}/v1", api_key=served.api_key, max_retries=0, timeout=120
+    )
+
+
+def test_models_lists_the_served_model(client: OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == ["demo"]
+
+
+def test_greedy_chat_over_http_equals_llm_generate(client: OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="demo", messages=QUESTION, temperature=0, max_tokens=24
+    )
+    llm = LLM(**ENGINE)
+    try:
+        [local] = llm.generate(
+            QUESTION[0]["content"], SamplingParams(temperature=0, max_tokens=24), chat=True
+        )
+    finally:
+        llm.engine.shutdown()
+    choice = reply.choices[0]
+    assert choice.message.content == local.text
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == local.finish_reason
+    assert reply.usage.completion_tokens == len(local.token_ids)
+    assert reply.usage.prompt_tokens == len(local.prompt_token_ids)
+
+
+def test_streaming_equals_non_streaming_and_reports_usage(client: OpenAI) -> None:
+    whole = client.chat.completions.create(
+        model="demo", messages=STORY, temperature=0, max_tokens=20
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="demo",
+            messages=STORY,
+            temperature=0,
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert text == whole.choices[0].message.content
+    assert finishes == ["length"] == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 20 == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_n2_gives_two_indexed_choices(client: OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="demo", messages=STORY, n=2, temperature=1.0, seed=3, max_tokens=12
+    )
+    assert sorted(c.index for c in reply.choices) == [0, 1]
+    assert all(c.message.content for c in reply.choices)
+    assert all(c.finish_reason in ("stop", "length") for c in reply.choices)
+    assert 2 <= reply.usage.completion_tokens <= 24
+    assert reply.choices[0].message.content != reply.choices[1].message.content
+
+
+def test_stop_string_cuts_the_text_and_finishes_with_stop(client: OpenAI) -> None:
+    full = client.chat.completions.create(
+        model="demo", messages=STORY, temperature=0, max_tokens=40
+    )
+    text = full.choices[0].message.content
+    stop = text[20:26]
+    assert stop.strip(), "the greedy story should have text to cut"
+    cut = client.chat.completions.create(
+        model="demo", messages=STORY, temperature=0, max_tokens=40, stop=[stop]
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    streamed = client.chat.completions.create(
+        model="demo", messages=STORY, temperature=0, max_tokens=40, stop=stop, stream=True
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        == text[: text.index(stop)]
+    )
+
+
+def test_logprobs_and_top_logprobs(client: OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="demo", messages=QUESTION, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3
+    )
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob <= 0 and math.isfinite(entry.logprob)
+        assert math.isclose(entry.logprob, max(t.logprob for t in entry.top_logprobs), abs_tol=1e-4)
+    assert "".join(e.token for e in content) == reply.choices[0].message.content
+
+
+def test_seed_reproduces_sampled_text(client: OpenAI) -> None:
+    def sample(seed: int) -> str:
+        reply = client.chat.completions.create(
+            model="demo", messages=STORY, temperature=1.0, top_p=0.95, seed=seed, max_tokens=16
+        )
+        return reply.choices[0].message.content or ""
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert any(sample(seed) != first for seed in (1, 2, 3))
+
+
+def test_completions_endpoint_plain_and_streaming(client: OpenAI) -> None:
+    reply = client.completions.create(
+        model="demo", prompt="The quick brown fox", max_tokens=8, temperature=0
+    )
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 8
+    streamed = client.completions.create(
+        model="demo", prompt="The quick brown fox", max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == reply.choices[0].text
