@@ -162,8 +162,9 @@ class KVCache(CacheView):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         loc = self.batch.out_cache_loc if self.batch is not None else None
         assert loc is not None, "bind_tasks first"
-        self.k_cache[layer, loc] = k
-        self.v_cache[layer, loc] = v
+        # index_copy_ on the layer's view: on CPU, `buf[layer, loc] = k` (index_put) is ~800x slower.
+        self.k_cache[layer].index_copy_(0, loc, k)
+        self.v_cache[layer].index_copy_(0, loc, v)
 
     def bind_tasks(self, tasks: list[ScheduledTask]) -> ForwardBatch:
         """Fill the workspace metadata for this step, once for all layers."""

@@ -1,0 +1,307 @@
+"""Engine: one model on one device — request lifecycle, the engine-loop thread, streams, stats.
+
+`step()` is schedule -> execute -> postprocess. The offline LLM calls it directly; a
+server calls `start()` and the loop thread runs it whenever there is work, publishing
+each step's deltas to the streams that wait for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from worker.config import EngineConfig
+from worker.executor import Executor, StepResult
+from worker.model.config import ModelConfig
+from worker.model.demo import resolve_model_path
+from worker.outputs import FinishReason, RequestDelta
+from worker.request import Request, ScheduledTask, Status
+from worker.sampling import SamplingParams
+from worker.scheduler import Scheduler
+from worker.streams import OutputStream
+from worker.tokenizer import Tokenizer, read_eos_token_ids
+
+log = logging.getLogger("kvray.engine")
+
+SUMMARY_PAGES = 4096  # most prefix-cache keys a replica reports to the router
+SUMMARY_REFRESH_S = 0.05
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class EngineFull(RuntimeError):
+    """The waiting queue is at `max_waiting`: try again later (HTTP 429)."""
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_waiting: int = 0
+    num_running: int = 0
+    waiting_tokens: int = 0
+    num_free_pages: int = 0
+    num_total_pages: int = 0
+    kv_usage: float = 0.0
+    prefix_hits: int = 0
+    prefix_queries: int = 0
+    prefix_hit_rate: float = 0.0
+    num_steps: int = 0
+    num_preemptions: int = 0
+    last_step_time: float = 0.0
+    loop_alive: bool = False
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        start = time.perf_counter()
+        path = resolve_model_path(config.model)
+        model_config = ModelConfig.from_dir(path)
+        self.config = config.resolve(model_max_len=model_config.max_len)
+        if self.config.token_budget < self.config.max_running:
+            log.info("max_running capped to token_budget=%d (every running request decodes every step)", self.config.token_budget)
+            self.config = self.config.model_copy(update={"max_running": self.config.token_budget})
+        self.model_config = model_config
+        self.tokenizer = Tokenizer.from_dir(path) if _has_tokenizer(path) else None
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(read_eos_token_ids(path))
+        self.eos_token_ids = eos
+        self.executor = Executor(self.config, path, model_config, eos)
+        self.scheduler = Scheduler(self.config, self.executor.cache)
+        self.model_path = path
+        self._requests: dict[str, Request] = {}
+        self._streams: dict[str, OutputStream] = {}
+        self._inbox: list[Request] = []
+        self._aborts: list[str] = []
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self.stats_snapshot = EngineStats(num_total_pages=self.executor.cache.num_total_pages)
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._num_steps = 0
+        self._summary: list[int] = []
+        self._summary_time = 0.0
+        self.fault_hook: object | None = None  # test hook: callable(tasks) run before each step's forward
+        log.info(
+            "engine ready in %.1fs: %s, dtype %s, device %s, backend %s, cache %s, max_running %d, max_seq_len %d, token_budget %d",
+            time.perf_counter() - start, path.name, self.config.dtype, self.config.device, self.config.backend,
+            self.config.cache, self.config.max_running, self.config.max_seq_len, self.config.token_budget,
+        )
+
+    # -- submitting ----------------------------------------------------------------------
+    def submit(self, requests: list[EngineRequest]) -> OutputStream:
+        """Queue requests (thread-safe). Validates all first: bad input raises ValueError, nothing queued."""
+        new = [self._validate(r) for r in requests]
+        ids = [r.request_id for r in new]
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate request_id in one submit")
+        stream = OutputStream(ids, self.abort)
+        with self._cv:
+            if any(rid in self._requests for rid in ids):
+                raise ValueError("request_id already in use")
+            if self.stats_snapshot.num_waiting + len(self._inbox) + len(new) > self.config.max_waiting:
+                raise EngineFull(f"more than max_waiting={self.config.max_waiting} requests are waiting")
+            for r in new:
+                self._requests[r.request_id] = r
+                self._streams[r.request_id] = stream
+            self._inbox.extend(new)
+            self._cv.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the request's pages are free after the next step."""
+        with self._cv:
+            self._aborts.append(request_id)
+            self._cv.notify()
+
+    def _validate(self, r: EngineRequest) -> Request:
+        assert self.config.max_seq_len is not None
+        n = len(r.prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        if n >= self.config.max_seq_len:
+            raise ValueError(f"prompt has {n} tokens; this model's limit is {self.config.max_seq_len - 1} prompt tokens")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in r.prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        page = self.executor.cache.page_size
+        if -(-(n + 1) // page) > self.executor.cache.num_total_pages:
+            raise ValueError(f"prompt of {n} tokens does not fit the KV cache")
+        gen = None
+        if r.params.seed is not None:
+            gen = torch.Generator(self.executor.device).manual_seed(r.params.seed)
+        return Request(r.request_id, list(r.prompt_token_ids), r.params, generator=gen)
+
+    # -- stepping ------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self._inbox or self._aborts or self.scheduler.has_work)
+
+    def step(self) -> list[RequestDelta]:
+        """One engine iteration; returns (and publishes) every delta it produced."""
+        deltas = self._drain()
+        tasks, too_long = self.scheduler.schedule()
+        for request in too_long:
+            deltas.append(self._finish(request, "length"))
+        if tasks:
+            try:
+                if callable(self.fault_hook):
+                    self.fault_hook(tasks)
+                result = self.executor.step(tasks)
+            except Exception as e:  # isolate the failure to this step's requests
+                log.exception("step failed; failing its %d requests", len(tasks))
+                deltas.extend(self._finish(t.request, "error", f"{type(e).__name__}: {e}") for t in tasks)
+            else:
+                deltas.extend(self._postprocess(tasks, result))
+            self._num_steps += 1
+        self._publish(deltas)
+        self._snapshot()
+        return deltas
+
+    def _drain(self) -> list[RequestDelta]:
+        with self._cv:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for r in inbox:
+            self.scheduler.add(r)
+        deltas = []
+        for rid in aborts:
+            request = self._requests.get(rid)
+            if request is not None and request.status is not Status.FINISHED:
+                deltas.append(self._finish(request, "abort"))
+        return deltas
+
+    def _postprocess(self, tasks: list[ScheduledTask], result: StepResult) -> list[RequestDelta]:
+        now = time.monotonic()
+        cache = self.executor.cache
+        for t in tasks:
+            if t.request.first_scheduled_time is None:
+                t.request.first_scheduled_time = now
+            t.request.num_computed += t.num_new
+            cache.commit(t.request)
+        deltas = []
+        for i, token, lp in zip(result.task_indices, result.token_ids, result.logprobs, strict=True):
+            request = tasks[i].request
+            request.output_ids.append(token)
+            self._generation_tokens += 1
+            if len(request.output_ids) == 1:
+                request.first_token_time = now
+                self._prompt_tokens += len(request.prompt_ids)
+            if lp is not None:
+                request.logprobs = (request.logprobs or []) + [lp]
+            reason = self._stop_reason(request, token)
+            if reason is None:
+                deltas.append(self._delta(request, [token], lp))
+            else:
+                deltas.append(self._finish(request, reason, new_tokens=[token], lp=lp))
+        return deltas
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        p, n_out = request.params, len(request.output_ids)
+        if n_out >= p.min_tokens and ((token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids):
+            return "stop"
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or request.num_tokens >= (self.config.max_seq_len or 0):
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None, new_tokens: list[int] | None = None, lp=None) -> RequestDelta:
+        if request.status is not Status.FINISHED:
+            self.scheduler.remove(request)
+        request.status, request.finish_reason, request.error = Status.FINISHED, reason, error
+        request.finish_time = time.monotonic()
+        return self._delta(request, new_tokens or [], lp)
+
+    def _delta(self, request: Request, tokens: list[int], lp) -> RequestDelta:
+        return RequestDelta(
+            request.request_id, tokens, [lp] if lp is not None else None, request.finish_reason, request.error,
+            num_prompt_tokens=len(request.prompt_ids), num_cached_tokens=request.num_cached,
+        )
+
+    def _publish(self, deltas: list[RequestDelta]) -> None:
+        frames: dict[int, tuple[OutputStream, list[RequestDelta]]] = {}
+        for d in deltas:
+            stream = self._streams.get(d.request_id)
+            if stream is None:
+                continue
+            frames.setdefault(id(stream), (stream, []))[1].append(d)
+            if d.finish_reason is not None:
+                with self._cv:
+                    self._streams.pop(d.request_id, None)
+                    self._requests.pop(d.request_id, None)
+        for stream, frame in frames.values():
+            stream.push(frame)
+
+    # -- the loop thread -----------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="kvray-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._stopped or self.has_work)
+                if self._stopped:
+                    return
+            try:
+                self.step()
+            except Exception:  # the loop never dies silently: log and keep serving
+                log.exception("engine step raised outside the executor")
+
+    # -- observability -------------------------------------------------------------------
+    def _snapshot(self) -> None:
+        cache, sched = self.executor.cache, self.scheduler
+        now = time.monotonic()
+        if now - self._summary_time > SUMMARY_REFRESH_S:
+            self._summary, self._summary_time = cache.prefix_summary(SUMMARY_PAGES), now
+        hits, queries = cache.prefix_stats
+        free, total = cache.num_free_pages, cache.num_total_pages
+        self.stats_snapshot = EngineStats(
+            num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
+            waiting_tokens=sum(r.num_pending for r in sched.waiting),
+            num_free_pages=free,
+            num_total_pages=total,
+            kv_usage=1.0 - free / total if total else 0.0,
+            prefix_hits=hits,
+            prefix_queries=queries,
+            prefix_hit_rate=hits / queries if queries else 0.0,
+            num_steps=self._num_steps,
+            num_preemptions=sched.num_preemptions,
+            last_step_time=now,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens,
+        )
+
+    def stats(self) -> EngineStats:
+        s = self.stats_snapshot
+        with self._cv:
+            pending = len(self._inbox)
+        alive = self._thread.is_alive() if self._thread is not None else False
+        return EngineStats(**{**{k: getattr(s, k) for k in EngineStats.__slots__}, "num_waiting": s.num_waiting + pending, "loop_alive": alive})
+
+    def prefix_summary(self, max_pages: int = SUMMARY_PAGES) -> list[int]:
+        """Keys of cached pages, most recent first, as of the last refresh (engine thread, <= 50 ms old)."""
+        return self._summary[:max_pages]
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()

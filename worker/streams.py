@@ -1,0 +1,98 @@
+"""OutputStream: the frames of one `Engine.submit` call, handed from the engine thread.
+
+One frame per engine step, holding every request of the submit that advanced in that
+step. Consumers iterate it synchronously or from any asyncio loop; the engine thread wakes
+them (no polling sleeps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+
+from worker.outputs import RequestDelta
+
+
+class OutputStream:
+    def __init__(self, request_ids: list[str], abort: Callable[[str], None]):
+        self.request_ids = request_ids
+        self._unfinished = set(request_ids)
+        self._abort = abort
+        self._frames: deque[list[RequestDelta]] = deque()
+        self._cond = threading.Condition()
+        self._wakeups: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._closed = False
+
+    @property
+    def finished(self) -> bool:
+        """Every request of this stream has finished (its last frame may still be unread)."""
+        return not self._unfinished
+
+    def push(self, frame: list[RequestDelta]) -> None:
+        """Engine thread: deliver one step's deltas for this stream."""
+        with self._cond:
+            self._frames.append(frame)
+            for d in frame:
+                if d.finish_reason is not None:
+                    self._unfinished.discard(d.request_id)
+            self._cond.notify_all()
+            wakeups = list(self._wakeups)
+        for loop, event in wakeups:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(event.set)
+
+    def poll(self) -> list[list[RequestDelta]]:
+        """Frames delivered so far and not yet read (never blocks)."""
+        with self._cond:
+            frames = list(self._frames)
+            self._frames.clear()
+        return frames
+
+    def close(self) -> None:
+        """Abort whatever of this submit is unfinished; further frames are dropped."""
+        with self._cond:
+            self._closed = True
+            unfinished = list(self._unfinished)
+            self._cond.notify_all()
+        for rid in unfinished:
+            self._abort(rid)
+
+    def _ready(self) -> bool:
+        return bool(self._frames) or self._closed or not self._unfinished
+
+    def _take(self) -> list[RequestDelta] | None:
+        """Next frame, or None when the stream is over. Call with the lock held, when ready."""
+        return self._frames.popleft() if self._frames else None
+
+    def __iter__(self) -> Iterator[list[RequestDelta]]:
+        while True:
+            with self._cond:
+                self._cond.wait_for(self._ready)
+                frame = self._take()
+            if frame is None:
+                return
+            yield frame
+
+    async def __aiter__(self) -> AsyncIterator[list[RequestDelta]]:
+        event = asyncio.Event()
+        entry = (asyncio.get_running_loop(), event)
+        with self._cond:
+            self._wakeups.append(entry)
+        try:
+            while True:
+                with self._cond:
+                    ready = self._ready()
+                    if not ready:
+                        event.clear()  # under the lock: a push after this sets it again
+                    frame = self._take() if ready else None
+                if not ready:
+                    await event.wait()
+                    continue
+                if frame is None:
+                    return
+                yield frame
+        finally:
+            with self._cond:
+                self._wakeups.remove(entry)
