@@ -143,45 +143,49 @@ def _token_counts(
 
 @dataclass(eq=False)
 class _Penalties:
-    """Token-history penalties; built only when some row has a non-neutral penalty."""
+    """Token-history penalties, each kept as the [B, V] tensor that one fused op per step needs.
 
-    repetition: torch.Tensor  # [B, 1] divisor for positive / factor for negative seen logits
-    frequency: torch.Tensor  # [B, 1] subtracted per occurrence in the output
-    presence: torch.Tensor  # [B, 1] subtracted once if present in the output
-    seen: torch.Tensor | None  # [B, V] bool, prompt + output; None when no repetition penalty
-    counts: torch.Tensor | None  # [B, V] float32 output counts; None when no freq/presence
+    Built only when some row has a non-neutral penalty, and then only for the kinds in use.
+    """
+
+    repetition: torch.Tensor  # [B, 1]
+    neg_frequency: torch.Tensor  # [B, 1] -frequency_penalty
+    neg_presence: torch.Tensor  # [B, 1] -presence_penalty
+    rep_scale: torch.Tensor | None  # [B, V] repetition penalty at prompt+output tokens, else 1
+    counts: torch.Tensor | None  # [B, V] float32 times each token was generated
+    present: torch.Tensor | None  # [B, V] float32 1.0 where the token was generated
+    ones: torch.Tensor  # [B, 1] float32
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Return penalized logits as a new tensor (the raw ones stay intact for logprobs)."""
-        if self.seen is not None:
-            scale = torch.where(self.seen, self.repetition, 1.0)
-            logits = torch.where(logits > 0, logits / scale, logits * scale)
+        if self.rep_scale is not None:  # HF style: shrink positive logits, grow negative ones
+            logits = torch.where(logits > 0, logits / self.rep_scale, logits * self.rep_scale)
         if self.counts is not None:
-            penalty = self.counts * self.frequency + (self.counts > 0) * self.presence
-            logits = logits - penalty
+            logits = torch.addcmul(logits, self.counts, self.neg_frequency)
+        if self.present is not None:
+            logits = torch.addcmul(logits, self.present, self.neg_presence)
         return logits
 
     def record(self, token_ids: torch.Tensor) -> None:
         column = token_ids.view(-1, 1)
-        if self.seen is not None:
-            self.seen.scatter_(1, column, True)
+        if self.rep_scale is not None:
+            self.rep_scale.scatter_(1, column, self.repetition)
         if self.counts is not None:
-            self.counts.scatter_add_(1, column, torch.ones_like(column, dtype=torch.float32))
+            self.counts.scatter_add_(1, column, self.ones)
+        if self.present is not None:
+            self.present.scatter_(1, column, self.ones)
 
 
 @dataclass(eq=False)
 class _MinTokens:
     """Holds EOS and stop ids at -inf in rows that have produced fewer than min_tokens tokens."""
 
-    rows: torch.Tensor  # [N] row of each blocked (row, token) pair
-    ids: torch.Tensor  # [N] token of each pair
-    min_tokens: torch.Tensor  # [B]
-    out_len: torch.Tensor  # [B] tokens produced so far, advanced by record()
+    stop_mask: torch.Tensor  # [B, V] bool: EOS and stop ids of rows short of min_tokens at build
+    min_tokens: torch.Tensor  # [B, 1]
+    out_len: torch.Tensor  # [B, 1] tokens produced so far, advanced by record()
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        blocked = (self.out_len < self.min_tokens)[self.rows]
-        values = logits[self.rows, self.ids].masked_fill(blocked, _NEG_INF)
-        return logits.index_put((self.rows, self.ids), values)
+        return logits.masked_fill(self.stop_mask & (self.out_len < self.min_tokens), _NEG_INF)
 
 
 @dataclass(eq=False)
@@ -308,7 +312,7 @@ def _pack_scalars(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every per-row scalar in two device tensors (two copies); the batch info keeps views.
 
-    floats: temperature, top_p, log(min_p), repetition, frequency, presence.
+    floats: temperature, top_p, log(min_p), repetition, -frequency, -presence.
     ints: top-k keep count, top-k kth index, top-k off flag, min_tokens, tokens produced
     so far, greedy flag.
     Greedy rows get neutral sampling values so they never divide by 0 or mask anything.
@@ -322,8 +326,8 @@ def _pack_scalars(
                 p.top_p if s and p.top_p < 1.0 else math.inf,
                 math.log(p.min_p) if s and p.min_p > 0.0 else -math.inf,
                 p.repetition_penalty,
-                p.frequency_penalty,
-                p.presence_penalty,
+                -p.frequency_penalty,
+                -p.presence_penalty,
             ]
         )
         k = min(p.top_k, vocab_size) if s else 0
@@ -345,21 +349,27 @@ def _build_penalties(
 ) -> _Penalties | None:
     """History tensors only for the penalties some row uses, and only that row's history."""
     use_rep = [p.repetition_penalty != 1.0 for p in params]
-    use_out = [p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params]
-    if not any(use_rep) and not any(use_out):
+    use_freq = [p.frequency_penalty != 0.0 for p in params]
+    use_pres = [p.presence_penalty != 0.0 for p in params]
+    if not any(use_rep + use_freq + use_pres):
         return None
-    seen = None
+    repetition = floats[:, 3:4]
+    rep_scale = None
     if any(use_rep):
         history = [
             [*pr, *out] if u else []
             for pr, out, u in zip(prompt_ids, output_ids, use_rep, strict=True)
         ]
-        seen = _token_counts(history, vocab_size, device) > 0
-    counts = None
-    if any(use_out):
+        rep_scale = torch.where(_token_counts(history, vocab_size, device) > 0, repetition, 1.0)
+    counts = present = None
+    if any(use_freq + use_pres):
+        use_out = [f or p for f, p in zip(use_freq, use_pres, strict=True)]
         outputs = [out if u else [] for out, u in zip(output_ids, use_out, strict=True)]
-        counts = _token_counts(outputs, vocab_size, device)
-    return _Penalties(floats[:, 3:4], floats[:, 4:5], floats[:, 5:6], seen, counts)
+        generated = _token_counts(outputs, vocab_size, device)
+        counts = generated if any(use_freq) else None
+        present = (generated > 0).float() if any(use_pres) else None
+    ones = torch.ones(len(params), 1, device=device)
+    return _Penalties(repetition, floats[:, 4:5], floats[:, 5:6], rep_scale, counts, present, ones)
 
 
 def _build_min_tokens(
@@ -370,16 +380,17 @@ def _build_min_tokens(
     vocab_size: int,
     device: torch.device,
 ) -> _MinTokens | None:
-    """(row, token) pairs to block: EOS and stop ids of rows still short of min_tokens."""
-    pairs: list[tuple[int, int]] = []
-    for row, (p, out) in enumerate(zip(params, output_ids, strict=True)):
-        if len(out) < p.min_tokens:
-            stops = sorted(t for t in {*eos_token_ids, *p.stop_token_ids} if t < vocab_size)
-            pairs.extend((row, t) for t in stops)
-    if not pairs:
+    """Mask of EOS and stop ids, in the rows still short of min_tokens."""
+    stops = [
+        [t for t in {*eos_token_ids, *p.stop_token_ids} if t < vocab_size]
+        if len(out) < p.min_tokens
+        else []
+        for p, out in zip(params, output_ids, strict=True)
+    ]
+    if not any(stops):
         return None
-    where = _to_device(torch.tensor(pairs, dtype=torch.int64).T.contiguous(), device)
-    return _MinTokens(where[0], where[1], ints[:, 3], ints[:, 4])
+    stop_mask = _token_counts(stops, vocab_size, device) > 0
+    return _MinTokens(stop_mask, ints[:, 3:4], ints[:, 4:5])
 
 
 def _build_top_k(
@@ -453,7 +464,7 @@ def _exponential_race(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Ten
     noise = torch.empty_like(probs)
     if info.any_unseeded:
         noise.exponential_(generator=info.default_generator)
-    else:
+    elif info.greedy is not None:
         noise.fill_(1.0)  # only greedy rows are left undrawn; their pick is replaced anyway
     for row, generator in info.seeded:
         noise[row].exponential_(generator=generator)

@@ -237,9 +237,17 @@ def test_unused_stages_leave_no_state():
     assert info.penalties is None and info.min_tokens is None and info.max_logprobs is None
     assert info.top_k is None and info.top_p is None and info.log_min_p is None
     only_rep = build([SamplingParams(repetition_penalty=1.2)])
-    assert only_rep.penalties is not None and only_rep.penalties.counts is None
+    assert (
+        only_rep.penalties is not None
+        and only_rep.penalties.counts is None
+        and only_rep.penalties.present is None
+    )
     only_freq = build([SamplingParams(frequency_penalty=0.1)])
-    assert only_freq.penalties is not None and only_freq.penalties.seen is None
+    assert (
+        only_freq.penalties is not None
+        and only_freq.penalties.rep_scale is None
+        and only_freq.penalties.present is None
+    )
     # a greedy row's filters are moot: they must not switch a stage on
     greedy_filters = build([SamplingParams(temperature=0.0, top_k=3, top_p=0.5, min_p=0.1)])
     assert (
