@@ -1,0 +1,415 @@
+"""Kernel benchmark (GPU): kvray paged decode vs FlashInfer and torch SDPA, plus the KV write
+and prefill, on Llama-3-8B attention shapes (32 q / 8 kv heads, head_dim 128, bf16, page 16).
+
+Every figure is the median per-call time over CUDA-graph replays (each graph holds many
+calls, cycling over several page sets so that small cases do not run out of L2), and is
+reported against the copy ceiling: bytes moved / 4.19 TB/s (GPU.md's measured H200
+device-to-device copy). Writes JSON (--out) and prints a table last.
+
+    python benchmarks/kernels.py --out kernels.json [--no-flashinfer] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from worker.attention import cuda_ops  # noqa: E402
+
+CEILING_TBPS = 4.19
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+CASES = [(1, 1024), (1, 4096), (8, 1024), (8, 4096), (32, 1024), (32, 4096)]
+CASES += [(128, 1024), (128, 2048), (128, 4096)]
+ROTATE_BYTES = 512 << 20  # each graph touches at least this much KV (L2 is 60 MB)
+MAX_SETS = 32
+SPLIT_CAP = cuda_ops.recommended_max_splits(4096)
+DEV = "cuda"
+
+
+def graph_time_us(calls: list[Callable[[], Any]], replays: int = 25, min_calls: int = 24) -> float:
+    """Median per-call time of `calls` (repeated to >= min_calls) captured in one graph."""
+    seq = calls * max(1, math.ceil(min_calls / len(calls)))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:  # warm-up outside capture (lazy init, JIT, workspace growth)
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in seq:
+            fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(seq))
+    del graph
+    return statistics.median(times)
+
+
+def eager_time_us(fn: Callable[[], Any], n: int = 200) -> float:
+    """Host-inclusive time per call when launched eagerly back to back."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+class Pool:
+    """One big paged K/V pool; each case draws disjoint random page sets from it."""
+
+    def __init__(self, n_pages: int) -> None:
+        self.n_pages = n_pages
+        self.k = torch.randn(n_pages * PAGE, HKV, D, device=DEV, dtype=DTYPE)
+        self.v = torch.randn(n_pages * PAGE, HKV, D, device=DEV, dtype=DTYPE)
+
+    def page_sets(self, n_sets: int, pages: int) -> torch.Tensor:
+        perm = torch.randperm(self.n_pages, device=DEV)[: n_sets * pages]
+        return perm.view(n_sets, pages).to(torch.int32)
+
+
+class DecodeCase:
+    """Inputs of one (B, L) case: per page set a page table and, for SDPA, contiguous K/V."""
+
+    def __init__(self, pool: Pool, batch: int, seq_len: int) -> None:
+        self.batch, self.seq_len = batch, seq_len
+        self.kv_bytes = batch * seq_len * HKV * D * 2 * 2
+        self.n_sets = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / self.kv_bytes)))
+        self.pages_per_seq = math.ceil(seq_len / PAGE)
+        sets = pool.page_sets(self.n_sets, batch * self.pages_per_seq)
+        self.indices = [s.contiguous() for s in sets]  # [B * pages_per_seq] per set
+        pos = torch.arange(self.pages_per_seq * PAGE, device=DEV, dtype=torch.int32)
+        self.req_to_token = [
+            (s.view(batch, -1)[:, pos // PAGE] * PAGE + pos % PAGE).contiguous() for s in sets
+        ]
+        self.pool = pool
+        self.q = torch.randn(batch, HQ, D, device=DEV, dtype=DTYPE)
+        self.rows = torch.arange(batch, device=DEV, dtype=torch.int32)
+        self.lens = torch.full((batch,), seq_len, device=DEV, dtype=torch.int32)
+        self.out = torch.empty(batch, HQ, D, device=DEV, dtype=DTYPE)
+        self.o_part = torch.empty(batch, HQ, SPLIT_CAP, D, device=DEV)
+        self.ml_part = torch.empty(batch, HQ, SPLIT_CAP, 2, device=DEV)
+        self.scale = D**-0.5
+
+    def kvray_call(self, s: int, num_splits: int = 0, variant: int = 0) -> Callable[[], None]:
+        def call() -> None:
+            cuda_ops.decode_attention(
+                self.q, self.pool.k, self.pool.v, self.req_to_token[s], self.rows, self.lens,
+                PAGE, self.scale, self.out, self.o_part, self.ml_part,
+                num_splits=num_splits, variant=variant,
+            )  # fmt: skip
+
+        return call
+
+    def contiguous_kv(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.req_to_token[s][:, : self.seq_len].long()
+        k = self.pool.k[slots].permute(0, 2, 1, 3).contiguous()  # [B, Hkv, L, D]
+        v = self.pool.v[slots].permute(0, 2, 1, 3).contiguous()
+        return k, v
+
+    def reference(self) -> torch.Tensor:
+        """float32 SDPA on set 0 for the correctness cross-check."""
+        k, v = self.contiguous_kv(0)
+        q = self.q.float().unsqueeze(2)
+        o = F.scaled_dot_product_attention(
+            q, k.float(), v.float(), scale=self.scale, enable_gqa=True
+        )
+        return o.squeeze(2)
+
+
+def tbps(nbytes: int, us: float) -> float:
+    return nbytes / (us * 1e-6) / 1e12
+
+
+def bench_kvray(case: DecodeCase, sweep: bool) -> dict[str, Any]:
+    calls = [case.kvray_call(s) for s in range(case.n_sets)]
+    us = graph_time_us(calls)
+    calls[0]()
+    torch.cuda.synchronize()
+    err = (case.out.float() - case.reference()).abs().max().item()
+    res: dict[str, Any] = {
+        "kvray_us": us,
+        "kvray_tbps": tbps(case.kv_bytes, us),
+        "kvray_splits": cuda_ops.decode_num_splits(case.batch, HQ, HKV, D, DTYPE, SPLIT_CAP),
+        "kvray_max_abs_err_vs_fp32": err,
+        "kvray_eager_us": eager_time_us(calls[0]),
+    }
+    if sweep:
+        variants = {}
+        for var in range(cuda_ops.decode_variants()):
+            variants[str(var)] = graph_time_us(
+                [case.kvray_call(s, 0, var) for s in range(case.n_sets)]
+            )
+        res["variant_us"] = variants
+        splits = {}
+        for n in (1, 2, 3, 4, 6, 8, 16, 32, 64):
+            splits[str(n)] = graph_time_us([case.kvray_call(s, n, 0) for s in range(case.n_sets)])
+        res["forced_splits_us"] = splits
+    return res
+
+
+def bench_sdpa(case: DecodeCase) -> dict[str, Any]:
+    q = case.q.unsqueeze(2)
+    calls = []
+    for s in range(case.n_sets):
+        k, v = case.contiguous_kv(s)
+        calls.append(
+            partial(F.scaled_dot_product_attention, q, k, v, scale=case.scale, enable_gqa=True)
+        )
+    us = graph_time_us(calls)
+    return {"sdpa_contiguous_us": us, "sdpa_contiguous_tbps": tbps(case.kv_bytes, us)}
+
+
+def bench_flashinfer(case: DecodeCase, fi: Any, workspace: torch.Tensor) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    kv = (case.pool.k.view(-1, PAGE, HKV, D), case.pool.v.view(-1, PAGE, HKV, D))
+    indptr = torch.arange(case.batch + 1, device=DEV, dtype=torch.int32) * case.pages_per_seq
+    last = torch.full(
+        (case.batch,), case.seq_len - (case.pages_per_seq - 1) * PAGE, device=DEV, dtype=torch.int32
+    )
+    for name, tc in (("fi_tc", True), ("fi_cuda_cores", False)):
+        try:
+            outs, calls = [], []
+            for s in range(case.n_sets):
+                w = fi.BatchDecodeWithPagedKVCacheWrapper(
+                    workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
+                    paged_kv_indptr_buffer=indptr.clone(),
+                    paged_kv_indices_buffer=case.indices[s].clone(),
+                    paged_kv_last_page_len_buffer=last.clone(),
+                )  # fmt: skip
+                w.plan(
+                    indptr, case.indices[s], last, HQ, HKV, D, PAGE,
+                    q_data_type=DTYPE, kv_data_type=DTYPE, sm_scale=case.scale,
+                )  # fmt: skip
+                out = torch.empty_like(case.q)
+                outs.append(out)
+                calls.append(lambda w=w, out=out: w.run(case.q, kv, out=out))
+            us = graph_time_us(calls)
+            calls[0]()
+            torch.cuda.synchronize()
+            res[f"{name}_us"] = us
+            res[f"{name}_tbps"] = tbps(case.kv_bytes, us)
+            res[f"{name}_max_abs_diff_vs_kvray"] = (
+                (outs[0].float() - case.out.float()).abs().max().item()
+            )
+            res[f"{name}_eager_us"] = eager_time_us(calls[0], n=50)
+        except Exception as exc:  # a FlashInfer failure must not lose the other figures
+            res[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    fi_times = [res[k] for k in ("fi_tc_us", "fi_cuda_cores_us") if k in res]
+    if fi_times:
+        res["fi_best_us"] = min(fi_times)
+    return res
+
+
+def bench_decode(args: argparse.Namespace, fi: Any) -> list[dict[str, Any]]:
+    cases = CASES[:3] if args.quick else CASES
+    max_pages = max(
+        max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / (b * n * HKV * D * 4))))
+        * b
+        * math.ceil(n / PAGE)
+        for b, n in cases
+    )
+    pool = Pool(max_pages + 64)
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=DEV)
+    rows = []
+    for b, n in cases:
+        case = DecodeCase(pool, b, n)
+        row: dict[str, Any] = {
+            "batch": b,
+            "seq_len": n,
+            "kv_bytes": case.kv_bytes,
+            "page_sets": case.n_sets,
+        }
+        row["floor_us"] = case.kv_bytes / (CEILING_TBPS * 1e12) * 1e6
+        row.update(bench_kvray(case, sweep=args.sweep))
+        row.update(bench_sdpa(case))
+        if fi is not None:
+            row.update(bench_flashinfer(case, fi, workspace))
+        row["kvray_fraction_of_ceiling"] = row["kvray_tbps"] / CEILING_TBPS
+        if "fi_best_us" in row:
+            row["speedup_vs_flashinfer"] = row["fi_best_us"] / row["kvray_us"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del case
+    return rows
+
+
+def _index_put(
+    k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, loc: torch.Tensor
+) -> None:
+    kc[loc] = k
+    vc[loc] = v
+
+
+def bench_store_kv() -> list[dict[str, Any]]:
+    """One fused K+V scatter kernel vs two torch index_put (k_cache[loc] = k) per layer."""
+    n_slots = 1 << 20
+    k_cache = torch.randn(n_slots, HKV, D, device=DEV, dtype=DTYPE)
+    v_cache = torch.randn(n_slots, HKV, D, device=DEV, dtype=DTYPE)
+    rows = []
+    for t in (1, 32, 128, 1024, 8192):
+        k = torch.randn(t, HKV, D, device=DEV, dtype=DTYPE)
+        v = torch.randn(t, HKV, D, device=DEV, dtype=DTYPE)
+        loc = torch.randperm(n_slots, device=DEV)[:t]
+        kernel = graph_time_us([partial(cuda_ops.store_kv, k, v, k_cache, v_cache, loc)])
+        torch_us = graph_time_us([partial(_index_put, k, v, k_cache, v_cache, loc)])
+        nbytes = 2 * 2 * t * HKV * D * 2  # read + write of K and V rows
+        rows.append({"tokens": t, "kernel_us": kernel, "index_put_us": torch_us, "bytes": nbytes,
+                     "kernel_tbps": tbps(nbytes, kernel), "index_put_tbps": tbps(nbytes, torch_us)})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _prefill_case(q_len: int, kv_len: int, batch: int) -> dict[str, Any]:
+    pages = math.ceil(kv_len / PAGE)
+    perm = torch.randperm(batch * pages + 8, device=DEV)[: batch * pages].view(batch, pages)
+    pos = torch.arange(pages * PAGE, device=DEV)
+    rt = (perm[:, pos // PAGE] * PAGE + pos % PAGE).to(torch.int32).contiguous()
+    n_slots = (batch * pages + 8) * PAGE
+    k_cache = torch.randn(n_slots, HKV, D, device=DEV, dtype=DTYPE)
+    v_cache = torch.randn(n_slots, HKV, D, device=DEV, dtype=DTYPE)
+    q = torch.randn(batch * q_len, HQ, D, device=DEV, dtype=DTYPE)
+    out = torch.empty_like(q)
+    qo = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * q_len
+    lens = torch.full((batch,), kv_len, device=DEV, dtype=torch.int32)
+    rows_idx = torch.arange(batch, device=DEV, dtype=torch.int32)
+    call = partial(
+        cuda_ops.prefill_attention, q, k_cache, v_cache, rt, rows_idx, lens, qo, PAGE, D**-0.5, out
+    )
+    us = graph_time_us([call], min_calls=8)
+    slots = rt[:, :kv_len].long()
+    kc = k_cache[slots].permute(0, 2, 1, 3).contiguous()
+    vc = v_cache[slots].permute(0, 2, 1, 3).contiguous()
+    qc = q.view(batch, q_len, HQ, D).permute(0, 2, 1, 3).contiguous()
+    off = kv_len - q_len
+    keys, queries = torch.arange(kv_len, device=DEV), off + torch.arange(q_len, device=DEV)
+    mask = (keys[None, :] <= queries[:, None]) if off else None
+    sdpa_call = partial(
+        F.scaled_dot_product_attention,
+        qc,
+        kc,
+        vc,
+        attn_mask=mask,
+        is_causal=off == 0,
+        enable_gqa=True,
+    )
+    sdpa = graph_time_us([sdpa_call], min_calls=8)
+    flops = 4 * HQ * D * batch * sum(off + i + 1 for i in range(q_len))
+    return {"batch": batch, "q_len": q_len, "kv_len": kv_len, "kvray_us": us, "sdpa_us": sdpa,
+            "kvray_tflops": flops / us / 1e6, "sdpa_tflops": flops / sdpa / 1e6,
+            "floor_us_at_790_tflops": flops / 790e12 * 1e6}  # fmt: skip
+
+
+def bench_prefill() -> list[dict[str, Any]]:
+    """Ragged causal prefill over the paged cache vs SDPA on contiguous K/V (FLOP view)."""
+    rows = []
+    for q_len, kv_len, batch in ((1024, 1024, 1), (512, 2048, 1), (256, 256, 16)):
+        rows.append(_prefill_case(q_len, kv_len, batch))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def load_flashinfer(mode: str) -> tuple[Any, str | None]:
+    if mode == "off":
+        return None, "disabled"
+    try:
+        import flashinfer
+
+        return flashinfer, None
+    except Exception as exc:
+        if mode == "require":
+            raise
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"\n{'B':>4} {'L':>5} | {'kvray us':>9} {'TB/s':>5} {'%ceil':>5} | {'FI us':>8} {'x FI':>5} | {'SDPA us':>8} {'TB/s':>5}"
+    )
+    for r in rows:
+        fi = r.get("fi_best_us")
+        fi_s = f"{fi:8.1f} {r['speedup_vs_flashinfer']:5.2f}" if fi else f"{'-':>8} {'-':>5}"
+        print(f"{r['batch']:>4} {r['seq_len']:>5} | {r['kvray_us']:9.1f} {r['kvray_tbps']:5.2f} "
+              f"{100 * r['kvray_fraction_of_ceiling']:5.1f} | {fi_s} | "
+              f"{r['sdpa_contiguous_us']:8.1f} {r['sdpa_contiguous_tbps']:5.2f}")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("kernels.json"))
+    ap.add_argument("--flashinfer", choices=("auto", "off", "require"), default="auto")
+    ap.add_argument(
+        "--sweep", action="store_true", help="also time every tiling variant and split count"
+    )
+    ap.add_argument("--quick", action="store_true", help="three decode cases only")
+    ap.add_argument("--date", default=time.strftime("%Y-%m-%d"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    t0 = time.time()
+    cuda_ops.load()
+    fi, fi_err = load_flashinfer(args.flashinfer)
+    result: dict[str, Any] = {
+        "date": args.date,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "flashinfer": getattr(fi, "__version__", None),
+        "flashinfer_error": fi_err,
+        "ceiling_tbps": CEILING_TBPS,
+        "shape": {
+            "q_heads": HQ,
+            "kv_heads": HKV,
+            "head_dim": D,
+            "page_size": PAGE,
+            "dtype": "bfloat16",
+        },
+        "method": "median per-call time over CUDA graph replays; KV bytes / time; page sets rotated",
+    }
+
+    def save() -> None:
+        args.out.write_text(json.dumps(result, indent=1))
+
+    for name, fn in (
+        ("decode", lambda: bench_decode(args, fi)),
+        ("store_kv", bench_store_kv),
+        ("prefill", bench_prefill),
+    ):
+        try:
+            result[name] = fn()
+        except Exception as exc:
+            result[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:1000]
+            print(f"{name} failed: {exc}", flush=True)
+        torch.cuda.empty_cache()
+        save()
+    result["wall_s"] = time.time() - t0
+    save()
+    if "decode" in result:
+        print_table(result["decode"])
+
+
+if __name__ == "__main__":
+    main()

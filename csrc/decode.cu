@@ -1,0 +1,411 @@
+// Paged decode attention, split-KV (FlashDecoding) with a combine step.
+//
+// One block per (split, kv head, request). The block's warps share the q heads of the
+// kv head's GQA group as the 16 rows of m16n8k16 tensor-core MMAs (rows past the group
+// are zero), so every K/V byte is read from memory once per step. Each warp streams its
+// own 16-token tiles through a cp.async ring in shared memory (no block-wide barriers in
+// the main loop), keeps its own online-softmax state, and the warps merge once at the
+// end. With one split the block writes the output directly; otherwise it writes a
+// normalized partial plus (max, sum) and a combine kernel merges the active splits.
+//
+// The grid depends only on shapes (batch, heads, the split count chosen from the batch
+// size), never on live sequence lengths, so launches can be captured in CUDA graphs;
+// splits that start past a sequence's end exit at once and the combine skips them.
+#include <algorithm>
+#include <type_traits>
+
+#include "common.cuh"
+#include "launch.h"
+
+namespace kvray {
+namespace {
+
+constexpr int kRows = 16;  // q heads per block: the MMA M dimension
+
+__host__ __device__ __forceinline__ int split_chunk(int len, int num_splits, int tile,
+                                                    int min_chunk) {
+  int c = (len + num_splits - 1) / num_splits;
+  c = (c + tile - 1) / tile * tile;
+  return c < min_chunk ? min_chunk : c;
+}
+
+template <int D, int NW, int TT, int ST>
+struct Cfg {
+  static constexpr int kChunks = D / 8;                // 16-byte chunks per K/V row
+  static constexpr int kRowsPerPass = 32 / kChunks;    // rows one warp-wide copy covers
+  static constexpr int kPasses = TT / kRowsPerPass;    // copies per tile per warp
+  static constexpr int kTileElems = TT * D;
+  static constexpr int kMinChunk = NW * TT;            // a split gives every warp a tile
+  static constexpr int kStageBytes = NW * ST * 2 * kTileElems * 2;
+  static constexpr int kMergeBytes = NW * (kRows * D + 2 * kRows) * 4;
+  static constexpr int kSmem = kStageBytes > kMergeBytes ? kStageBytes : kMergeBytes;
+  static_assert(TT % 16 == 0 && TT <= 32 && kPasses >= 1, "tile of 16 or 32 tokens");
+};
+
+template <typename T, int D>
+__device__ void store_row4(const DecodeParams& p, int b, int head, int d, const float v[4]) {
+  T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + head * p.out_stride_h + d;
+  uint2 packed = {Dtype<T>::pack(v[0], v[1]), Dtype<T>::pack(v[2], v[3])};
+  *reinterpret_cast<uint2*>(dst) = packed;
+}
+
+template <typename T, int D, int NW, int TT, int ST>
+__global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParams p) {
+  using C = Cfg<D, NW, TT, ST>;
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int head_chunks = (group + kRows - 1) / kRows;
+  const int kvh = blockIdx.y / head_chunks, hc = blockIdx.y % head_chunks;
+  const int b = blockIdx.z, split = blockIdx.x;
+  const int n_rows = min(kRows, group - hc * kRows);
+  const int head0 = kvh * group + hc * kRows;
+
+  const int len = p.kv.seq_lens[b];
+  const int chunk = split_chunk(len, p.num_splits, TT, C::kMinChunk);
+  const int start = split * chunk;
+  const int end = min(len, start + chunk);
+  if (start >= end) {
+    if (p.num_splits == 1) {  // empty sequence: defined output, no NaN
+      const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int it = threadIdx.x; it < n_rows * (D / 4); it += NW * 32)
+        store_row4<T, D>(p, b, head0 + it / (D / 4), (it % (D / 4)) * 4, zero);
+    }
+    return;
+  }
+
+  // Q of this block's heads as MMA A fragments (rows = heads, zero past the group).
+  const int r0 = lane >> 2, c0 = (lane & 3) * 2;
+  const T* qb = static_cast<const T*>(p.q) + b * p.q_stride_b + head0 * p.q_stride_h;
+  uint32_t qa[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = r0 + (i & 1) * 8, col = kk * 16 + c0 + (i >> 1) * 8;
+      qa[kk][i] = row < n_rows
+                      ? *reinterpret_cast<const uint32_t*>(qb + row * p.q_stride_h + col)
+                      : 0u;
+    }
+  }
+
+  T* wsm = reinterpret_cast<T*>(smem_raw) + warp * ST * 2 * C::kTileElems;
+  const int n_tiles = (end - start + TT - 1) / TT;
+  const int my_tiles = warp < n_tiles ? (n_tiles - warp + NW - 1) / NW : 0;
+  const int32_t* rt_row =
+      p.kv.req_to_token + static_cast<int64_t>(p.kv.req_pool_indices[b]) * p.kv.rt_stride;
+  const T* kbase = static_cast<const T*>(p.kv.k) + kvh * D;
+  const T* vbase = static_cast<const T*>(p.kv.v) + kvh * D;
+
+  // Lane l < TT looks up the slot of token l of the warp's i-th tile (-1 past the end).
+  auto tile_slot = [&](int i) -> int64_t {
+    const int pos = start + (warp + i * NW) * TT + lane;
+    return (lane < TT && pos < end) ? slot_of(rt_row, pos, p.kv.page_size) : int64_t(-1);
+  };
+  auto issue = [&](int i, int64_t my_slot) {
+    T* ks = wsm + (i % ST) * 2 * C::kTileElems;
+    T* vs = ks + C::kTileElems;
+    const int col = lane % C::kChunks;
+#pragma unroll
+    for (int u = 0; u < C::kPasses; ++u) {
+      const int row = lane / C::kChunks + u * C::kRowsPerPass;
+      const int64_t slot = __shfl_sync(0xffffffffu, my_slot, row);
+      const bool valid = slot >= 0;
+      const int64_t off = valid ? slot * p.kv.slot_stride + col * 8 : 0;
+      cp_async16(ks + swz<D>(row, col), kbase + off, valid);
+      cp_async16(vs + swz<D>(row, col), vbase + off, valid);
+    }
+  };
+
+  int64_t next_slot = my_tiles > 0 ? tile_slot(0) : -1;
+#pragma unroll
+  for (int i = 0; i < ST - 1; ++i) {
+    if (i < my_tiles) {
+      const int64_t s = next_slot;
+      if (i + 1 < my_tiles) next_slot = tile_slot(i + 1);
+      issue(i, s);
+    }
+    cp_async_commit();
+  }
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+  for (int i = 0; i < my_tiles; ++i) {
+    const int nxt = i + ST - 1;
+    if (nxt < my_tiles) {
+      const int64_t s = next_slot;
+      if (nxt + 1 < my_tiles) next_slot = tile_slot(nxt + 1);
+      issue(nxt, s);
+    }
+    cp_async_commit();
+    cp_async_wait<ST - 1>();
+    __syncwarp();
+
+    const T* ks = wsm + (i % ST) * 2 * C::kTileElems;
+    const T* vs = ks + C::kTileElems;
+    const int nvalid = min(TT, end - (start + (warp + i * NW) * TT));
+
+    // S = Q K^T over this tile: rows = heads, columns = tokens.
+    float s[TT / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < TT / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < TT / 16; ++np) {
+        uint32_t bk[4];
+        ldsm_x4(bk, ks + swz<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                kk * 2 + ((lane >> 3) & 1)));
+        Dtype<T>::mma(s[2 * np], qa[kk], bk[0], bk[1]);
+        Dtype<T>::mma(s[2 * np + 1], qa[kk], bk[2], bk[3]);
+      }
+    }
+
+    // Online softmax in the log2 domain; lane holds rows r0 and r0 + 8.
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < TT / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = nt * 8 + c0 + (e & 1);
+        s[nt][e] = tok < nvalid ? s[nt][e] * p.scale_log2 : -INFINITY;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+      }
+    }
+    float corr[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(m[h], quad_max(mx[h]));
+      corr[h] = rescale(m[h], m_new);
+      m[h] = m_new;
+      l[h] *= corr[h];
+    }
+#pragma unroll
+    for (int nt = 0; nt < TT / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] = fast_exp2(s[nt][e] - m[e >> 1]);
+        l[e >> 1] += s[nt][e];
+      }
+    }
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      o[dn][0] *= corr[0];
+      o[dn][1] *= corr[0];
+      o[dn][2] *= corr[1];
+      o[dn][3] *= corr[1];
+    }
+
+    // O += P V: P's accumulator layout is already the A-operand layout.
+#pragma unroll
+    for (int ks16 = 0; ks16 < TT / 16; ++ks16) {
+      uint32_t pa[4];
+      pa[0] = Dtype<T>::pack(s[2 * ks16][0], s[2 * ks16][1]);
+      pa[1] = Dtype<T>::pack(s[2 * ks16][2], s[2 * ks16][3]);
+      pa[2] = Dtype<T>::pack(s[2 * ks16 + 1][0], s[2 * ks16 + 1][1]);
+      pa[3] = Dtype<T>::pack(s[2 * ks16 + 1][2], s[2 * ks16 + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t bv[4];
+        ldsm_x4_trans(bv, vs + swz<D>(ks16 * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
+                                      dp * 2 + (lane >> 4)));
+        Dtype<T>::mma(o[2 * dp], pa, bv[0], bv[1]);
+        Dtype<T>::mma(o[2 * dp + 1], pa, bv[2], bv[3]);
+      }
+    }
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Merge the warps' states through shared memory (the tile ring is free now).
+  float* wo = reinterpret_cast<float*>(smem_raw) + warp * (kRows * D + 2 * kRows);
+  {
+    const float l0 = quad_sum(l[0]), l1 = quad_sum(l[1]);
+    if ((lane & 3) == 0) {
+      wo[kRows * D + r0] = m[0];
+      wo[kRows * D + r0 + 8] = m[1];
+      wo[kRows * D + kRows + r0] = l0;
+      wo[kRows * D + kRows + r0 + 8] = l1;
+    }
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      *reinterpret_cast<float2*>(wo + r0 * D + dn * 8 + c0) = make_float2(o[dn][0], o[dn][1]);
+      *reinterpret_cast<float2*>(wo + (r0 + 8) * D + dn * 8 + c0) =
+          make_float2(o[dn][2], o[dn][3]);
+    }
+  }
+  __syncthreads();
+
+  const float* all = reinterpret_cast<const float*>(smem_raw);
+  constexpr int kWarpFloats = kRows * D + 2 * kRows;
+  for (int it = threadIdx.x; it < n_rows * (D / 4); it += NW * 32) {
+    const int h = it / (D / 4), d = (it % (D / 4)) * 4;
+    float mw = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mw = fmaxf(mw, all[w * kWarpFloats + kRows * D + h]);
+    float lsum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float* base = all + w * kWarpFloats;
+      const float sc = rescale(base[kRows * D + h], mw);
+      lsum += base[kRows * D + kRows + h] * sc;
+      const float4 ov = *reinterpret_cast<const float4*>(base + h * D + d);
+      acc[0] += ov.x * sc;
+      acc[1] += ov.y * sc;
+      acc[2] += ov.z * sc;
+      acc[3] += ov.w * sc;
+    }
+    const float inv = 1.f / lsum;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] *= inv;
+    if (p.num_splits == 1) {
+      store_row4<T, D>(p, b, head0 + h, d, acc);
+    } else {
+      const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + head0 + h) * p.s_cap + split;
+      *reinterpret_cast<float4*>(p.o_part + row * D + d) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      if (d == 0) *reinterpret_cast<float2*>(p.ml_part + row * 2) = make_float2(mw, lsum);
+    }
+  }
+}
+
+// One warp per (request, q head): merges the active splits' normalized partials.
+template <typename T, int D>
+__global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams p, int tile,
+                                                             int min_chunk) {
+  constexpr int E = D / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int idx = blockIdx.x * 4 + warp;
+  if (idx >= p.batch * p.num_q_heads) return;
+  const int b = idx / p.num_q_heads, qh = idx % p.num_q_heads;
+  const int len = p.kv.seq_lens[b];
+  const int chunk = split_chunk(len, p.num_splits, tile, min_chunk);
+  const int n_act = len > 0 ? (len + chunk - 1) / chunk : 0;
+  const int64_t row = static_cast<int64_t>(idx) * p.s_cap;
+  const float* ml = p.ml_part + row * 2;
+  const float* op = p.o_part + row * D + lane * E;
+
+  float mw = -INFINITY;
+  for (int s = 0; s < n_act; ++s) mw = fmaxf(mw, ml[2 * s]);
+  float lsum = 0.f, acc[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] = 0.f;
+  for (int s = 0; s < n_act; ++s) {
+    const float w = ml[2 * s + 1] * fast_exp2(ml[2 * s] - mw);
+    lsum += w;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] += w * op[s * D + e];
+  }
+  const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+  T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + qh * p.out_stride_h + lane * E;
+  uint32_t packed[E / 2];
+#pragma unroll
+  for (int e = 0; e < E / 2; ++e) packed[e] = Dtype<T>::pack(acc[2 * e] * inv, acc[2 * e + 1] * inv);
+  if constexpr (E == 4) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+  } else {
+    *reinterpret_cast<uint32_t*>(dst) = packed[0];
+  }
+}
+
+// Static facts of one kernel instantiation: shared memory, threads, resident blocks/SM.
+struct KernelInfo {
+  int smem, threads, tile, min_chunk, blocks_per_sm;
+};
+
+template <typename T, int D, int NW, int TT, int ST>
+const KernelInfo& info() {
+  static const KernelInfo ki = [] {
+    using C = Cfg<D, NW, TT, ST>;
+    auto kern = decode_split_kernel<T, D, NW, TT, ST>;
+    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+    int blocks = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kern, NW * 32, C::kSmem);
+    return KernelInfo{C::kSmem, NW * 32, TT, C::kMinChunk, blocks > 0 ? blocks : 1};
+  }();
+  return ki;
+}
+
+template <typename T, int D, int NW, int TT, int ST>
+cudaError_t run(const DecodeParams& p, cudaStream_t stream) {
+  const KernelInfo& ki = info<T, D, NW, TT, ST>();
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int head_chunks = (group + kRows - 1) / kRows;
+  dim3 grid(p.num_splits, p.num_kv_heads * head_chunks, p.batch);
+  decode_split_kernel<T, D, NW, TT, ST><<<grid, ki.threads, ki.smem, stream>>>(p);
+  if (p.num_splits > 1) {
+    const int pairs = p.batch * p.num_q_heads;
+    decode_combine_kernel<T, D><<<(pairs + 3) / 4, 128, 0, stream>>>(p, ki.tile, ki.min_chunk);
+  }
+  return cudaGetLastError();
+}
+
+// Tiling variants: 0 is the default for every dtype and head_dim; the others exist for
+// bf16 / head_dim 128 only, for the benchmark's sweep.
+//   0: 4 warps, 16-token tiles, 3 stages   1: 4 warps, 16, 4 stages
+//   2: 4 warps, 32-token tiles, 2 stages   3: 8 warps, 16, 2 stages
+constexpr int kNumVariants = 4;
+
+template <typename T, int D>
+const KernelInfo* variant_info(int variant) {
+  if (variant == 0) return &info<T, D, 4, 16, 3>();
+  if constexpr (D == 128 && std::is_same_v<T, __nv_bfloat16>) {
+    if (variant == 1) return &info<T, D, 4, 16, 4>();
+    if (variant == 2) return &info<T, D, 4, 32, 2>();
+    if (variant == 3) return &info<T, D, 8, 16, 2>();
+  }
+  return nullptr;
+}
+
+template <typename T, int D>
+cudaError_t dispatch_variant(const DecodeParams& p, cudaStream_t stream) {
+  if (p.variant == 0) return run<T, D, 4, 16, 3>(p, stream);
+  if constexpr (D == 128 && std::is_same_v<T, __nv_bfloat16>) {
+    if (p.variant == 1) return run<T, D, 4, 16, 4>(p, stream);
+    if (p.variant == 2) return run<T, D, 4, 32, 2>(p, stream);
+    if (p.variant == 3) return run<T, D, 8, 16, 2>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+const KernelInfo* find_info(DType dtype, int head_dim, int variant) {
+  if (dtype == DType::kBF16) {
+    if (head_dim == 128) return variant_info<__nv_bfloat16, 128>(variant);
+    if (head_dim == 64) return variant_info<__nv_bfloat16, 64>(variant);
+  } else {
+    if (head_dim == 128) return variant_info<__half, 128>(variant);
+    if (head_dim == 64) return variant_info<__half, 64>(variant);
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+int decode_num_variants() { return kNumVariants; }
+
+int decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim, DType dtype,
+                      int variant, int num_sms, int s_cap) {
+  const KernelInfo* ki = find_info(dtype, head_dim, variant);
+  if (ki == nullptr || batch <= 0 || num_kv_heads <= 0) return 1;
+  const int group = num_q_heads / num_kv_heads;
+  const int per_split = batch * num_kv_heads * ((group + kRows - 1) / kRows);
+  const int waves_of_blocks = 2 * num_sms * ki->blocks_per_sm;
+  return std::max(1, std::min(s_cap, waves_of_blocks / per_split));
+}
+
+cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
+  if (p.batch == 0) return cudaSuccess;
+  if (p.dtype == DType::kBF16) {
+    if (p.head_dim == 128) return dispatch_variant<__nv_bfloat16, 128>(p, stream);
+    if (p.head_dim == 64) return dispatch_variant<__nv_bfloat16, 64>(p, stream);
+  } else {
+    if (p.head_dim == 128) return dispatch_variant<__half, 128>(p, stream);
+    if (p.head_dim == 64) return dispatch_variant<__half, 64>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace kvray

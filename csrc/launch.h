@@ -1,0 +1,73 @@
+// Plain parameter structs and host launchers of the kvray kernels. Shared by the .cu
+// files (kernels) and ops.cpp (torch bindings), so neither side needs the other's headers.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cstdint>
+
+namespace kvray {
+
+enum class DType : int { kBF16 = 0, kFP16 = 1 };
+
+// KV cache of one layer: [n_slots, n_kv_heads, head_dim], contiguous.
+struct PagedKV {
+  const void* k;
+  const void* v;
+  int64_t slot_stride;  // elements between consecutive slots (n_kv_heads * head_dim)
+  const int32_t* req_to_token;
+  int64_t rt_stride;  // elements between rows of req_to_token
+  const int32_t* req_pool_indices;
+  const int32_t* seq_lens;
+  int page_size;
+};
+
+struct DecodeParams {
+  PagedKV kv;
+  const void* q;  // [B, Hq, D], last dim contiguous
+  int64_t q_stride_b, q_stride_h;
+  void* out;  // [B, Hq, D]
+  int64_t out_stride_b, out_stride_h;
+  float* o_part;   // [B, Hq, S_cap, D]
+  float* ml_part;  // [B, Hq, S_cap, 2]
+  int s_cap;
+  int batch, num_q_heads, num_kv_heads, head_dim;
+  int num_splits;  // splits actually used, 1..s_cap, fixed for a given batch size
+  float scale_log2;
+  DType dtype;
+  int variant;  // tiling variant (0 = default); others exist for the benchmark sweep
+};
+
+struct PrefillParams {
+  PagedKV kv;
+  const void* q;  // [T, Hq, D]
+  int64_t q_stride_t, q_stride_h;
+  void* out;  // [T, Hq, D]
+  int64_t out_stride_t, out_stride_h;
+  const int32_t* qo_indptr;  // [B + 1]
+  int batch, num_tokens, num_q_heads, num_kv_heads, head_dim;
+  float scale_log2;
+  DType dtype;
+};
+
+struct StoreParams {
+  const void* k;
+  const void* v;
+  int64_t k_stride_t, k_stride_h, v_stride_t, v_stride_h;  // elements
+  void* k_cache;
+  void* v_cache;
+  int64_t slot_stride;  // elements
+  const int64_t* loc;   // [T]
+  int num_tokens, num_kv_heads, head_dim;
+};
+
+// Splits chosen for a decode batch: enough (batch, kv head, split) blocks for about two
+// full waves of resident blocks, never more than s_cap. Depends only on shapes.
+int decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim, DType dtype,
+                      int variant, int num_sms, int s_cap);
+int decode_num_variants();
+
+cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream);
+cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream);
+cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream);
+
+}  // namespace kvray

@@ -1,0 +1,231 @@
+// Torch bindings of the kvray kernels: argument checks, then a launch on the current
+// stream. Nothing here allocates device memory, so every op can run inside a CUDA graph.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include "launch.h"
+
+namespace {
+
+using kvray::DType;
+
+#define KV_CHECK(cond, ...) TORCH_CHECK(cond, "kvray: ", __VA_ARGS__)
+
+DType dtype_of(const at::Tensor& t, const char* name) {
+  if (t.scalar_type() == at::kBFloat16) return DType::kBF16;
+  if (t.scalar_type() == at::kHalf) return DType::kFP16;
+  KV_CHECK(false, name, " must be bfloat16 or float16, got ", t.scalar_type());
+  return DType::kBF16;
+}
+
+void check_cuda(const at::Tensor& t, const at::Tensor& ref, const char* name) {
+  KV_CHECK(t.is_cuda() && t.get_device() == ref.get_device(), name,
+           " must be on the same CUDA device as q");
+}
+
+void check_aligned(const at::Tensor& t, const char* name, int64_t stride_multiple) {
+  KV_CHECK(t.stride(-1) == 1, name, " must have a contiguous last dimension");
+  for (int64_t d = 0; d + 1 < t.dim(); ++d)
+    KV_CHECK(t.stride(d) % stride_multiple == 0 || t.size(d) == 1, name, " stride ", d,
+             " must be a multiple of ", stride_multiple);
+  KV_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+}
+
+void check_int32_vec(const at::Tensor& t, const at::Tensor& ref, int64_t min_len, const char* name) {
+  check_cuda(t, ref, name);
+  KV_CHECK(t.scalar_type() == at::kInt && t.dim() == 1 && t.is_contiguous(), name,
+           " must be a contiguous 1-D int32 tensor");
+  KV_CHECK(t.size(0) >= min_len, name, " has ", t.size(0), " entries, need ", min_len);
+}
+
+kvray::PagedKV paged_kv(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                        const at::Tensor& seq_lens, int64_t batch, int64_t page_size) {
+  check_cuda(k_cache, q, "k_cache");
+  check_cuda(v_cache, q, "v_cache");
+  KV_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+               k_cache.sizes() == v_cache.sizes(),
+           "k_cache and v_cache must be contiguous [n_slots, n_kv_heads, head_dim] of one shape");
+  KV_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+           "k_cache and v_cache must have q's dtype");
+  KV_CHECK(k_cache.size(2) == q.size(2), "head_dim of q and the cache differ");
+  check_aligned(k_cache, "k_cache", 8);
+  check_aligned(v_cache, "v_cache", 8);
+  check_cuda(req_to_token, q, "req_to_token");
+  KV_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.dim() == 2 &&
+               req_to_token.stride(1) == 1,
+           "req_to_token must be int32 [max_running, max_seq_len] with contiguous rows");
+  check_int32_vec(req_pool_indices, q, batch, "req_pool_indices");
+  check_int32_vec(seq_lens, q, batch, "seq_lens");
+  KV_CHECK(page_size >= 1, "page_size must be >= 1");
+  return kvray::PagedKV{k_cache.data_ptr(),         v_cache.data_ptr(),
+                        k_cache.stride(0),          req_to_token.data_ptr<int32_t>(),
+                        req_to_token.stride(0),     req_pool_indices.data_ptr<int32_t>(),
+                        seq_lens.data_ptr<int32_t>(), static_cast<int>(page_size)};
+}
+
+void check_heads(const at::Tensor& q, const at::Tensor& k_cache) {
+  const int64_t d = q.size(2);
+  KV_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128, got ", d);
+  KV_CHECK(q.size(1) % k_cache.size(1) == 0, "num q heads (", q.size(1),
+           ") must be a multiple of num kv heads (", k_cache.size(1), ")");
+}
+
+void check_launch(cudaError_t err, const char* op) {
+  KV_CHECK(err == cudaSuccess, op, " launch failed: ", cudaGetErrorString(err));
+}
+
+// Multiprocessor count of the current device, read once per device.
+int num_sms() {
+  static int cached[64] = {0};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= 64) dev = 0;
+  if (cached[dev] == 0) cudaDeviceGetAttribute(&cached[dev], cudaDevAttrMultiProcessorCount, dev);
+  return cached[dev];
+}
+
+void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+              const at::Tensor& v_cache, const at::Tensor& out_cache_loc) {
+  KV_CHECK(k.is_cuda() && k.dim() == 3 && k.sizes() == v.sizes(), "k and v must be CUDA [T, Hkv, D]");
+  const c10::cuda::CUDAGuard guard(k.device());
+  const DType dt = dtype_of(k, "k");
+  KV_CHECK(v.scalar_type() == k.scalar_type() && k_cache.scalar_type() == k.scalar_type() &&
+               v_cache.scalar_type() == k.scalar_type(),
+           "k, v and the caches must share one dtype");
+  (void)dt;
+  check_cuda(v, k, "v");
+  check_cuda(k_cache, k, "k_cache");
+  check_cuda(v_cache, k, "v_cache");
+  KV_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+               k_cache.sizes() == v_cache.sizes() && k_cache.size(1) == k.size(1) &&
+               k_cache.size(2) == k.size(2),
+           "caches must be contiguous [n_slots, Hkv, D] matching k");
+  KV_CHECK(k.size(2) % 8 == 0, "head_dim must be a multiple of 8");
+  check_aligned(k, "k", 8);
+  check_aligned(v, "v", 8);
+  check_aligned(k_cache, "k_cache", 8);
+  check_aligned(v_cache, "v_cache", 8);
+  check_cuda(out_cache_loc, k, "out_cache_loc");
+  KV_CHECK(out_cache_loc.scalar_type() == at::kLong && out_cache_loc.dim() == 1 &&
+               out_cache_loc.is_contiguous() && out_cache_loc.size(0) == k.size(0),
+           "out_cache_loc must be contiguous int64 [T]");
+  kvray::StoreParams p{k.data_ptr(),       v.data_ptr(),       k.stride(0),
+                       k.stride(1),        v.stride(0),        v.stride(1),
+                       k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                       out_cache_loc.data_ptr<int64_t>(),      static_cast<int>(k.size(0)),
+                       static_cast<int>(k.size(1)),            static_cast<int>(k.size(2))};
+  check_launch(kvray::launch_store_kv(p, c10::cuda::getCurrentCUDAStream()), "store_kv");
+}
+
+int64_t decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
+                          int64_t head_dim, bool fp16, int64_t variant, int64_t max_splits) {
+  return kvray::decode_num_splits(static_cast<int>(batch), static_cast<int>(num_q_heads),
+                                  static_cast<int>(num_kv_heads), static_cast<int>(head_dim),
+                                  fp16 ? DType::kFP16 : DType::kBF16, static_cast<int>(variant),
+                                  num_sms(), static_cast<int>(max_splits));
+}
+
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                      const at::Tensor& seq_lens, int64_t page_size, double sm_scale,
+                      const at::Tensor& out, const at::Tensor& o_part, const at::Tensor& ml_part,
+                      int64_t num_splits, int64_t variant) {
+  KV_CHECK(q.is_cuda() && q.dim() == 3, "q must be a CUDA [B, Hq, D] tensor");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const DType dt = dtype_of(q, "q");
+  check_heads(q, k_cache);
+  check_aligned(q, "q", 2);
+  const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
+  const kvray::PagedKV kv =
+      paged_kv(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, batch, page_size);
+  check_cuda(out, q, "out");
+  KV_CHECK(out.scalar_type() == q.scalar_type() && out.dim() == 3 && out.size(0) == batch &&
+               out.size(1) == hq && out.size(2) == d,
+           "out must be [B, Hq, D] with q's dtype");
+  check_aligned(out, "out", 4);
+  check_cuda(o_part, q, "o_part");
+  check_cuda(ml_part, q, "ml_part");
+  KV_CHECK(o_part.scalar_type() == at::kFloat && o_part.dim() == 4 && o_part.is_contiguous() &&
+               o_part.size(0) >= batch && o_part.size(1) == hq && o_part.size(3) == d,
+           "o_part must be contiguous float32 [>=B, Hq, S, D]");
+  const int64_t s_cap = o_part.size(2);
+  KV_CHECK(s_cap >= 1, "o_part needs at least one split");
+  KV_CHECK(ml_part.scalar_type() == at::kFloat && ml_part.dim() == 4 && ml_part.is_contiguous() &&
+               ml_part.size(0) >= batch && ml_part.size(1) == hq && ml_part.size(2) == s_cap &&
+               ml_part.size(3) == 2,
+           "ml_part must be contiguous float32 [>=B, Hq, S, 2]");
+  KV_CHECK(variant >= 0 && variant < kvray::decode_num_variants(), "unknown decode variant ", variant);
+  const int splits =
+      num_splits > 0
+          ? static_cast<int>(std::min(num_splits, s_cap))
+          : kvray::decode_num_splits(static_cast<int>(batch), static_cast<int>(hq),
+                                     static_cast<int>(k_cache.size(1)), static_cast<int>(d), dt,
+                                     static_cast<int>(variant), num_sms(), static_cast<int>(s_cap));
+  kvray::DecodeParams p{kv,
+                        q.data_ptr(),
+                        q.stride(0),
+                        q.stride(1),
+                        out.data_ptr(),
+                        out.stride(0),
+                        out.stride(1),
+                        o_part.data_ptr<float>(),
+                        ml_part.data_ptr<float>(),
+                        static_cast<int>(s_cap),
+                        static_cast<int>(batch),
+                        static_cast<int>(hq),
+                        static_cast<int>(k_cache.size(1)),
+                        static_cast<int>(d),
+                        splits,
+                        static_cast<float>(sm_scale * 1.4426950408889634),
+                        dt,
+                        static_cast<int>(variant)};
+  check_launch(kvray::launch_decode(p, c10::cuda::getCurrentCUDAStream()), "decode_attention");
+}
+
+void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                       const at::Tensor& seq_lens, const at::Tensor& qo_indptr, int64_t page_size,
+                       double sm_scale, const at::Tensor& out) {
+  KV_CHECK(q.is_cuda() && q.dim() == 3, "q must be a CUDA [T, Hq, D] tensor");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const DType dt = dtype_of(q, "q");
+  check_heads(q, k_cache);
+  check_aligned(q, "q", 8);
+  check_int32_vec(qo_indptr, q, 1, "qo_indptr");
+  const int64_t batch = qo_indptr.size(0) - 1;
+  const kvray::PagedKV kv =
+      paged_kv(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, batch, page_size);
+  check_cuda(out, q, "out");
+  KV_CHECK(out.scalar_type() == q.scalar_type() && out.sizes() == q.sizes(),
+           "out must have q's shape and dtype");
+  check_aligned(out, "out", 2);
+  kvray::PrefillParams p{kv,
+                         q.data_ptr(),
+                         q.stride(0),
+                         q.stride(1),
+                         out.data_ptr(),
+                         out.stride(0),
+                         out.stride(1),
+                         qo_indptr.data_ptr<int32_t>(),
+                         static_cast<int>(batch),
+                         static_cast<int>(q.size(0)),
+                         static_cast<int>(q.size(1)),
+                         static_cast<int>(k_cache.size(1)),
+                         static_cast<int>(q.size(2)),
+                         static_cast<float>(sm_scale * 1.4426950408889634),
+                         dt};
+  check_launch(kvray::launch_prefill(p, c10::cuda::getCurrentCUDAStream()), "prefill_attention");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kvray CUDA kernels: paged decode / prefill attention and the KV write";
+  m.def("store_kv", &store_kv, "scatter K/V rows of new tokens into the paged cache");
+  m.def("decode_attention", &decode_attention, "paged split-KV decode attention");
+  m.def("prefill_attention", &prefill_attention, "paged ragged causal prefill attention");
+  m.def("decode_num_splits", &decode_num_splits, "splits the decode kernel uses for a batch");
+  m.def("decode_num_variants", &kvray::decode_num_variants, "number of decode tiling variants");
+}

@@ -1,0 +1,312 @@
+"""csrc kernels vs float32 torch references on fresh random paged caches (GPU only).
+
+Every check draws new random inputs (never zeros), scatters pages randomly over a larger
+cache, fills req_to_token only at page starts (other entries point at a wrong page, so
+a kernel that reads them fails), and poisons every output with NaN before the call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from worker.attention import cuda_ops
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DEV = "cuda"
+TOL = {torch.bfloat16: (2e-2, 1e-2), torch.float16: (5e-3, 2e-3)}  # (atol=rtol, rel-norm)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built() -> None:
+    cuda_ops.load(verbose=False)
+
+
+@dataclass
+class Paged:
+    """A paged KV cache of one layer with B requests placed on random pages."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    slots: list[torch.Tensor]  # per request, slot of every position
+    page_size: int
+
+
+def make_paged(
+    lens: list[int],
+    page_size: int,
+    n_kv: int,
+    d: int,
+    dtype: torch.dtype,
+    *,
+    capacity: list[int] | None = None,
+) -> Paged:
+    """Random K/V on scattered pages; `capacity` (>= lens) sizes each request's pages."""
+    cap = capacity or lens
+    pages_per_req = [max(1, math.ceil(c / page_size)) for c in cap]
+    n_pages = sum(pages_per_req) + 3
+    n_slots = n_pages * page_size
+    k_cache = torch.randn(n_slots, n_kv, d, device=DEV).to(dtype)
+    v_cache = torch.randn(n_slots, n_kv, d, device=DEV).to(dtype)
+    max_running = len(lens) + 5
+    max_seq = max(pages_per_req) * page_size + page_size
+    wrong_slot = (n_pages - 1) * page_size  # a spare page: wrong but in bounds
+    req_to_token = torch.full((max_running, max_seq), wrong_slot, dtype=torch.int32)
+    rows = torch.randperm(max_running)[: len(lens)]
+    perm = torch.randperm(n_pages - 1)
+    slots, next_page = [], 0
+    for row, n_p in zip(rows.tolist(), pages_per_req, strict=True):
+        pages = perm[next_page : next_page + n_p]
+        next_page += n_p
+        pos = torch.arange(n_p * page_size)
+        s = pages[pos // page_size] * page_size + pos % page_size
+        req_to_token[row, : n_p * page_size : page_size] = s[::page_size].to(torch.int32)
+        slots.append(s.to(DEV))
+    return Paged(
+        k_cache, v_cache, req_to_token.to(DEV), rows.to(torch.int32).to(DEV),
+        torch.tensor(lens, dtype=torch.int32, device=DEV), slots, page_size,
+    )  # fmt: skip
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_pos: torch.Tensor
+) -> torch.Tensor:
+    """float32 reference: q [n, Hq, D] at positions q_pos over k/v [L, Hkv, D], causal."""
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    s = torch.einsum("nhd,lhd->hnl", q.float(), kf) * scale
+    keys = torch.arange(k.shape[0], device=q.device)
+    s = s.masked_fill(keys[None, None, :] > q_pos[None, :, None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", torch.softmax(s, dim=-1), vf)
+
+
+def ref_decode(q: torch.Tensor, kv: Paged, scale: float) -> torch.Tensor:
+    outs = []
+    for b, n in enumerate(kv.seq_lens.tolist()):
+        if n == 0:
+            outs.append(torch.zeros_like(q[b : b + 1], dtype=torch.float32))
+            continue
+        sl = kv.slots[b][:n]
+        pos = torch.tensor([n - 1], device=DEV)
+        outs.append(attend(q[b : b + 1], kv.k_cache[sl], kv.v_cache[sl], scale, pos))
+    return torch.cat(outs)
+
+
+def check_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rel = TOL[dtype]
+    assert torch.isfinite(out).all(), "output has NaN/inf (unwritten or broken)"
+    err = (out.float() - ref).norm() / ref.norm()
+    assert err < rel, f"relative error {err:.2e} >= {rel:.0e}"
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=atol)
+
+
+def decode_buffers(b: int, hq: int, d: int, dtype: torch.dtype, splits: int):
+    out = torch.full((b, hq, d), float("nan"), device=DEV, dtype=dtype)
+    o_part = torch.full((b + 2, hq, splits, d), float("nan"), device=DEV)
+    ml_part = torch.full((b + 2, hq, splits, 2), float("nan"), device=DEV)
+    return out, o_part, ml_part
+
+
+def run_decode(q, kv: Paged, scale: float, splits_cap: int, **kw) -> torch.Tensor:
+    out, o_part, ml_part = decode_buffers(q.shape[0], q.shape[1], q.shape[2], q.dtype, splits_cap)
+    cuda_ops.decode_attention(
+        q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, kv.seq_lens,
+        kv.page_size, scale, out, o_part, ml_part, **kw,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    return out
+
+
+LENS = [
+    [1],
+    [17, 300, 1],
+    [5, 1000, 64, 129, 2049, 33, 16, 700],
+    [4097, 3],
+    [250] * 6,
+]
+GQA = [(8, 8), (12, 4), (32, 8), (16, 2), (32, 1)]  # group 1, 3, 4, 8, 32 (two head chunks)
+
+
+def decode_cases() -> list[tuple]:
+    cases = []
+    for i, (dtype, d, (hq, hkv)) in enumerate(
+        (dt, d, g) for dt in (torch.bfloat16, torch.float16) for d in (64, 128) for g in GQA
+    ):
+        page = (16, 1, 16, 8, 16)[i % 5]
+        cases.append((dtype, d, hq, hkv, page, LENS[i % len(LENS)]))
+    return cases
+
+
+@pytest.mark.parametrize(("dtype", "d", "hq", "hkv", "page", "lens"), decode_cases())
+def test_decode_matches_reference(dtype, d, hq, hkv, page, lens) -> None:
+    kv = make_paged(lens, page, hkv, d, dtype)
+    q = torch.randn(len(lens), hq, d, device=DEV).to(dtype)
+    scale = d**-0.5
+    out = run_decode(q, kv, scale, cuda_ops.recommended_max_splits(max(lens)))
+    check_close(out, ref_decode(q, kv, scale), dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
+@pytest.mark.parametrize("variant", [0, 1, 2, 3])
+def test_decode_forced_splits_and_variants(num_splits: int, variant: int) -> None:
+    dtype, d, hq, hkv = torch.bfloat16, 128, 32, 8
+    lens = [1, 63, 64, 65, 1500, 4000, 20]
+    kv = make_paged(lens, 16, hkv, d, dtype)
+    q = torch.randn(len(lens), hq, d, device=DEV).to(dtype)
+    out = run_decode(q, kv, d**-0.5, 64, num_splits=num_splits, variant=variant)
+    check_close(out, ref_decode(q, kv, d**-0.5), dtype)
+
+
+def test_decode_strided_q_and_out() -> None:
+    """q and out as views into wider rows (as from a fused QKV projection)."""
+    dtype, d, hq, hkv = torch.bfloat16, 128, 32, 8
+    lens = [77, 1025, 3]
+    kv = make_paged(lens, 16, hkv, d, dtype)
+    qkv = torch.randn(len(lens), hq + 2 * hkv, d, device=DEV).to(dtype)
+    q = qkv[:, :hq]
+    wide = torch.full((len(lens), hq + 4, d), float("nan"), device=DEV, dtype=dtype)
+    out = wide[:, 2 : 2 + hq]
+    _, o_part, ml_part = decode_buffers(len(lens), hq, d, dtype, 16)
+    cuda_ops.decode_attention(
+        q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, kv.seq_lens,
+        16, d**-0.5, out, o_part, ml_part,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    check_close(out, ref_decode(q, kv, d**-0.5), dtype)
+    assert torch.isnan(wide[:, :2]).all() and torch.isnan(wide[:, 2 + hq :]).all()
+
+
+def test_decode_is_deterministic() -> None:
+    dtype, d = torch.bfloat16, 128
+    lens = [3000, 17, 900, 4096]
+    kv = make_paged(lens, 16, 8, d, dtype)
+    q = torch.randn(len(lens), 32, d, device=DEV).to(dtype)
+    a = run_decode(q, kv, d**-0.5, 64)
+    b = run_decode(q, kv, d**-0.5, 64)
+    assert torch.equal(a, b)
+
+
+def test_decode_graph_replay_follows_live_lengths() -> None:
+    """Captured once; replays after seq_lens change in place give the new lengths' result."""
+    dtype, d, hq, hkv = torch.bfloat16, 128, 32, 8
+    cap = [2000, 700, 64, 1300]
+    kv = make_paged([10, 10, 10, 10], 16, hkv, d, dtype, capacity=cap)
+    q = torch.randn(len(cap), hq, d, device=DEV).to(dtype)
+    out, o_part, ml_part = decode_buffers(len(cap), hq, d, dtype, 32)
+    args = (
+        q,
+        kv.k_cache,
+        kv.v_cache,
+        kv.req_to_token,
+        kv.req_pool_indices,
+        kv.seq_lens,
+        16,
+        d**-0.5,
+    )
+    cuda_ops.decode_attention(*args, out, o_part, ml_part)  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda_ops.decode_attention(*args, out, o_part, ml_part)
+    for lens in ([1, 1, 1, 1], [2000, 5, 64, 1299], [33, 700, 17, 1300]):
+        kv.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_close(out, ref_decode(q, kv, d**-0.5), dtype)
+
+
+def test_decode_empty_sequence_gives_zeros() -> None:
+    dtype, d = torch.float16, 64
+    kv = make_paged([0, 40], 16, 2, d, dtype, capacity=[16, 40])
+    q = torch.randn(2, 4, d, device=DEV).to(dtype)
+    for splits in (1, 8):
+        out = run_decode(q, kv, 0.125, 8, num_splits=splits)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        check_close(out[1:], ref_decode(q, kv, 0.125)[1:], dtype)
+
+
+def ref_prefill(q: torch.Tensor, kv: Paged, qo_indptr: list[int], scale: float) -> torch.Tensor:
+    outs = []
+    for b, n in enumerate(kv.seq_lens.tolist()):
+        q_b = q[qo_indptr[b] : qo_indptr[b + 1]]
+        sl = kv.slots[b][:n]
+        pos = torch.arange(n - q_b.shape[0], n, device=DEV)
+        outs.append(attend(q_b, kv.k_cache[sl], kv.v_cache[sl], scale, pos))
+    return torch.cat(outs)
+
+
+SEQS = [  # (q_len, kv_len): whole prompts, prefix hits and chunks (kv_len > q_len)
+    [(1, 1), (17, 17), (64, 64), (100, 100)],
+    [(5, 1000), (130, 300), (1, 50), (64, 200)],
+    [(257, 257), (3, 3)],
+    [(70, 403), (1, 1), (129, 129)],
+]
+
+
+def prefill_cases() -> list[tuple]:
+    cases = []
+    for i, (dtype, d, (hq, hkv)) in enumerate(
+        (dt, d, g) for dt in (torch.bfloat16, torch.float16) for d in (64, 128) for g in GQA[:4]
+    ):
+        cases.append((dtype, d, hq, hkv, (16, 1, 16, 32)[i % 4], SEQS[i % len(SEQS)]))
+    return cases
+
+
+@pytest.mark.parametrize(("dtype", "d", "hq", "hkv", "page", "seqs"), prefill_cases())
+def test_prefill_matches_reference(dtype, d, hq, hkv, page, seqs) -> None:
+    kv = make_paged([kv for _, kv in seqs], page, hkv, d, dtype)
+    qo = [0]
+    for q_len, _ in seqs:
+        qo.append(qo[-1] + q_len)
+    qkv = torch.randn(qo[-1], hq + 2 * hkv, d, device=DEV).to(dtype)
+    q = qkv[:, :hq]  # strided rows, as from a fused projection
+    out = torch.full((qo[-1], hq, d), float("nan"), device=DEV, dtype=dtype)
+    qo_indptr = torch.tensor(qo, dtype=torch.int32, device=DEV)
+    cuda_ops.prefill_attention(
+        q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, kv.seq_lens,
+        qo_indptr, page, d**-0.5, out,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    check_close(out, ref_prefill(q, kv, qo, d**-0.5), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("t", "d"), [(1, 128), (7, 64), (300, 128)])
+def test_store_kv_matches_index_put(dtype, t: int, d: int) -> None:
+    hkv, n_slots = 4, 1024
+    k_cache = torch.randn(n_slots, hkv, d, device=DEV).to(dtype)
+    v_cache = torch.randn(n_slots, hkv, d, device=DEV).to(dtype)
+    qkv = torch.randn(t, 8 + 2 * hkv, d, device=DEV).to(dtype)
+    k, v = qkv[:, 8 : 8 + hkv], qkv[:, 8 + hkv :]
+    loc = torch.randperm(n_slots, device=DEV)[:t]
+    if t > 1:
+        loc[t // 2] = -1  # skipped (padding)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    keep = loc >= 0
+    k_ref[loc[keep]] = k[keep]
+    v_ref[loc[keep]] = v[keep]
+    cuda_ops.store_kv(k, v, k_cache, v_cache, loc)
+    torch.cuda.synchronize()
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_bad_arguments_raise() -> None:
+    kv = make_paged([5], 16, 2, 64, torch.bfloat16)
+    q = torch.randn(1, 4, 64, device=DEV).to(torch.float16)  # dtype differs from the cache
+    out, o_part, ml_part = decode_buffers(1, 4, 64, torch.float16, 4)
+    with pytest.raises(RuntimeError, match="dtype"):
+        cuda_ops.decode_attention(
+            q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, kv.seq_lens,
+            16, 0.125, out, o_part, ml_part,
+        )  # fmt: skip

@@ -1,0 +1,207 @@
+"""kvray's CUDA kernels (csrc/): built on first use, cached on disk, thin typed wrappers.
+
+Importing this module never compiles or imports the extension: a CPU machine can import
+it freely. The first op call (or an explicit `load()`) builds csrc/ with
+`torch.utils.cpp_extension.load` (ninja) for the current GPU's architecture
+(sm_90a on Hopper) into a cache directory keyed by the sources, torch, CUDA and the
+arch, so later processes only load the built library.
+
+All ops write into caller-provided tensors and allocate nothing, so they can be captured
+in CUDA graphs. Layouts: per layer, `k_cache` / `v_cache` are contiguous
+`[n_slots, n_kv_heads, head_dim]`; the slot of (request row r, position p) is
+`req_to_token[r, p // page_size * page_size] + p % page_size`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import shutil
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+_SOURCES = ("ops.cpp", "decode.cu", "prefill.cu", "store_kv.cu")
+_HEADERS = ("common.cuh", "launch.h")
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "kvray" / "kernels"
+
+# Decode splits beyond this only add partial-result traffic: a split keeps >= 64 tokens.
+_MIN_TOKENS_PER_SPLIT = 64
+_MAX_SPLITS = 64
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+
+
+class KernelBuildError(RuntimeError):
+    """The CUDA extension cannot be built here (no GPU, no nvcc, or a compile error)."""
+
+
+def arch_flags(major: int, minor: int) -> list[str]:
+    """nvcc -gencode flags for one compute capability; Hopper gets the sm_90a target."""
+    if (major, minor) < (8, 0):
+        raise KernelBuildError(
+            f"kvray kernels need compute capability >= 8.0, found {major}.{minor}"
+        )
+    suffix = "a" if (major, minor) == (9, 0) else ""
+    cc = f"{major}{minor}{suffix}"
+    return [f"-gencode=arch=compute_{cc},code=sm_{cc}"]
+
+
+def _build_tag(flags: list[str]) -> str:
+    """Hash of everything that changes the binary: sources, flags, torch and CUDA versions."""
+    h = hashlib.sha256()
+    for name in (*_SOURCES, *_HEADERS):
+        h.update(name.encode())
+        h.update((CSRC_DIR / name).read_bytes())
+    h.update(" ".join(flags).encode())
+    h.update(f"{torch.__version__}|{torch.version.cuda}".encode())
+    return h.hexdigest()[:16]
+
+
+def _check_toolkit() -> None:
+    from torch.utils import cpp_extension
+
+    if not torch.cuda.is_available():
+        raise KernelBuildError("kvray CUDA kernels need a CUDA GPU; none is visible to torch")
+    home = cpp_extension.CUDA_HOME
+    if home is None or not (Path(home) / "bin" / "nvcc").exists():
+        raise KernelBuildError(
+            "kvray CUDA kernels are compiled on first use and need the CUDA toolkit (nvcc); "
+            "none was found. Install it and set CUDA_HOME, or use backend='torch'."
+        )
+    if shutil.which("ninja") is None:
+        try:
+            import ninja  # noqa: F401
+        except ImportError as exc:
+            raise KernelBuildError(
+                "building the kvray kernels needs ninja (pip install ninja)"
+            ) from exc
+
+
+def load(*, verbose: bool = False, cache_dir: Path | None = None) -> ModuleType:
+    """Build (first time) and import the extension; later calls return the loaded module."""
+    global _module
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is None:
+            _module = _build(verbose=verbose, cache_dir=cache_dir or DEFAULT_CACHE_DIR)
+    return _module
+
+
+def _build(*, verbose: bool, cache_dir: Path) -> ModuleType:
+    _check_toolkit()
+    from torch.utils import cpp_extension
+
+    major, minor = torch.cuda.get_device_capability()
+    flags = [*arch_flags(major, minor), "-O3", "-lineinfo", "--expt-relaxed-constexpr"]
+    tag = _build_tag(flags)
+    build_dir = cache_dir / f"sm{major}{minor}-{tag}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name=f"kvray_kernels_{tag}",
+            sources=[str(CSRC_DIR / s) for s in _SOURCES],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=flags,
+            extra_include_paths=[str(CSRC_DIR)],
+            build_directory=str(build_dir),
+            verbose=verbose,
+        )
+    except (RuntimeError, OSError) as exc:
+        raise KernelBuildError(f"building the kvray kernels in {build_dir} failed: {exc}") from exc
+
+
+def recommended_max_splits(max_seq_len: int) -> int:
+    """Split capacity (o_part.shape[2]) for a workspace serving sequences up to max_seq_len."""
+    return max(1, min(_MAX_SPLITS, math.ceil(max_seq_len / _MIN_TOKENS_PER_SPLIT)))
+
+
+def decode_num_splits(
+    batch: int, n_q_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, max_splits: int
+) -> int:
+    """Splits decode_attention uses for this batch size (a function of shapes only)."""
+    return int(
+        load().decode_num_splits(
+            batch, n_q_heads, n_kv_heads, head_dim, dtype == torch.float16, 0, max_splits
+        )
+    )
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+) -> None:
+    """k_cache[out_cache_loc] = k and v_cache[out_cache_loc] = v in one launch (slots < 0 skipped)."""
+    load().store_kv(k, v, k_cache, v_cache, out_cache_loc)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    sm_scale: float,
+    out: torch.Tensor,
+    o_part: torch.Tensor,
+    ml_part: torch.Tensor,
+    *,
+    num_splits: int = 0,
+    variant: int = 0,
+) -> None:
+    """One query token per request over its paged KV; writes out[B, Hq, D].
+
+    o_part [>=B, Hq, S, D] and ml_part [>=B, Hq, S, 2] (float32) hold split partials; the
+    split count is chosen from B and the shapes (capped at S), or forced by num_splits.
+    `variant` picks a tiling for benchmarking (0 = default).
+    """
+    load().decode_attention(
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, page_size, sm_scale,
+        out, o_part, ml_part, num_splits, variant,
+    )  # fmt: skip
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    page_size: int,
+    sm_scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Ragged causal attention of packed queries q[T, Hq, D] over paged KV; writes out.
+
+    Sequence b owns q rows qo_indptr[b]:qo_indptr[b+1]; seq_lens[b] counts its KV
+    including the new tokens (>= its query count), whose K/V must already be stored.
+    """
+    load().prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        qo_indptr,
+        page_size,
+        sm_scale,
+        out,
+    )
+
+
+def decode_variants() -> int:
+    """Number of decode tiling variants compiled (for the benchmark sweep)."""
+    return int(load().decode_num_variants())
