@@ -4,12 +4,11 @@ import pytest
 import torch
 
 from tests.conftest import ARCHS
+from tests.factories.logits import packed_logits
 from tests.factories.tiny_models import random_prompts
 from worker.config import EngineConfig
 from worker.executor import Executor
 from worker.model.config import ModelConfig
-from worker.request import Request, ScheduledTask
-from worker.sampling import SamplingParams
 
 LENGTHS = [5, 17, 1, 33]
 
@@ -20,21 +19,12 @@ def _executor(path, **overrides) -> Executor:
     return Executor(cfg.resolve(model_max_len=mcfg.max_len), path, mcfg, frozenset({2}))
 
 
-def _packed_logits(ex: Executor, prompts: list[list[int]]) -> list[torch.Tensor]:
-    reqs = [Request(f"r{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
-    for r in reqs:
-        assert ex.cache.admit(r) and ex.cache.reserve(r, len(r.prompt_ids))
-    batch = ex.cache.bind_tasks([ScheduledTask(r, len(r.prompt_ids)) for r in reqs])
-    logits = ex.forward(batch, all_logits=True)
-    return list(logits.split(LENGTHS))
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cache", ["paged", "contiguous"])
 def test_packed_logits_match_transformers(tiny_model, arch, cache):
     path, hf = tiny_model(arch)
     prompts = random_prompts(LENGTHS)
-    ours = _packed_logits(_executor(path, cache=cache, page_size=4), prompts)
+    ours = packed_logits(_executor(path, cache=cache, page_size=4), prompts)
     for prompt, got in zip(prompts, ours, strict=True):
         with torch.no_grad():
             want = hf(torch.tensor([prompt])).logits[0].float()

@@ -1,0 +1,146 @@
+"""Engine lifecycle on a tiny random model: abort, error isolation, bad input, streams, pages."""
+
+import asyncio
+
+import pytest
+
+from tests.factories.tiny_models import random_prompts
+from worker import LLM, SamplingParams
+from worker.engine import Engine, EngineFull, EngineRequest
+from worker.config import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def engine_factory(tiny_model):
+    path, _ = tiny_model("llama")
+
+    def make(**overrides) -> Engine:
+        return Engine(EngineConfig(**{**_config(path), **overrides}))
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    path, _ = tiny_model("llama")
+    cfg = _config(path)
+    return LLM(cfg.pop("model"), **cfg)
+
+
+def _config(path) -> dict:
+    return dict(model=str(path), device="cpu", max_seq_len=128, max_running=8, page_size=4, num_pages=96)
+
+
+def _reqs(prefix: str, n: int, max_tokens: int = 20, **params) -> list[EngineRequest]:
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
+    return [EngineRequest(f"{prefix}{i}", p, sp) for i, p in enumerate(random_prompts([9, 14, 5, 21][:n]))]
+
+
+def _run(engine: Engine, streams) -> dict[str, list]:
+    got: dict[str, list] = {}
+    while engine.has_work:
+        engine.step()
+    for s in streams:
+        for frame in s.poll():
+            for d in frame:
+                got.setdefault(d.request_id, []).append(d)
+    return got
+
+
+def test_abort_frees_pages_within_one_step(engine_factory):
+    engine = engine_factory()
+    cache = engine.executor.cache
+    initial = cache.num_free_pages
+    stream = engine.submit(_reqs("a", 3, max_tokens=40))
+    for _ in range(4):
+        engine.step()
+    used = cache.num_free_pages
+    engine.abort("a1")
+    deltas = engine.step()
+    aborted = [d for d in deltas if d.request_id == "a1"]
+    assert aborted and aborted[0].finish_reason == "abort"
+    assert cache.num_free_pages > used  # a1's pages came back in that very step
+    got = _run(engine, [stream])
+    assert got["a0"][-1].finish_reason == "length" and got["a2"][-1].finish_reason == "length"
+    assert sum(len(d.new_token_ids) for d in got["a0"]) == 40
+    assert cache.num_free_pages == initial
+
+
+def test_failed_step_fails_only_its_requests_and_the_engine_keeps_serving(engine_factory):
+    engine = engine_factory()
+    boom = {"armed": True}
+
+    def hook(tasks):
+        if boom["armed"] and any(t.request.request_id == "bad0" for t in tasks):
+            boom["armed"] = False
+            raise RuntimeError("injected fault")
+
+    engine.fault_hook = hook
+    s1 = engine.submit(_reqs("bad", 1))
+    engine.step()
+    s2 = engine.submit(_reqs("ok", 2))
+    got = _run(engine, [s1, s2])
+    assert got["bad0"][-1].finish_reason == "error" and "injected fault" in got["bad0"][-1].error
+    assert [got[f"ok{i}"][-1].finish_reason for i in range(2)] == ["length", "length"]
+    cache = engine.executor.cache
+    assert cache.num_free_pages == cache.num_total_pages
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [([], "empty"), ([5] * 200, "limit"), ([5, 99999], r"\[0, 211\)"), ([-1, 4], r"\[0, 211\)")],
+)
+def test_bad_input_is_refused_at_submit(engine_factory, prompt, message):
+    engine = engine_factory()
+    with pytest.raises(ValueError, match=message):
+        engine.submit([EngineRequest("x", prompt, SamplingParams())])
+    assert not engine.has_work and engine.stats().num_waiting == 0
+
+
+def test_backpressure_over_max_waiting(engine_factory):
+    engine = engine_factory(max_waiting=2)
+    engine.submit(_reqs("w", 2))
+    with pytest.raises(EngineFull):
+        engine.submit(_reqs("v", 1))
+
+
+def test_async_stream_one_frame_per_step_from_the_loop_thread(engine_factory):
+    engine = engine_factory()
+    engine.start()
+    try:
+        async def consume():
+            frames = []
+            async for frame in engine.submit(_reqs("s", 2, max_tokens=12)):
+                frames.append(frame)
+            return frames
+
+        frames = asyncio.run(asyncio.wait_for(consume(), timeout=60))
+    finally:
+        engine.shutdown()
+    assert all(len({d.request_id for d in f}) == len(f) for f in frames)  # a request at most once per frame
+    assert sum(len(d.new_token_ids) for f in frames for d in f) == 24
+    assert sum(1 for f in frames for d in f if d.finish_reason == "length") == 2
+    assert max(len(f) for f in frames) == 2  # both requests advance in the same steps
+    stats = engine.stats()
+    assert stats.generation_tokens_total == 24 and stats.num_running == 0 and not stats.loop_alive
+
+
+def test_stop_token_ids_min_and_max_tokens(llm):
+    prompt = random_prompts([9])[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    stop_at = free.token_ids[5]
+    first = free.token_ids.index(stop_at)
+    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=(stop_at,)))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: first + 1]
+    later = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=(stop_at,), min_tokens=first + 1))[0]
+    assert len(later.token_ids) > first + 1
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llm):
+    prompts = random_prompts([9, 14, 5])
+    p = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([prompts[0]], p)[0].token_ids
+    in_batch = llm.generate(prompts, [p, SamplingParams(temperature=0.7, max_tokens=20), p])[0].token_ids
+    assert alone == in_batch
+    two = llm.generate([prompts[0]], p.model_copy(update={"n": 2}))
+    assert len(two) == 2 and two[0].token_ids == alone and two[1].token_ids != alone
