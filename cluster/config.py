@@ -73,6 +73,9 @@ class RouterSettings(BaseModel):
     batch_window_ms: float = Field(
         2.0, ge=0, description="requests arriving this close together travel in one call; 0 = off"
     )
+    max_batch_requests: int = Field(
+        8, ge=1, description="a batch is sent at once when it holds this many requests"
+    )
     imbalance_threshold: float = Field(
         8.0,
         ge=0,

@@ -132,8 +132,10 @@ class _Call:
 
     dispatcher: Dispatcher
     streams: list[GroupStream]
+    attempt: int = 0
     by_request: dict[str, GroupStream] = field(default_factory=dict)
     response: Any = None
+    accepted: bool = False
 
     def __post_init__(self) -> None:
         for stream in self.streams:
@@ -156,6 +158,10 @@ class _Call:
         except Exception as exc:  # a dead replica surfaces as a Ray error of some kind
             if all(s.closed for s in self.streams):
                 return  # every client left and the call was cancelled on purpose
+            if not self.accepted and self.attempt == 0:
+                log.warning("worker call failed before it was accepted, retrying once: %r", exc)
+                self.dispatcher.send(self.streams, attempt=1)
+                return
             log.warning("worker call failed: %r", exc)
             self._fail(CallError("unavailable", f"worker failed: {type(exc).__name__}: {exc}"))
 
@@ -181,6 +187,7 @@ class _Call:
         if isinstance(first, Refused):
             self._refused(first)
             return
+        self.accepted = True
         for stream in self.streams:
             stream._on_accept(first.replica_id)
         await self._pump(limits.stall_timeout_s)
@@ -205,11 +212,14 @@ class _Call:
                 raise CallError(
                     "unavailable", f"the worker sent nothing for {stall_timeout_s:.0f} s"
                 ) from None
-            deltas = decode_deltas(frame)
+            per_stream: dict[int, list[RequestDelta]] = {}
+            for delta in decode_deltas(frame):
+                stream = self.by_request.get(delta.request_id)
+                if stream is not None:
+                    per_stream.setdefault(id(stream), []).append(delta)
             for stream in self.streams:
-                stream._on_deltas(
-                    [d for d in deltas if self.by_request.get(d.request_id) is stream]
-                )
+                if id(stream) in per_stream:
+                    stream._on_deltas(per_stream[id(stream)])
         self._fail(CallError("internal", "the worker ended the stream early"))
 
     def _fail(self, error: CallError) -> None:
@@ -220,12 +230,15 @@ class _Call:
 class Dispatcher:
     """Batches groups within a window and sends each batch as one streaming worker call."""
 
-    def __init__(self, worker_handle: Any, window_s: float, limits: Any):
+    def __init__(self, worker_handle: Any, window_s: float, max_batch: int, limits: Any):
         self.generate_handle = worker_handle.options(method_name="generate", stream=True)
         self._abort_handle = worker_handle.options(method_name="abort")
         self.limits = limits
         self._window_s = window_s
+        self._max_batch = max_batch
         self._pending: list[GroupStream] = []
+        self._pending_requests = 0
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._last_send = -1e9
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -238,19 +251,25 @@ class Dispatcher:
             self.send([stream])
             return stream
         self._pending.append(stream)
-        if len(self._pending) == 1:
-            asyncio.get_running_loop().call_later(self._window_s, self._flush)
+        self._pending_requests += len(group.requests)
+        if self._pending_requests >= self._max_batch:
+            self._flush()
+        elif len(self._pending) == 1:
+            self._flush_timer = asyncio.get_running_loop().call_later(self._window_s, self._flush)
         return stream
 
     def _flush(self) -> None:
-        batch, self._pending = self._pending, []
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        batch, self._pending, self._pending_requests = self._pending, [], 0
         live = [s for s in batch if not s.closed]
         self._last_send = time.monotonic()
         if live:
             self.send(live)
 
-    def send(self, streams: list[GroupStream]) -> None:
-        self._spawn(_Call(self, streams).run())
+    def send(self, streams: list[GroupStream], attempt: int = 0) -> None:
+        self._spawn(_Call(self, streams, attempt).run())
 
     def send_abort(self, replica_id: str, request_ids: list[str]) -> None:
         self._spawn(self._abort(replica_id, request_ids))

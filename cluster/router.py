@@ -99,10 +99,12 @@ class _ReplicaMemory:
 
 
 def _hint_of(pending_request: PendingRequest | None) -> RouteHint | None:
+    """The call's RouteHint. Duck-typed on purpose: Serve may load this module by value
+    (cloudpickle), and then the caller's RouteHint class is not this module's class."""
     if pending_request is None or not pending_request.args:
         return None
     first = pending_request.args[0]
-    return first if isinstance(first, RouteHint) else None
+    return first if hasattr(first, "page_hashes") and hasattr(first, "replica_id") else None
 
 
 class PrefixLoadRouter(RequestRouter):
@@ -115,6 +117,7 @@ class PrefixLoadRouter(RequestRouter):
         self._imbalance_threshold = imbalance_threshold
         self._memory_s = memory_s
         self._memory: dict[ReplicaID, _ReplicaMemory] = {}
+        self._recorded: deque[Any] = deque(maxlen=1024)
 
     async def choose_replicas(
         self,
@@ -130,18 +133,23 @@ class PrefixLoadRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self._view(r) for r in candidate_replicas]
         ranked = rank_replicas(hint, views, self._imbalance_threshold)
+        if ranked and hint is not None and hint.num_requests and pending_request is not None:
+            self._remember(pending_request, by_id[ranked[0]], hint)
         return [[by_id[rid]] for rid in ranked]
 
-    def on_request_routed(
-        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    def _remember(
+        self, pending_request: PendingRequest, replica: RunningReplica, hint: RouteHint
     ) -> None:
-        hint = _hint_of(pending_request)
-        if hint is None or hint.replica_id is not None or hint.num_requests == 0:
-            return
+        """Count a call against the replica it will most likely go to (the first rank; the
+        base router takes it unless its queue is full) until the replica's next report.
+        Serve calls `on_request_routed` only in strict mode, so the policy records itself."""
+        request_id = getattr(pending_request.metadata, "internal_request_id", id(pending_request))
+        if request_id in self._recorded:
+            return  # a retry of the same request: counted already
+        self._recorded.append(request_id)
         keys = tuple(k for prompt in hint.page_hashes for k in prompt)
-        self._memory.setdefault(replica_id, _ReplicaMemory()).sent.append(
-            _Sent(time.time(), hint.num_requests, keys)
-        )
+        memory = self._memory.setdefault(replica.replica_id, _ReplicaMemory())
+        memory.sent.append(_Sent(time.time(), hint.num_requests, keys))
 
     def _forget_gone(self, candidates: list[RunningReplica]) -> None:
         if len(self._memory) > len(candidates):

@@ -60,8 +60,10 @@ class Served:
 
     def worker_stats(self) -> dict[str, dict[str, Any]]:
         """Engine stats of every worker replica, by replica id."""
-        stats = self.worker_handle().broadcast("stats").results(timeout_s=30)
-        return {s["replica_id"]: s for s in stats}
+        stats = (
+            self.worker_handle().broadcast("stats").results(timeout_s=30, return_exceptions=True)
+        )
+        return {s["replica_id"]: s for s in stats if isinstance(s, dict)}
 
 
 def deploy(config: ClusterConfig) -> Served:
