@@ -42,16 +42,24 @@ class KVStorage:
 
 
 class ReqToTokenPool:
-    """int32 `[max_running, max_seq_len]`: (row, position) -> slot, with a host mirror.
+    """int32 `[max_running + 1, max_seq_len]`: (row, position) -> slot, with a host mirror.
 
-    Writes go to the mirror and are flushed to the device in one batched copy per step.
+    The last row is the scratch row (all slot 0, the scratch page) that CUDA-graph padding
+    uses. Writes go to the mirror and reach the device in one batched scatter per step,
+    through preallocated staging buffers, so a steady step allocates nothing.
     """
 
-    def __init__(self, max_running: int, max_seq_len: int, device: torch.device):
-        self.table = torch.zeros((max_running, max_seq_len), dtype=torch.int32, device=device)
-        self.host = np.zeros((max_running, max_seq_len), dtype=np.int32)
+    def __init__(self, max_running: int, max_seq_len: int, device: torch.device, staging: int):
+        self.table = torch.zeros((max_running + 1, max_seq_len), dtype=torch.int32, device=device)
+        self.host = np.zeros((max_running + 1, max_seq_len), dtype=np.int32)
+        self.scratch_row = max_running
         self._free_rows = list(range(max_running - 1, -1, -1))
         self._dirty: list[tuple[int, int, int]] = []
+        pin = device.type == "cuda"
+        self._h_idx = torch.zeros(staging, dtype=torch.int64, pin_memory=pin)
+        self._h_val = torch.zeros(staging, dtype=torch.int32, pin_memory=pin)
+        self._d_idx = torch.zeros(staging, dtype=torch.int64, device=device)
+        self._d_val = torch.zeros(staging, dtype=torch.int32, device=device)
 
     @property
     def num_free_rows(self) -> int:
@@ -73,9 +81,17 @@ class ReqToTokenPool:
         width = self.host.shape[1]
         flat = np.concatenate([np.arange(r * width + lo, r * width + hi) for r, lo, hi in self._dirty])
         self._dirty.clear()
-        both = torch.from_numpy(np.stack([flat, self.host.reshape(-1)[flat]]).astype(np.int64))
-        both = both.to(self.table.device, non_blocking=True)
-        self.table.view(-1)[both[0]] = both[1].to(torch.int32)
+        values = self.host.reshape(-1)[flat]
+        n = len(flat)
+        if n > len(self._h_idx):  # a long prefix hit at admission: rare, allocate
+            idx = torch.from_numpy(flat).to(self.table.device)
+            self.table.view(-1).scatter_(0, idx, torch.from_numpy(values).to(self.table.device))
+            return
+        self._h_idx.numpy()[:n] = flat
+        self._h_val.numpy()[:n] = values
+        self._d_idx[:n].copy_(self._h_idx[:n], non_blocking=True)
+        self._d_val[:n].copy_(self._h_val[:n], non_blocking=True)
+        self.table.view(-1).scatter_(0, self._d_idx[:n], self._d_val[:n])
 
 
 @dataclass(frozen=True)
@@ -183,7 +199,10 @@ class KVCache(CacheView):
             ws.positions[:b] += 1
             ws.seq_lens[:b] += 1
             ws.kv_indptr[: b + 1] += ws.arange[: b + 1]
-            ws.out_cache_loc[:b] = self.req_to_token[ws.req_pool_indices[:b].long(), ws.positions[:b]]
+            # out_cache_loc = req_to_token[row, position], with out= ops only (no allocation)
+            torch.add(ws.row_base[:b], ws.positions[:b], out=ws.flat_loc[:b])
+            torch.index_select(self.req_to_token.view(-1), 0, ws.flat_loc[:b], out=ws.loc_i32[:b])
+            ws.out_cache_loc[:b].copy_(ws.loc_i32[:b])
         else:
             self._bind_from_host(tasks, rows, starts, seq_lens, n_tokens)
         self._task_len[rows] = seq_lens
@@ -219,6 +238,7 @@ class KVCache(CacheView):
         h32[3, 1 : b + 1] = np.cumsum(seq_lens)
         hl = ws.host_logits.numpy()
         hl[:b] = h32[2, 1 : b + 1] - 1
+        hl[b : 2 * b] = np.asarray(rows, dtype=np.int64) * self.req_pool.host.shape[1]
         ws.input_ids[:n_tokens].copy_(ws.host_i64[0, :n_tokens], non_blocking=True)
         ws.positions[:n_tokens].copy_(ws.host_i64[1, :n_tokens], non_blocking=True)
         ws.out_cache_loc[:n_tokens].copy_(ws.host_i64[2, :n_tokens], non_blocking=True)
@@ -227,6 +247,7 @@ class KVCache(CacheView):
         ws.qo_indptr[: b + 1].copy_(ws.host_i32[2, : b + 1], non_blocking=True)
         ws.kv_indptr[: b + 1].copy_(ws.host_i32[3, : b + 1], non_blocking=True)
         ws.logits_indices[:b].copy_(ws.host_logits[:b], non_blocking=True)
+        ws.row_base[:b].copy_(ws.host_logits[b : 2 * b], non_blocking=True)
 
     def invalidate_bind(self) -> None:
         """Forget the last bind (after an aborted step), so the next one rebuilds everything."""
@@ -242,7 +263,7 @@ class ContiguousCache(KVCache):
     """Row r owns slots [r * max_seq_len, (r + 1) * max_seq_len): a request never runs out mid-way."""
 
     def __init__(self, storage: KVStorage, req_pool: ReqToTokenPool, workspace: InferenceWorkspace):
-        max_running, max_seq_len = req_pool.table.shape
+        max_running, max_seq_len = req_pool.scratch_row, req_pool.table.shape[1]
         super().__init__(storage, req_pool, page_size=max_seq_len, workspace=workspace)
         for row in range(max_running):
             req_pool.set_slots(row, 0, np.arange(row * max_seq_len, (row + 1) * max_seq_len, dtype=np.int32))
@@ -250,7 +271,7 @@ class ContiguousCache(KVCache):
 
     @property
     def num_total_pages(self) -> int:
-        return self.req_pool.table.shape[0]
+        return self.req_pool.scratch_row
 
     @property
     def num_free_pages(self) -> int:

@@ -15,6 +15,7 @@ import torch
 from worker.attention import BACKENDS
 from worker.batch import ForwardBatch
 from worker.config import EngineConfig
+from worker.graphs import DecodeGraphRunner
 from worker.kv_sizing import build_cache
 from worker.model.config import ModelConfig
 from worker.model.loader import load_model
@@ -52,14 +53,20 @@ class Executor:
             split_kv=config.backend == "cuda",
         )
         self.cache = build_cache(config, model_config, self.workspace)
-        self.backend = BACKENDS[config.backend](model_config.num_heads, model_config.head_dim)
+        self.backend = BACKENDS[config.backend](model_config.num_heads, model_config.head_dim, self.workspace)
         log.info("attention backend: %s", type(self.backend).__name__)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self._sampling: SamplingBatchInfo | None = None
+        self.graphs: DecodeGraphRunner | None = None
+        if config.cuda_graphs and self.backend.supports_graph:
+            self.graphs = DecodeGraphRunner(self.model, self.backend, self.cache, self.workspace)
+            self.graphs.capture()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, all_logits: bool = False) -> torch.Tensor:
         """Logits (float32) at each request's last new token, or at every token."""
+        if self.graphs is not None and batch.is_decode and not all_logits and self.graphs.bucket(batch.batch_size):
+            return self.graphs.run(batch)
         self.backend.prepare(batch, self.cache)
         hidden = self.model(batch.input_ids, batch.positions, self.cache, self.backend)
         return self.model.compute_logits(hidden if all_logits else hidden[batch.logits_indices])
@@ -86,10 +93,14 @@ class Executor:
         if len(rows) < len(tasks):
             logits = logits[rows]
         info = self._sampling_info(tasks, rows, batch.steady)
+        next_ids = ws.next_token_ids[: len(rows)]
+        if info.all_greedy and info.penalties is None and info.min_tokens is None and info.max_logprobs is None:
+            torch.argmax(logits, dim=-1, out=next_ids)  # plain greedy: no sampler, no allocation
+            return StepResult(rows, next_ids.tolist(), [None] * len(rows))
         out = sample(logits, info)
         info.record(out.token_ids)
-        ws.next_token_ids[: len(rows)].copy_(out.token_ids)
-        token_ids = out.token_ids.tolist()  # the one host sync of a step
+        next_ids.copy_(out.token_ids)
+        token_ids = next_ids.tolist()  # the one host sync of a step
         return StepResult(rows, token_ids, self._logprobs(tasks, rows, out))
 
     def _sampling_info(self, tasks: list[ScheduledTask], rows: list[int], steady: bool) -> SamplingBatchInfo:

@@ -32,7 +32,8 @@ def build_cache(cfg: EngineConfig, model: ModelConfig, workspace: InferenceWorks
     assert cfg.max_seq_len is not None
     device, dtype = torch.device(cfg.device), cfg.torch_dtype
     per_token = KVStorage.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
-    req_pool = ReqToTokenPool(cfg.max_running, cfg.max_seq_len, device)
+    staging = cfg.token_budget + cfg.max_running * cfg.page_size  # slots one step can newly map
+    req_pool = ReqToTokenPool(cfg.max_running, cfg.max_seq_len, device, staging)
     if cfg.cache == "contiguous":
         n_slots = cfg.max_running * cfg.max_seq_len
         storage = KVStorage(model.num_layers, n_slots, model.num_kv_heads, model.head_dim, dtype, device)

@@ -7,11 +7,9 @@ each buffer once.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-DECODE_SPLIT_TOKENS = 256  # KV tokens per split of the split-KV decode kernel
+from worker.attention.cuda_ops import recommended_max_splits
 
 
 class InferenceWorkspace:
@@ -39,8 +37,11 @@ class InferenceWorkspace:
         self.logits_indices = torch.zeros(max_running, **i64)
         self.next_token_ids = torch.zeros(max_running, **i64)
         self.arange = torch.arange(max_running + 1, **i32)
+        self.row_base = torch.zeros(max_running, **i64)  # row * max_seq_len, for the steady slot lookup
+        self.flat_loc = torch.zeros(max_running, **i64)
+        self.loc_i32 = torch.zeros(max_running, **i32)
         # Split-KV decode: the split count follows the longest possible sequence, never live lengths.
-        self.num_kv_splits = math.ceil(max_seq_len / DECODE_SPLIT_TOKENS) if split_kv else 0
+        self.num_kv_splits = recommended_max_splits(max_seq_len) if split_kv else 0
         s = self.num_kv_splits
         self.decode_out = torch.zeros((max_running if s else 0, num_heads, head_dim), dtype=dtype, device=device)
         self.decode_o_part = torch.zeros((max_running if s else 0, num_heads, s, head_dim), dtype=torch.float32, device=device)
@@ -48,4 +49,4 @@ class InferenceWorkspace:
         pin = device.type == "cuda"
         self.host_i64 = torch.zeros((3, max_tokens), dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
         self.host_i32 = torch.zeros((4, max_running + 1), dtype=torch.int32, pin_memory=pin)  # rows, lens, qo, kv
-        self.host_logits = torch.zeros(max_running, dtype=torch.int64, pin_memory=pin)
+        self.host_logits = torch.zeros(2 * max_running, dtype=torch.int64, pin_memory=pin)  # logits rows, row bases

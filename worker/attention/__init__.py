@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from worker.attention.base import AttentionBackend
 from worker.attention.torch_native import TorchNativeBackend
 
-
-def _cuda_backend(num_heads: int, head_dim: int) -> AttentionBackend:
-    from worker.attention.cuda import CudaBackend  # imported only on CUDA machines
-
-    return CudaBackend(num_heads, head_dim)
+if TYPE_CHECKING:
+    from worker.workspace import InferenceWorkspace
 
 
-BACKENDS: dict[str, Callable[[int, int], AttentionBackend]] = {
-    "torch": TorchNativeBackend,
+def _torch_backend(num_heads: int, head_dim: int, workspace: "InferenceWorkspace") -> AttentionBackend:
+    return TorchNativeBackend(num_heads, head_dim)
+
+
+def _cuda_backend(num_heads: int, head_dim: int, workspace: "InferenceWorkspace") -> AttentionBackend:
+    from worker.attention.cuda import CudaBackend  # only on CUDA machines: it builds csrc/
+
+    return CudaBackend(num_heads, head_dim, workspace)
+
+
+BACKENDS: dict[str, Callable[[int, int, "InferenceWorkspace"], AttentionBackend]] = {
+    "torch": _torch_backend,
     "cuda": _cuda_backend,
 }
 

@@ -1,0 +1,56 @@
+"""CudaBackend: kvray's csrc kernels — fused KV store, split-KV paged decode, ragged prefill.
+
+Decode writes into the workspace's `decode_out` / `decode_o_part` / `decode_ml_part` and its
+launch grid depends on shapes only, so a decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.attention import cuda_ops
+from worker.attention.base import AttentionBackend
+from worker.batch import ForwardBatch
+from worker.cache_view import CacheView
+from worker.workspace import InferenceWorkspace
+
+
+class CudaBackend(AttentionBackend):
+    supports_graph = True
+
+    def __init__(self, num_heads: int, head_dim: int, workspace: InferenceWorkspace):
+        cuda_ops.load()  # build (or load the cached build) now, not inside the first step
+        self.scale = head_dim**-0.5
+        self.ws = workspace
+        self._batch: ForwardBatch | None = None
+
+    def prepare(self, batch: ForwardBatch, view: CacheView) -> None:
+        self._batch = batch
+        self._decode = batch.is_decode
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: CacheView) -> torch.Tensor:
+        assert self._batch is not None
+        cuda_ops.store_kv(k, v, view.k_cache[layer], view.v_cache[layer], self._batch.out_cache_loc)
+        if self._decode:
+            return self.fwd_decode(layer, q, view)
+        return self.fwd_prefill(layer, q, view)
+
+    def fwd_decode(self, layer: int, q: torch.Tensor, view: CacheView) -> torch.Tensor:
+        b, ws = self._batch, self.ws
+        assert b is not None
+        out = ws.decode_out[: q.shape[0]]
+        cuda_ops.decode_attention(
+            q, view.k_cache[layer], view.v_cache[layer], view.req_to_token, b.req_pool_indices, b.seq_lens,
+            view.page_size, self.scale, out, ws.decode_o_part, ws.decode_ml_part,
+        )  # fmt: skip
+        return out
+
+    def fwd_prefill(self, layer: int, q: torch.Tensor, view: CacheView) -> torch.Tensor:
+        b = self._batch
+        assert b is not None
+        out = torch.empty_like(q)
+        cuda_ops.prefill_attention(
+            q, view.k_cache[layer], view.v_cache[layer], view.req_to_token, b.req_pool_indices, b.seq_lens,
+            b.qo_indptr, view.page_size, self.scale, out,
+        )  # fmt: skip
+        return out
