@@ -145,34 +145,21 @@ def tbps(nbytes: int, us: float) -> float:
     return nbytes / (us * 1e-6) / 1e12
 
 
-def bench_kvray(case: DecodeCase, sweep: bool) -> dict[str, Any]:
-    calls = [case.kvray_call(s) for s in range(case.n_sets)]
-    us = graph_time_us(calls)
-    calls[0]()
-    torch.cuda.synchronize()
-    err = (case.out.float() - case.reference()).abs().max().item()
-    res: dict[str, Any] = {
-        "kvray_us": us,
-        "kvray_tbps": tbps(case.kv_bytes, us),
-        "kvray_splits": cuda_ops.decode_num_splits(case.batch, HQ, HKV, D, DTYPE, SPLIT_CAP),
-        "kvray_max_abs_err_vs_fp32": err,
-        "kvray_eager_us": eager_time_us(calls[0]),
-    }
-    if sweep:
-        variants = {}
-        for var in range(cuda_ops.decode_variants()):
-            variants[str(var)] = graph_time_us(
-                [case.kvray_call(s, 0, var) for s in range(case.n_sets)]
-            )
-        res["variant_us"] = variants
-        splits = {}
-        for n in (1, 2, 3, 4, 6, 8, 16, 32, 64):
-            splits[str(n)] = graph_time_us([case.kvray_call(s, n, 0) for s in range(case.n_sets)])
-        res["forced_splits_us"] = splits
-    return res
+ROUNDS = 3  # kvray, FlashInfer and SDPA are timed in turn, ROUNDS times, against drift
 
 
-def bench_sdpa(case: DecodeCase) -> dict[str, Any]:
+def sweep_kvray(case: DecodeCase) -> dict[str, Any]:
+    """Every tiling variant at its own split choice, and the default at forced split counts."""
+    variants = {}
+    for var in range(cuda_ops.decode_variants()):
+        variants[str(var)] = graph_time_us([case.kvray_call(s, 0, var) for s in range(case.n_sets)])
+    splits = {}
+    for n in (1, 2, 4, 8, 16, 32):
+        splits[str(n)] = graph_time_us([case.kvray_call(s, n, 0) for s in range(case.n_sets)])
+    return {"variant_us": variants, "forced_splits_us": splits}
+
+
+def sdpa_calls(case: DecodeCase) -> list[Callable[[], Any]]:
     q = case.q.unsqueeze(2)
     calls = []
     for s in range(case.n_sets):
@@ -180,48 +167,78 @@ def bench_sdpa(case: DecodeCase) -> dict[str, Any]:
         calls.append(
             partial(F.scaled_dot_product_attention, q, k, v, scale=case.scale, enable_gqa=True)
         )
-    us = graph_time_us(calls)
-    return {"sdpa_contiguous_us": us, "sdpa_contiguous_tbps": tbps(case.kv_bytes, us)}
+    return calls
 
 
-def bench_flashinfer(case: DecodeCase, fi: Any, workspace: torch.Tensor) -> dict[str, Any]:
-    res: dict[str, Any] = {}
+def flashinfer_calls(
+    case: DecodeCase, fi: Any, workspace: torch.Tensor, tc: bool
+) -> tuple[list, torch.Tensor]:
+    """FlashInfer's paged decode (CUDA-graph mode, one planned wrapper per page set)."""
     kv = (case.pool.k.view(-1, PAGE, HKV, D), case.pool.v.view(-1, PAGE, HKV, D))
     indptr = torch.arange(case.batch + 1, device=DEV, dtype=torch.int32) * case.pages_per_seq
-    last = torch.full(
-        (case.batch,), case.seq_len - (case.pages_per_seq - 1) * PAGE, device=DEV, dtype=torch.int32
-    )
-    for name, tc in (("fi_tc", True), ("fi_cuda_cores", False)):
-        try:
-            outs, calls = [], []
-            for s in range(case.n_sets):
-                w = fi.BatchDecodeWithPagedKVCacheWrapper(
-                    workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
-                    paged_kv_indptr_buffer=indptr.clone(),
-                    paged_kv_indices_buffer=case.indices[s].clone(),
-                    paged_kv_last_page_len_buffer=last.clone(),
-                )  # fmt: skip
-                w.plan(
-                    indptr, case.indices[s], last, HQ, HKV, D, PAGE,
-                    q_data_type=DTYPE, kv_data_type=DTYPE, sm_scale=case.scale,
-                )  # fmt: skip
-                out = torch.empty_like(case.q)
-                outs.append(out)
-                calls.append(lambda w=w, out=out: w.run(case.q, kv, out=out))
-            us = graph_time_us(calls)
-            calls[0]()
+    last_len = case.seq_len - (case.pages_per_seq - 1) * PAGE
+    last = torch.full((case.batch,), last_len, device=DEV, dtype=torch.int32)
+    calls, out0 = [], torch.empty_like(case.q)
+    for s in range(case.n_sets):
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
+            paged_kv_indptr_buffer=indptr.clone(),
+            paged_kv_indices_buffer=case.indices[s].clone(),
+            paged_kv_last_page_len_buffer=last.clone(),
+        )  # fmt: skip
+        w.plan(
+            indptr, case.indices[s], last, HQ, HKV, D, PAGE,
+            q_data_type=DTYPE, kv_data_type=DTYPE, sm_scale=case.scale,
+        )  # fmt: skip
+        out = out0 if s == 0 else torch.empty_like(case.q)
+        calls.append(partial(w.run, case.q, kv, out=out))
+    return calls, out0
+
+
+def bench_case(case: DecodeCase, fi: Any, workspace: torch.Tensor, sweep: bool) -> dict[str, Any]:
+    contenders: dict[str, list[Callable[[], Any]]] = {
+        "kvray": [case.kvray_call(s) for s in range(case.n_sets)],
+        "sdpa_contiguous": sdpa_calls(case),
+    }
+    res: dict[str, Any] = {}
+    fi_outs = {}
+    if fi is not None:
+        for name, tc in (("fi_tc", True), ("fi_cuda_cores", False)):
+            try:
+                contenders[name], fi_outs[name] = flashinfer_calls(case, fi, workspace, tc)
+            except Exception as exc:  # a FlashInfer failure must not lose the other figures
+                res[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    rounds: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(ROUNDS):
+        for name, calls in contenders.items():
+            try:
+                rounds[name].append(graph_time_us(calls))
+            except Exception as exc:
+                res[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    for name, times in rounds.items():
+        if times:
+            res[f"{name}_us"] = statistics.median(times)
+            res[f"{name}_rounds_us"] = times
+            res[f"{name}_tbps"] = tbps(case.kv_bytes, res[f"{name}_us"])
+
+    contenders["kvray"][0]()
+    torch.cuda.synchronize()
+    res["kvray_max_abs_err_vs_fp32"] = (case.out.float() - case.reference()).abs().max().item()
+    res["kvray_splits"] = cuda_ops.decode_num_splits(case.batch, HQ, HKV, D, DTYPE, SPLIT_CAP)
+    res["kvray_eager_us"] = eager_time_us(contenders["kvray"][0])
+    for name, out in fi_outs.items():
+        if f"{name}_us" in res:
+            contenders[name][0]()
             torch.cuda.synchronize()
-            res[f"{name}_us"] = us
-            res[f"{name}_tbps"] = tbps(case.kv_bytes, us)
             res[f"{name}_max_abs_diff_vs_kvray"] = (
-                (outs[0].float() - case.out.float()).abs().max().item()
+                (out.float() - case.out.float()).abs().max().item()
             )
-            res[f"{name}_eager_us"] = eager_time_us(calls[0], n=50)
-        except Exception as exc:  # a FlashInfer failure must not lose the other figures
-            res[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            res[f"{name}_eager_us"] = eager_time_us(contenders[name][0], n=50)
     fi_times = [res[k] for k in ("fi_tc_us", "fi_cuda_cores_us") if k in res]
     if fi_times:
         res["fi_best_us"] = min(fi_times)
+    if sweep:
+        res.update(sweep_kvray(case))
     return res
 
 
@@ -245,16 +262,14 @@ def bench_decode(args: argparse.Namespace, fi: Any) -> list[dict[str, Any]]:
             "page_sets": case.n_sets,
         }
         row["floor_us"] = case.kv_bytes / (CEILING_TBPS * 1e12) * 1e6
-        row.update(bench_kvray(case, sweep=args.sweep))
-        row.update(bench_sdpa(case))
-        if fi is not None:
-            row.update(bench_flashinfer(case, fi, workspace))
+        row.update(bench_case(case, fi, workspace, sweep=args.sweep))
         row["kvray_fraction_of_ceiling"] = row["kvray_tbps"] / CEILING_TBPS
         if "fi_best_us" in row:
             row["speedup_vs_flashinfer"] = row["fi_best_us"] / row["kvray_us"]
         rows.append(row)
         print(json.dumps(row), flush=True)
         del case
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -387,7 +402,12 @@ def main() -> None:
             "page_size": PAGE,
             "dtype": "bfloat16",
         },
-        "method": "median per-call time over CUDA graph replays; KV bytes / time; page sets rotated",
+        "method": "median per-call time over CUDA graph replays (median of ROUNDS interleaved rounds); "
+        "KV bytes / time; page sets rotated so each graph reads >= 512 MB",
+        "decode_blocks_per_sm": {
+            str(v): cuda_ops.decode_blocks_per_sm(D, DTYPE, v)
+            for v in range(cuda_ops.decode_variants())
+        },
     }
 
     def save() -> None:

@@ -29,17 +29,24 @@ __host__ __device__ __forceinline__ int split_chunk(int len, int num_splits, int
   return c < min_chunk ? min_chunk : c;
 }
 
+// Geometry of one warp's K/V tile of TT tokens: how the warp's 16-byte copies cover it.
+template <int D, int TT>
+struct Tile {
+  static constexpr int kChunks = D / 8;              // 16-byte chunks per K/V row
+  static constexpr int kRowsPerPass = 32 / kChunks;  // rows one warp-wide copy covers
+  static constexpr int kPasses = TT / kRowsPerPass;  // copies per tile per warp
+  static constexpr int kElems = TT * D;
+  static_assert(TT % 16 == 0 && TT <= 32 && kPasses >= 1, "tile of 16 or 32 tokens");
+};
+
 template <int D, int NW, int TT, int ST>
 struct Cfg {
-  static constexpr int kChunks = D / 8;                // 16-byte chunks per K/V row
-  static constexpr int kRowsPerPass = 32 / kChunks;    // rows one warp-wide copy covers
-  static constexpr int kPasses = TT / kRowsPerPass;    // copies per tile per warp
-  static constexpr int kTileElems = TT * D;
-  static constexpr int kMinChunk = NW * TT;            // a split gives every warp a tile
-  static constexpr int kStageBytes = NW * ST * 2 * kTileElems * 2;
+  // Fewest tokens per split: shorter splits cost more in partials than they gain in
+  // parallelism (H200 sweep, 2026-11-29: B=1 L=4096 ran fastest at 256-token splits).
+  static constexpr int kMinChunk = 256;
+  static constexpr int kStageBytes = NW * ST * 2 * Tile<D, TT>::kElems * 2;
   static constexpr int kMergeBytes = NW * (kRows * D + 2 * kRows) * 4;
   static constexpr int kSmem = kStageBytes > kMergeBytes ? kStageBytes : kMergeBytes;
-  static_assert(TT % 16 == 0 && TT <= 32 && kPasses >= 1, "tile of 16 or 32 tokens");
 };
 
 template <typename T, int D>
@@ -49,35 +56,25 @@ __device__ void store_row4(const DecodeParams& p, int b, int head, int d, const 
   *reinterpret_cast<uint2*>(dst) = packed;
 }
 
-template <typename T, int D, int NW, int TT, int ST>
-__global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParams p) {
-  using C = Cfg<D, NW, TT, ST>;
-  extern __shared__ __align__(128) uint8_t smem_raw[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int group = p.num_q_heads / p.num_kv_heads;
-  const int head_chunks = (group + kRows - 1) / kRows;
-  const int kvh = blockIdx.y / head_chunks, hc = blockIdx.y % head_chunks;
-  const int b = blockIdx.z, split = blockIdx.x;
-  const int n_rows = min(kRows, group - hc * kRows);
-  const int head0 = kvh * group + hc * kRows;
-
-  const int len = p.kv.seq_lens[b];
-  const int chunk = split_chunk(len, p.num_splits, TT, C::kMinChunk);
-  const int start = split * chunk;
-  const int end = min(len, start + chunk);
-  if (start >= end) {
-    if (p.num_splits == 1) {  // empty sequence: defined output, no NaN
-      const float zero[4] = {0.f, 0.f, 0.f, 0.f};
-      for (int it = threadIdx.x; it < n_rows * (D / 4); it += NW * 32)
-        store_row4<T, D>(p, b, head0 + it / (D / 4), (it % (D / 4)) * 4, zero);
-    }
-    return;
+// Online-softmax state of one warp over 16 q rows (heads); a lane holds rows r0, r0 + 8.
+template <int D>
+struct WarpState {
+  float o[D / 8][4];
+  float m[2], l[2];
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.f;
   }
+};
 
-  // Q of this block's heads as MMA A fragments (rows = heads, zero past the group).
+// Q rows head0 .. head0 + n_rows - 1 of request b as MMA A fragments (zero past n_rows).
+template <typename T, int D>
+__device__ __forceinline__ void load_q(uint32_t (&qa)[D / 16][4], const DecodeParams& p, int b,
+                                       int head0, int n_rows, int lane) {
   const int r0 = lane >> 2, c0 = (lane & 3) * 2;
   const T* qb = static_cast<const T*>(p.q) + b * p.q_stride_b + head0 * p.q_stride_h;
-  uint32_t qa[D / 16][4];
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
@@ -88,23 +85,100 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
                       : 0u;
     }
   }
+}
 
-  T* wsm = reinterpret_cast<T*>(smem_raw) + warp * ST * 2 * C::kTileElems;
-  const int n_tiles = (end - start + TT - 1) / TT;
-  const int my_tiles = warp < n_tiles ? (n_tiles - warp + NW - 1) / NW : 0;
+// One tile of TT tokens from shared memory: S = Q K^T, online softmax, O += P V.
+template <typename T, int D, int TT>
+__device__ __forceinline__ void attend_tile(WarpState<D>& st, const uint32_t (&qa)[D / 16][4],
+                                            const T* ks, const T* vs, int nvalid,
+                                            float scale_log2, int lane) {
+  const int c0 = (lane & 3) * 2;
+  float s[TT / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < TT / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+    for (int np = 0; np < TT / 16; ++np) {
+      uint32_t bk[4];
+      ldsm_x4(bk, ks + swz<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3),
+                              kk * 2 + ((lane >> 3) & 1)));
+      Dtype<T>::mma(s[2 * np], qa[kk], bk[0], bk[1]);
+      Dtype<T>::mma(s[2 * np + 1], qa[kk], bk[2], bk[3]);
+    }
+  }
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < TT / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int tok = nt * 8 + c0 + (e & 1);
+      s[nt][e] = tok < nvalid ? s[nt][e] * scale_log2 : -INFINITY;
+      mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+    }
+  }
+  float corr[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float m_new = fmaxf(st.m[h], quad_max(mx[h]));
+    corr[h] = rescale(st.m[h], m_new);
+    st.m[h] = m_new;
+    st.l[h] *= corr[h];
+  }
+#pragma unroll
+  for (int nt = 0; nt < TT / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[nt][e] = fast_exp2(s[nt][e] - st.m[e >> 1]);
+      st.l[e >> 1] += s[nt][e];
+    }
+  }
+#pragma unroll
+  for (int dn = 0; dn < D / 8; ++dn) {
+    st.o[dn][0] *= corr[0];
+    st.o[dn][1] *= corr[0];
+    st.o[dn][2] *= corr[1];
+    st.o[dn][3] *= corr[1];
+  }
+  // P's accumulator layout is already the A-operand layout of the PV MMA.
+#pragma unroll
+  for (int k16 = 0; k16 < TT / 16; ++k16) {
+    uint32_t pa[4];
+    pa[0] = Dtype<T>::pack(s[2 * k16][0], s[2 * k16][1]);
+    pa[1] = Dtype<T>::pack(s[2 * k16][2], s[2 * k16][3]);
+    pa[2] = Dtype<T>::pack(s[2 * k16 + 1][0], s[2 * k16 + 1][1]);
+    pa[3] = Dtype<T>::pack(s[2 * k16 + 1][2], s[2 * k16 + 1][3]);
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t bv[4];
+      ldsm_x4_trans(bv, vs + swz<D>(k16 * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
+                                    dp * 2 + (lane >> 4)));
+      Dtype<T>::mma(st.o[2 * dp], pa, bv[0], bv[1]);
+      Dtype<T>::mma(st.o[2 * dp + 1], pa, bv[2], bv[3]);
+    }
+  }
+}
+
+// A warp streams its tiles (tile i starts at token first + i * stride, tokens < end) of one
+// kv head through its own ST-deep cp.async ring `wsm` and folds them into `st`. The slot
+// of a tile's tokens is looked up one tile ahead so the page-table load is off the path.
+template <typename T, int D, int TT, int ST>
+__device__ __forceinline__ void stream_tiles(WarpState<D>& st, const uint32_t (&qa)[D / 16][4],
+                                             T* wsm, const DecodeParams& p, int b, int kvh,
+                                             int first, int stride, int n_tiles, int end,
+                                             int lane) {
+  using C = Tile<D, TT>;
   const int32_t* rt_row =
       p.kv.req_to_token + static_cast<int64_t>(p.kv.req_pool_indices[b]) * p.kv.rt_stride;
   const T* kbase = static_cast<const T*>(p.kv.k) + kvh * D;
   const T* vbase = static_cast<const T*>(p.kv.v) + kvh * D;
-
-  // Lane l < TT looks up the slot of token l of the warp's i-th tile (-1 past the end).
   auto tile_slot = [&](int i) -> int64_t {
-    const int pos = start + (warp + i * NW) * TT + lane;
+    const int pos = first + i * stride + lane;
     return (lane < TT && pos < end) ? slot_of(rt_row, pos, p.kv.page_size) : int64_t(-1);
   };
   auto issue = [&](int i, int64_t my_slot) {
-    T* ks = wsm + (i % ST) * 2 * C::kTileElems;
-    T* vs = ks + C::kTileElems;
+    T* ks = wsm + (i % ST) * 2 * C::kElems;
+    T* vs = ks + C::kElems;
     const int col = lane % C::kChunks;
 #pragma unroll
     for (int u = 0; u < C::kPasses; ++u) {
@@ -117,131 +191,104 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
     }
   };
 
-  int64_t next_slot = my_tiles > 0 ? tile_slot(0) : -1;
+  int64_t next_slot = n_tiles > 0 ? tile_slot(0) : -1;
 #pragma unroll
   for (int i = 0; i < ST - 1; ++i) {
-    if (i < my_tiles) {
+    if (i < n_tiles) {
       const int64_t s = next_slot;
-      if (i + 1 < my_tiles) next_slot = tile_slot(i + 1);
+      if (i + 1 < n_tiles) next_slot = tile_slot(i + 1);
       issue(i, s);
     }
     cp_async_commit();
   }
-
-  float o[D / 8][4];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-
-  for (int i = 0; i < my_tiles; ++i) {
+  for (int i = 0; i < n_tiles; ++i) {
     const int nxt = i + ST - 1;
-    if (nxt < my_tiles) {
+    if (nxt < n_tiles) {
       const int64_t s = next_slot;
-      if (nxt + 1 < my_tiles) next_slot = tile_slot(nxt + 1);
+      if (nxt + 1 < n_tiles) next_slot = tile_slot(nxt + 1);
       issue(nxt, s);
     }
     cp_async_commit();
     cp_async_wait<ST - 1>();
     __syncwarp();
-
-    const T* ks = wsm + (i % ST) * 2 * C::kTileElems;
-    const T* vs = ks + C::kTileElems;
-    const int nvalid = min(TT, end - (start + (warp + i * NW) * TT));
-
-    // S = Q K^T over this tile: rows = heads, columns = tokens.
-    float s[TT / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < TT / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-      for (int np = 0; np < TT / 16; ++np) {
-        uint32_t bk[4];
-        ldsm_x4(bk, ks + swz<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3),
-                                kk * 2 + ((lane >> 3) & 1)));
-        Dtype<T>::mma(s[2 * np], qa[kk], bk[0], bk[1]);
-        Dtype<T>::mma(s[2 * np + 1], qa[kk], bk[2], bk[3]);
-      }
-    }
-
-    // Online softmax in the log2 domain; lane holds rows r0 and r0 + 8.
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int nt = 0; nt < TT / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = nt * 8 + c0 + (e & 1);
-        s[nt][e] = tok < nvalid ? s[nt][e] * p.scale_log2 : -INFINITY;
-        mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-      }
-    }
-    float corr[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float m_new = fmaxf(m[h], quad_max(mx[h]));
-      corr[h] = rescale(m[h], m_new);
-      m[h] = m_new;
-      l[h] *= corr[h];
-    }
-#pragma unroll
-    for (int nt = 0; nt < TT / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[nt][e] = fast_exp2(s[nt][e] - m[e >> 1]);
-        l[e >> 1] += s[nt][e];
-      }
-    }
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) {
-      o[dn][0] *= corr[0];
-      o[dn][1] *= corr[0];
-      o[dn][2] *= corr[1];
-      o[dn][3] *= corr[1];
-    }
-
-    // O += P V: P's accumulator layout is already the A-operand layout.
-#pragma unroll
-    for (int ks16 = 0; ks16 < TT / 16; ++ks16) {
-      uint32_t pa[4];
-      pa[0] = Dtype<T>::pack(s[2 * ks16][0], s[2 * ks16][1]);
-      pa[1] = Dtype<T>::pack(s[2 * ks16][2], s[2 * ks16][3]);
-      pa[2] = Dtype<T>::pack(s[2 * ks16 + 1][0], s[2 * ks16 + 1][1]);
-      pa[3] = Dtype<T>::pack(s[2 * ks16 + 1][2], s[2 * ks16 + 1][3]);
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t bv[4];
-        ldsm_x4_trans(bv, vs + swz<D>(ks16 * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
-                                      dp * 2 + (lane >> 4)));
-        Dtype<T>::mma(o[2 * dp], pa, bv[0], bv[1]);
-        Dtype<T>::mma(o[2 * dp + 1], pa, bv[2], bv[3]);
-      }
-    }
+    const T* ks = wsm + (i % ST) * 2 * C::kElems;
+    attend_tile<T, D, TT>(st, qa, ks, ks + C::kElems, min(TT, end - (first + i * stride)),
+                          p.scale_log2, lane);
     __syncwarp();
   }
   cp_async_wait<0>();
+}
+
+// Token range [start, end) of split `split` of a sequence of `len` tokens.
+template <int TT, int MIN_CHUNK>
+__device__ __forceinline__ void split_range(int len, int num_splits, int split, int& start,
+                                            int& end) {
+  const int chunk = split_chunk(len, num_splits, TT, MIN_CHUNK);
+  start = split * chunk;
+  end = min(len, start + chunk);
+}
+
+template <typename T, int D>
+__device__ void write_zeros(const DecodeParams& p, int b, int head0, int n_rows, int tid,
+                            int nthreads) {
+  const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int it = tid; it < n_rows * (D / 4); it += nthreads)
+    store_row4<T, D>(p, b, head0 + it / (D / 4), (it % (D / 4)) * 4, zero);
+}
+
+// Token-split layout: one block per (split, kv head, request); its NW warps take
+// interleaved tiles of the split and merge their states through shared memory at the end.
+template <typename T, int D, int NW, int TT, int ST>
+__global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParams p) {
+  using C = Cfg<D, NW, TT, ST>;
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int head_chunks = (group + kRows - 1) / kRows;
+  const int kvh = blockIdx.y / head_chunks, hc = blockIdx.y % head_chunks;
+  const int b = blockIdx.z, split = blockIdx.x;
+  const int n_rows = min(kRows, group - hc * kRows);
+  const int head0 = kvh * group + hc * kRows;
+
+  int start, end;
+  split_range<TT, C::kMinChunk>(p.kv.seq_lens[b], p.num_splits, split, start, end);
+  if (start >= end) {
+    if (p.num_splits == 1) write_zeros<T, D>(p, b, head0, n_rows, threadIdx.x, NW * 32);
+    return;
+  }
+  uint32_t qa[D / 16][4];
+  load_q<T, D>(qa, p, b, head0, n_rows, lane);
+  WarpState<D> st;
+  st.init();
+  const int n_tiles = (end - start + TT - 1) / TT;
+  const int my_tiles = warp < n_tiles ? (n_tiles - warp + NW - 1) / NW : 0;
+  T* wsm = reinterpret_cast<T*>(smem_raw) + warp * ST * 2 * Tile<D, TT>::kElems;
+  stream_tiles<T, D, TT, ST>(st, qa, wsm, p, b, kvh, start + warp * TT, NW * TT, my_tiles, end,
+                             lane);
   __syncthreads();
 
   // Merge the warps' states through shared memory (the tile ring is free now).
-  float* wo = reinterpret_cast<float*>(smem_raw) + warp * (kRows * D + 2 * kRows);
+  const int r0 = lane >> 2, c0 = (lane & 3) * 2;
+  constexpr int kWarpFloats = kRows * D + 2 * kRows;
+  float* wo = reinterpret_cast<float*>(smem_raw) + warp * kWarpFloats;
   {
-    const float l0 = quad_sum(l[0]), l1 = quad_sum(l[1]);
+    const float l0 = quad_sum(st.l[0]), l1 = quad_sum(st.l[1]);
     if ((lane & 3) == 0) {
-      wo[kRows * D + r0] = m[0];
-      wo[kRows * D + r0 + 8] = m[1];
+      wo[kRows * D + r0] = st.m[0];
+      wo[kRows * D + r0 + 8] = st.m[1];
       wo[kRows * D + kRows + r0] = l0;
       wo[kRows * D + kRows + r0 + 8] = l1;
     }
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) {
-      *reinterpret_cast<float2*>(wo + r0 * D + dn * 8 + c0) = make_float2(o[dn][0], o[dn][1]);
+      *reinterpret_cast<float2*>(wo + r0 * D + dn * 8 + c0) = make_float2(st.o[dn][0], st.o[dn][1]);
       *reinterpret_cast<float2*>(wo + (r0 + 8) * D + dn * 8 + c0) =
-          make_float2(o[dn][2], o[dn][3]);
+          make_float2(st.o[dn][2], st.o[dn][3]);
     }
   }
   __syncthreads();
 
   const float* all = reinterpret_cast<const float*>(smem_raw);
-  constexpr int kWarpFloats = kRows * D + 2 * kRows;
   for (int it = threadIdx.x; it < n_rows * (D / 4); it += NW * 32) {
     const int h = it / (D / 4), d = (it % (D / 4)) * 4;
     float mw = -INFINITY;
@@ -268,6 +315,62 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
       const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + head0 + h) * p.s_cap + split;
       *reinterpret_cast<float4*>(p.o_part + row * D + d) = make_float4(acc[0], acc[1], acc[2], acc[3]);
       if (d == 0) *reinterpret_cast<float2*>(p.ml_part + row * 2) = make_float2(mw, lsum);
+    }
+  }
+}
+
+// Head-major layout: one block per (split, group of NW kv-head units, request); each warp
+// owns one (kv head, head chunk) and streams the whole split, so a block reads NW adjacent
+// head slices of the same token rows at about the same time (DRAM row locality) and no
+// cross-warp merge is needed.
+template <typename T, int D, int NW, int TT, int ST>
+__global__ void __launch_bounds__(NW * 32) decode_head_kernel(const DecodeParams p) {
+  using C = Cfg<D, NW, TT, ST>;
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int head_chunks = (group + kRows - 1) / kRows;
+  const int unit = blockIdx.y * NW + warp;
+  if (unit >= p.num_kv_heads * head_chunks) return;
+  const int kvh = unit / head_chunks, hc = unit % head_chunks;
+  const int b = blockIdx.z, split = blockIdx.x;
+  const int n_rows = min(kRows, group - hc * kRows);
+  const int head0 = kvh * group + hc * kRows;
+
+  int start, end;
+  split_range<TT, C::kMinChunk>(p.kv.seq_lens[b], p.num_splits, split, start, end);
+  if (start >= end) {
+    if (p.num_splits == 1) write_zeros<T, D>(p, b, head0, n_rows, lane, 32);
+    return;
+  }
+  uint32_t qa[D / 16][4];
+  load_q<T, D>(qa, p, b, head0, n_rows, lane);
+  WarpState<D> st;
+  st.init();
+  T* wsm = reinterpret_cast<T*>(smem_raw) + warp * ST * 2 * Tile<D, TT>::kElems;
+  stream_tiles<T, D, TT, ST>(st, qa, wsm, p, b, kvh, start, TT, (end - start + TT - 1) / TT, end,
+                             lane);
+
+  const int r0 = lane >> 2, c0 = (lane & 3) * 2;
+  const float lsum[2] = {quad_sum(st.l[0]), quad_sum(st.l[1])};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = r0 + h * 8;
+    if (row >= n_rows) continue;
+    const float inv = 1.f / lsum[h];
+    if (p.num_splits == 1) {
+      T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + (head0 + row) * p.out_stride_h + c0;
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn)
+        *reinterpret_cast<uint32_t*>(dst + dn * 8) =
+            Dtype<T>::pack(st.o[dn][2 * h] * inv, st.o[dn][2 * h + 1] * inv);
+    } else {
+      const int64_t prow = (static_cast<int64_t>(b) * p.num_q_heads + head0 + row) * p.s_cap + split;
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn)
+        *reinterpret_cast<float2*>(p.o_part + prow * D + dn * 8 + c0) =
+            make_float2(st.o[dn][2 * h] * inv, st.o[dn][2 * h + 1] * inv);
+      if ((lane & 3) == 0) *reinterpret_cast<float2*>(p.ml_part + prow * 2) = make_float2(st.m[h], lsum[h]);
     }
   }
 }
@@ -311,31 +414,45 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams 
   }
 }
 
-// Static facts of one kernel instantiation: shared memory, threads, resident blocks/SM.
+// Static facts of one kernel instantiation: shared memory, threads, resident blocks/SM,
+// and how many (kv head, head chunk) units one block covers.
 struct KernelInfo {
-  int smem, threads, tile, min_chunk, blocks_per_sm;
+  int smem, threads, tile, min_chunk, blocks_per_sm, units_per_block;
 };
 
-template <typename T, int D, int NW, int TT, int ST>
+enum class Layout { kSplit, kHead };
+
+template <Layout L, typename T, int D, int NW, int TT, int ST>
+constexpr auto kernel_fn() {
+  if constexpr (L == Layout::kSplit) {
+    return decode_split_kernel<T, D, NW, TT, ST>;
+  } else {
+    return decode_head_kernel<T, D, NW, TT, ST>;
+  }
+}
+
+template <Layout L, typename T, int D, int NW, int TT, int ST>
 const KernelInfo& info() {
   static const KernelInfo ki = [] {
     using C = Cfg<D, NW, TT, ST>;
-    auto kern = decode_split_kernel<T, D, NW, TT, ST>;
-    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+    constexpr int smem = L == Layout::kSplit ? C::kSmem : C::kStageBytes;
+    auto kern = kernel_fn<L, T, D, NW, TT, ST>();
+    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     int blocks = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kern, NW * 32, C::kSmem);
-    return KernelInfo{C::kSmem, NW * 32, TT, C::kMinChunk, blocks > 0 ? blocks : 1};
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kern, NW * 32, smem);
+    return KernelInfo{smem, NW * 32, TT, C::kMinChunk, blocks > 0 ? blocks : 1,
+                      L == Layout::kSplit ? 1 : NW};
   }();
   return ki;
 }
 
-template <typename T, int D, int NW, int TT, int ST>
+template <Layout L, typename T, int D, int NW, int TT, int ST>
 cudaError_t run(const DecodeParams& p, cudaStream_t stream) {
-  const KernelInfo& ki = info<T, D, NW, TT, ST>();
+  const KernelInfo& ki = info<L, T, D, NW, TT, ST>();
   const int group = p.num_q_heads / p.num_kv_heads;
-  const int head_chunks = (group + kRows - 1) / kRows;
-  dim3 grid(p.num_splits, p.num_kv_heads * head_chunks, p.batch);
-  decode_split_kernel<T, D, NW, TT, ST><<<grid, ki.threads, ki.smem, stream>>>(p);
+  const int units = p.num_kv_heads * ((group + kRows - 1) / kRows);
+  dim3 grid(p.num_splits, (units + ki.units_per_block - 1) / ki.units_per_block, p.batch);
+  kernel_fn<L, T, D, NW, TT, ST>()<<<grid, ki.threads, ki.smem, stream>>>(p);
   if (p.num_splits > 1) {
     const int pairs = p.batch * p.num_q_heads;
     decode_combine_kernel<T, D><<<(pairs + 3) / 4, 128, 0, stream>>>(p, ki.tile, ki.min_chunk);
@@ -345,28 +462,39 @@ cudaError_t run(const DecodeParams& p, cudaStream_t stream) {
 
 // Tiling variants: 0 is the default for every dtype and head_dim; the others exist for
 // bf16 / head_dim 128 only, for the benchmark's sweep.
-//   0: 4 warps, 16-token tiles, 3 stages   1: 4 warps, 16, 4 stages
-//   2: 4 warps, 32-token tiles, 2 stages   3: 8 warps, 16, 2 stages
-constexpr int kNumVariants = 4;
+//   0: token-split, 4 warps, 16-token tiles, 3 stages (2 blocks/SM)
+//   1: token-split, 4 warps, 2 stages (3 blocks/SM)   2: token-split, 8 warps, 2 stages
+//   3: head-major, 4 warps, 3 stages                  4: head-major, 8 warps, 2 stages
+//   5: head-major, 4 warps, 2 stages
+constexpr int kNumVariants = 6;
+
+#define KVRAY_DECODE_VARIANTS(X)                        \
+  X(1, Layout::kSplit, 4, 16, 2)                        \
+  X(2, Layout::kSplit, 8, 16, 2)                        \
+  X(3, Layout::kHead, 4, 16, 3)                         \
+  X(4, Layout::kHead, 8, 16, 2)                         \
+  X(5, Layout::kHead, 4, 16, 2)
 
 template <typename T, int D>
 const KernelInfo* variant_info(int variant) {
-  if (variant == 0) return &info<T, D, 4, 16, 3>();
+  if (variant == 0) return &info<Layout::kSplit, T, D, 4, 16, 3>();
   if constexpr (D == 128 && std::is_same_v<T, __nv_bfloat16>) {
-    if (variant == 1) return &info<T, D, 4, 16, 4>();
-    if (variant == 2) return &info<T, D, 4, 32, 2>();
-    if (variant == 3) return &info<T, D, 8, 16, 2>();
+#define KVRAY_INFO(V, L, NW, TT, ST) \
+  if (variant == V) return &info<L, T, D, NW, TT, ST>();
+    KVRAY_DECODE_VARIANTS(KVRAY_INFO)
+#undef KVRAY_INFO
   }
   return nullptr;
 }
 
 template <typename T, int D>
 cudaError_t dispatch_variant(const DecodeParams& p, cudaStream_t stream) {
-  if (p.variant == 0) return run<T, D, 4, 16, 3>(p, stream);
+  if (p.variant == 0) return run<Layout::kSplit, T, D, 4, 16, 3>(p, stream);
   if constexpr (D == 128 && std::is_same_v<T, __nv_bfloat16>) {
-    if (p.variant == 1) return run<T, D, 4, 16, 4>(p, stream);
-    if (p.variant == 2) return run<T, D, 4, 32, 2>(p, stream);
-    if (p.variant == 3) return run<T, D, 8, 16, 2>(p, stream);
+#define KVRAY_RUN(V, L, NW, TT, ST) \
+  if (p.variant == V) return run<L, T, D, NW, TT, ST>(p, stream);
+    KVRAY_DECODE_VARIANTS(KVRAY_RUN)
+#undef KVRAY_RUN
   }
   return cudaErrorInvalidValue;
 }
@@ -386,14 +514,22 @@ const KernelInfo* find_info(DType dtype, int head_dim, int variant) {
 
 int decode_num_variants() { return kNumVariants; }
 
+int decode_blocks_per_sm(DType dtype, int head_dim, int variant) {
+  const KernelInfo* ki = find_info(dtype, head_dim, variant);
+  return ki == nullptr ? 0 : ki->blocks_per_sm;
+}
+
 int decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim, DType dtype,
                       int variant, int num_sms, int s_cap) {
   const KernelInfo* ki = find_info(dtype, head_dim, variant);
   if (ki == nullptr || batch <= 0 || num_kv_heads <= 0) return 1;
   const int group = num_q_heads / num_kv_heads;
-  const int per_split = batch * num_kv_heads * ((group + kRows - 1) / kRows);
-  const int waves_of_blocks = 2 * num_sms * ki->blocks_per_sm;
-  return std::max(1, std::min(s_cap, waves_of_blocks / per_split));
+  const int units = num_kv_heads * ((group + kRows - 1) / kRows);
+  const int per_split = batch * ((units + ki->units_per_block - 1) / ki->units_per_block);
+  // One wave of resident blocks: more splits only add partials and a deeper combine
+  // (H200 sweep, 2026-11-29: B=32 and B=128 were fastest unsplit, B=8 at 4 splits).
+  const int resident = num_sms * ki->blocks_per_sm;
+  return std::max(1, std::min(s_cap, resident / per_split));
 }
 
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {

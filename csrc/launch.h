@@ -60,11 +60,12 @@ struct StoreParams {
   int num_tokens, num_kv_heads, head_dim;
 };
 
-// Splits chosen for a decode batch: enough (batch, kv head, split) blocks for about two
-// full waves of resident blocks, never more than s_cap. Depends only on shapes.
+// Splits chosen for a decode batch: about one wave of resident blocks, never more than
+// s_cap. Depends only on shapes (batch size, heads), so graph launches stay valid.
 int decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim, DType dtype,
                       int variant, int num_sms, int s_cap);
 int decode_num_variants();
+int decode_blocks_per_sm(DType dtype, int head_dim, int variant);
 
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream);
 cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream);

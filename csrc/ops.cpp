@@ -228,4 +228,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "paged ragged causal prefill attention");
   m.def("decode_num_splits", &decode_num_splits, "splits the decode kernel uses for a batch");
   m.def("decode_num_variants", &kvray::decode_num_variants, "number of decode tiling variants");
+  m.def(
+      "decode_blocks_per_sm",
+      [](int64_t head_dim, bool fp16, int64_t variant) {
+        return kvray::decode_blocks_per_sm(fp16 ? DType::kFP16 : DType::kBF16,
+                                           static_cast<int>(head_dim), static_cast<int>(variant));
+      },
+      "resident blocks per SM of a decode variant (0 if not compiled)");
 }

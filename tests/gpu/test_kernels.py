@@ -158,8 +158,9 @@ def test_decode_matches_reference(dtype, d, hq, hkv, page, lens) -> None:
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
-@pytest.mark.parametrize("variant", [0, 1, 2, 3])
+@pytest.mark.parametrize("variant", range(6))
 def test_decode_forced_splits_and_variants(num_splits: int, variant: int) -> None:
+    assert variant < cuda_ops.decode_variants()
     dtype, d, hq, hkv = torch.bfloat16, 128, 32, 8
     lens = [1, 63, 64, 65, 1500, 4000, 20]
     kv = make_paged(lens, 16, hkv, d, dtype)

@@ -205,3 +205,8 @@ def prefill_attention(
 def decode_variants() -> int:
     """Number of decode tiling variants compiled (for the benchmark sweep)."""
     return int(load().decode_num_variants())
+
+
+def decode_blocks_per_sm(head_dim: int, dtype: torch.dtype, variant: int = 0) -> int:
+    """Resident blocks per SM of a decode variant on this GPU (0 if not compiled)."""
+    return int(load().decode_blocks_per_sm(head_dim, dtype == torch.float16, variant))
