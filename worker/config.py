@@ -18,6 +18,7 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str = Field("demo", description="HF model directory, or 'demo' for the embedded SmolLM2-135M")
+    load_format: Literal["safetensors", "random"] = Field("safetensors", description="random: draw weights on the device (benchmarks; the directory needs only config.json)")
     dtype: DType = Field("auto", description="weight/activation dtype; auto = bfloat16 on CUDA, float32 on CPU")
     device: str = Field("auto", description="torch device; auto = cuda if available else cpu")
     cache: Literal["auto", "contiguous", "paged"] = Field("auto", description="KV cache layout; auto = paged")

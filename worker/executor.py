@@ -21,7 +21,7 @@ from worker.model.config import ModelConfig
 from worker.model.loader import load_model
 from worker.outputs import TokenLogprobs
 from worker.request import ScheduledTask
-from worker.sampling import SamplingBatchInfo, SamplerOutput, sample
+from worker.sampling import SamplerOutput, SamplingBatchInfo, sample
 from worker.workspace import InferenceWorkspace
 
 log = logging.getLogger("kvray.executor")
@@ -41,7 +41,9 @@ class Executor:
         assert config.max_seq_len is not None
         self.config, self.model_config, self.eos_token_ids = config, model_config, eos_token_ids
         self.device = torch.device(config.device)
-        self.model = load_model(model_path, config.torch_dtype, self.device, config.max_seq_len)
+        self.model = load_model(
+            model_path, config.torch_dtype, self.device, config.max_seq_len, random=config.load_format == "random"
+        )
         self.workspace = InferenceWorkspace(
             max_tokens=config.token_budget,
             max_running=config.max_running,

@@ -6,8 +6,8 @@ import pytest
 
 from tests.factories.tiny_models import random_prompts
 from worker import LLM, SamplingParams
-from worker.engine import Engine, EngineFull, EngineRequest
 from worker.config import EngineConfig
+from worker.engine import Engine, EngineFull, EngineRequest
 
 
 @pytest.fixture(scope="module")

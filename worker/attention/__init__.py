@@ -12,17 +12,17 @@ if TYPE_CHECKING:
     from worker.workspace import InferenceWorkspace
 
 
-def _torch_backend(num_heads: int, head_dim: int, workspace: "InferenceWorkspace") -> AttentionBackend:
+def _torch_backend(num_heads: int, head_dim: int, workspace: InferenceWorkspace) -> AttentionBackend:
     return TorchNativeBackend(num_heads, head_dim)
 
 
-def _cuda_backend(num_heads: int, head_dim: int, workspace: "InferenceWorkspace") -> AttentionBackend:
+def _cuda_backend(num_heads: int, head_dim: int, workspace: InferenceWorkspace) -> AttentionBackend:
     from worker.attention.cuda import CudaBackend  # only on CUDA machines: it builds csrc/
 
     return CudaBackend(num_heads, head_dim, workspace)
 
 
-BACKENDS: dict[str, Callable[[int, int, "InferenceWorkspace"], AttentionBackend]] = {
+BACKENDS: dict[str, Callable[[int, int, InferenceWorkspace], AttentionBackend]] = {
     "torch": _torch_backend,
     "cuda": _cuda_backend,
 }

@@ -119,7 +119,20 @@ def load_weights(model: LlamaForCausalLM, path: Path, dtype: torch.dtype, device
             raise ModelLoadError(f"missing tensor for {name!r} in {path} (checkpoint names use the HF layout)")
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str, max_len: int) -> LlamaForCausalLM:
+def random_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
+    """Small normal weights, unit norms: finite activations in bf16, for benchmarks of shape."""
+    gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype, device: torch.device | str, max_len: int, *, random: bool = False
+) -> LlamaForCausalLM:
     """Build the model for `path` on `device` in `dtype`, with RoPE tables for `max_len` positions."""
     path, device = Path(path), torch.device(device)
     if not path.is_dir():
@@ -130,7 +143,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str,
         model = MODEL_CLASSES[cfg.architecture](cfg, max_len=1)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.rotary = RotaryEmbedding(cfg, max_len).to(device)
-    load_weights(model, path, dtype, device)
+    if random:
+        random_weights(model)
+    else:
+        load_weights(model, path, dtype, device)
     model.eval().requires_grad_(False)
     n_params = sum(p.numel() for p in model.parameters())
     n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

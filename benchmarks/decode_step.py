@@ -1,0 +1,123 @@
+"""Engine decode step on a GPU: ms/step in steady state, CUDA graphs on and off, vs the floor.
+
+For each model shape (random bf16 weights drawn on the device) and batch size: B requests
+with `--context` prompt tokens each are prefilled, then `--steps` steady decode steps are
+timed (each step ends with the one host copy of the sampled ids, so wall time per step is
+the real step time). The same engine then runs the same with graphs off. The floor is
+(weight bytes + KV bytes read) / 4.19 TB/s, the H200's measured copy bandwidth. Also: time
+to first token of one `--context`-token prompt, against its FLOP floor at 790 TFLOP/s.
+
+    python benchmarks/decode_step.py --shapes smollm2-135m llama3-8b --out decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from worker.config import EngineConfig
+from worker.engine import Engine, EngineRequest
+from worker.model.random_model import get_shape, hf_config
+from worker.sampling import SamplingParams
+
+COPY_TBPS = 4.19e12
+BF16_FLOPS = 790e12
+
+
+def _engine(shape: str, max_running: int, context: int, steps: int) -> Engine:
+    path = Path(tempfile.mkdtemp(prefix=f"kvray-{shape}-"))
+    (path / "config.json").write_text(json.dumps(hf_config(get_shape(shape), "bfloat16")))
+    pages = max_running * ((context + steps + 64) // 16 + 1) + 16
+    cfg = EngineConfig(model=str(path), load_format="random", dtype="bfloat16", device="cuda", max_running=max_running,
+                       max_seq_len=context + steps + 128, num_pages=pages, token_budget=8192)  # fmt: skip
+    return Engine(cfg)
+
+
+def _time_steps(engine: Engine, batch: int, context: int, steps: int, tag: str) -> float:
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(10, 30000, (context,), generator=g).tolist() for _ in range(batch)]
+    stream = engine.submit([EngineRequest(f"{tag}-{batch}-{i}", p, params) for i, p in enumerate(prompts)])
+    while any(r.num_pending > 1 or not r.output_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps - 4):
+        engine.step()
+    elapsed = (time.perf_counter() - start) / (steps - 4)
+    stream.close()
+    while engine.has_work:
+        engine.step()
+    return elapsed * 1e3
+
+
+def _ttft(engine: Engine, context: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompt = torch.randint(10, 30000, (context,), generator=torch.Generator().manual_seed(1)).tolist()
+    times = []
+    for i in range(5):
+        stream = engine.submit([EngineRequest(f"ttft-{i}", [p + i for p in prompt], params)])
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        while not stream.finished:
+            engine.step()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def run(shapes: list[str], batches: list[int], context: int, steps: int) -> dict:
+    results: dict = {
+        "date": date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "host": platform.node(), "context": context, "steps": steps, "rows": [], "prefill": [],
+    }  # fmt: skip
+    for shape in shapes:
+        engine = _engine(shape, max(batches), context, steps)
+        weights = sum(p.numel() * p.element_size() for p in engine.executor.model.parameters())
+        kv_per_token = 2 * engine.model_config.num_layers * engine.model_config.kv_size * 2
+        n_params = sum(p.numel() for p in engine.executor.model.parameters())
+        graphs = engine.executor.graphs
+        for batch in batches:
+            engine.executor.graphs = graphs
+            with_graphs = _time_steps(engine, batch, context, steps, "g")
+            engine.executor.graphs = None
+            eager = _time_steps(engine, batch, context, steps, "e")
+            floor = (weights + batch * (context + steps // 2) * kv_per_token) / COPY_TBPS * 1e3
+            row = dict(shape=shape, batch=batch, graph_ms=with_graphs, eager_ms=eager, floor_ms=floor,
+                       graph_speedup=eager / with_graphs, of_floor=floor / with_graphs)  # fmt: skip
+            results["rows"].append(row)
+            print(f"{shape:14s} B={batch:4d}  graph {with_graphs:7.3f} ms  eager {eager:7.3f} ms  "
+                  f"floor {floor:6.3f} ms  graphs x{eager / with_graphs:4.2f}  {100 * floor / with_graphs:5.1f}% of floor", flush=True)  # fmt: skip
+        engine.executor.graphs = graphs
+        ttft = _ttft(engine, context)
+        flop_floor = 2 * n_params * context / BF16_FLOPS * 1e3
+        results["prefill"].append(dict(shape=shape, tokens=context, ttft_ms=ttft, flop_floor_ms=flop_floor))
+        print(f"{shape:14s} TTFT {context} tokens: {ttft:.2f} ms (FLOP floor {flop_floor:.2f} ms)", flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["smollm2-135m", "llama3-8b"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64, 128])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    results = run(args.shapes, args.batches, args.context, args.steps)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
