@@ -20,6 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 MAX_LOGPROBS = 20
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed accepts
 _NEG_INF = float("-inf")
+# Floor for what divides logits (temperature, repetition penalty): smaller values underflow or
+# overflow in float32, and at 1e-5 a draw already equals the argmax for any realistic logits.
+_MIN_DIVISOR = 1e-5
+_MIN_TOP_P = torch.finfo(torch.float32).tiny  # a smaller top_p rounds to 0 and masks every token
 
 
 class SamplingParams(BaseModel):
@@ -315,17 +319,18 @@ def _pack_scalars(
     floats: temperature, top_p, log(min_p), repetition, -frequency, -presence.
     ints: top-k keep count, top-k kth index, top-k off flag, min_tokens, tokens produced
     so far, greedy flag.
-    Greedy rows get neutral sampling values so they never divide by 0 or mask anything.
+    Greedy rows get neutral sampling values so they never divide by 0 or mask anything;
+    divisors and top_p are floored where float32 would turn them into 0.
     """
     floats, ints = [], []
     for p, out in zip(params, output_ids, strict=True):
         s = not p.greedy
         floats.append(
             [
-                p.temperature if s else 1.0,
-                p.top_p if s and p.top_p < 1.0 else math.inf,
+                max(p.temperature, _MIN_DIVISOR) if s else 1.0,
+                max(p.top_p, _MIN_TOP_P) if s and p.top_p < 1.0 else math.inf,
                 math.log(p.min_p) if s and p.min_p > 0.0 else -math.inf,
-                p.repetition_penalty,
+                max(p.repetition_penalty, _MIN_DIVISOR),
                 -p.frequency_penalty,
                 -p.presence_penalty,
             ]
