@@ -151,10 +151,10 @@ ROUNDS = 3  # kvray, FlashInfer and SDPA are timed in turn, ROUNDS times, agains
 def sweep_kvray(case: DecodeCase) -> dict[str, Any]:
     """Every tiling variant at its own split choice, and the default at forced split counts."""
     variants = {}
-    for var in range(cuda_ops.decode_variants()):
+    for var in range(1, cuda_ops.decode_variants()):
         variants[str(var)] = graph_time_us([case.kvray_call(s, 0, var) for s in range(case.n_sets)])
     splits = {}
-    for n in (1, 2, 4, 8, 16, 32):
+    for n in (1, 2, 4, 8, 16):
         splits[str(n)] = graph_time_us([case.kvray_call(s, n, 0) for s in range(case.n_sets)])
     return {"variant_us": variants, "forced_splits_us": splits}
 
@@ -224,7 +224,9 @@ def bench_case(case: DecodeCase, fi: Any, workspace: torch.Tensor, sweep: bool) 
     contenders["kvray"][0]()
     torch.cuda.synchronize()
     res["kvray_max_abs_err_vs_fp32"] = (case.out.float() - case.reference()).abs().max().item()
-    res["kvray_splits"] = cuda_ops.decode_num_splits(case.batch, HQ, HKV, D, DTYPE, SPLIT_CAP)
+    res["kvray_variant"], res["kvray_splits"] = cuda_ops.decode_plan(
+        case.batch, HQ, HKV, D, DTYPE, SPLIT_CAP
+    )
     res["kvray_eager_us"] = eager_time_us(contenders["kvray"][0])
     for name, out in fi_outs.items():
         if f"{name}_us" in res:
@@ -395,6 +397,7 @@ def main() -> None:
         "flashinfer": getattr(fi, "__version__", None),
         "flashinfer_error": fi_err,
         "ceiling_tbps": CEILING_TBPS,
+        "split_cap": SPLIT_CAP,
         "shape": {
             "q_heads": HQ,
             "kv_heads": HKV,

@@ -34,7 +34,7 @@ struct DecodeParams {
   int num_splits;  // splits actually used, 1..s_cap, fixed for a given batch size
   float scale_log2;
   DType dtype;
-  int variant;  // tiling variant (0 = default); others exist for the benchmark sweep
+  int variant;  // resolved tiling variant (decode_resolve_variant), never 0 here
 };
 
 struct PrefillParams {
@@ -65,6 +65,9 @@ struct StoreParams {
 int decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim, DType dtype,
                       int variant, int num_sms, int s_cap);
 int decode_num_variants();
+// Variant 0 means automatic: picks the layout from the batch and head counts (shapes only).
+int decode_resolve_variant(int variant, int batch, int num_q_heads, int num_kv_heads,
+                           int num_sms);
 int decode_blocks_per_sm(DType dtype, int head_dim, int variant);
 
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream);

@@ -2,7 +2,10 @@
 // stream. Nothing here allocates device memory, so every op can run inside a CUDA graph.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <pybind11/stl.h>
 #include <torch/extension.h>
+
+#include <utility>
 
 #include "launch.h"
 
@@ -119,12 +122,23 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   check_launch(kvray::launch_store_kv(p, c10::cuda::getCurrentCUDAStream()), "store_kv");
 }
 
-int64_t decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
-                          int64_t head_dim, bool fp16, int64_t variant, int64_t max_splits) {
-  return kvray::decode_num_splits(static_cast<int>(batch), static_cast<int>(num_q_heads),
-                                  static_cast<int>(num_kv_heads), static_cast<int>(head_dim),
-                                  fp16 ? DType::kFP16 : DType::kBF16, static_cast<int>(variant),
-                                  num_sms(), static_cast<int>(max_splits));
+int resolve_variant(int64_t variant, int64_t batch, int64_t num_q_heads, int64_t num_kv_heads) {
+  KV_CHECK(variant >= 0 && variant < kvray::decode_num_variants(), "unknown decode variant ", variant);
+  return kvray::decode_resolve_variant(static_cast<int>(variant), static_cast<int>(batch),
+                                       static_cast<int>(num_q_heads),
+                                       static_cast<int>(num_kv_heads), num_sms());
+}
+
+// (resolved variant, splits) that decode_attention uses for these shapes.
+std::pair<int64_t, int64_t> decode_plan(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
+                                        int64_t head_dim, bool fp16, int64_t variant,
+                                        int64_t max_splits) {
+  const int v = resolve_variant(variant, batch, num_q_heads, num_kv_heads);
+  const int splits = kvray::decode_num_splits(
+      static_cast<int>(batch), static_cast<int>(num_q_heads), static_cast<int>(num_kv_heads),
+      static_cast<int>(head_dim), fp16 ? DType::kFP16 : DType::kBF16, v, num_sms(),
+      static_cast<int>(max_splits));
+  return {v, splits};
 }
 
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -156,13 +170,13 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                ml_part.size(0) >= batch && ml_part.size(1) == hq && ml_part.size(2) == s_cap &&
                ml_part.size(3) == 2,
            "ml_part must be contiguous float32 [>=B, Hq, S, 2]");
-  KV_CHECK(variant >= 0 && variant < kvray::decode_num_variants(), "unknown decode variant ", variant);
+  const int v = resolve_variant(variant, batch, hq, k_cache.size(1));
   const int splits =
       num_splits > 0
           ? static_cast<int>(std::min(num_splits, s_cap))
           : kvray::decode_num_splits(static_cast<int>(batch), static_cast<int>(hq),
-                                     static_cast<int>(k_cache.size(1)), static_cast<int>(d), dt,
-                                     static_cast<int>(variant), num_sms(), static_cast<int>(s_cap));
+                                     static_cast<int>(k_cache.size(1)), static_cast<int>(d), dt, v,
+                                     num_sms(), static_cast<int>(s_cap));
   kvray::DecodeParams p{kv,
                         q.data_ptr(),
                         q.stride(0),
@@ -180,7 +194,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                         splits,
                         static_cast<float>(sm_scale * 1.4426950408889634),
                         dt,
-                        static_cast<int>(variant)};
+                        v};
   check_launch(kvray::launch_decode(p, c10::cuda::getCurrentCUDAStream()), "decode_attention");
 }
 
@@ -226,7 +240,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "scatter K/V rows of new tokens into the paged cache");
   m.def("decode_attention", &decode_attention, "paged split-KV decode attention");
   m.def("prefill_attention", &prefill_attention, "paged ragged causal prefill attention");
-  m.def("decode_num_splits", &decode_num_splits, "splits the decode kernel uses for a batch");
+  m.def("decode_plan", &decode_plan, "(resolved variant, splits) decode uses for a batch");
   m.def("decode_num_variants", &kvray::decode_num_variants, "number of decode tiling variants");
   m.def(
       "decode_blocks_per_sm",

@@ -158,7 +158,7 @@ def test_decode_matches_reference(dtype, d, hq, hkv, page, lens) -> None:
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
-@pytest.mark.parametrize("variant", range(6))
+@pytest.mark.parametrize("variant", range(7))
 def test_decode_forced_splits_and_variants(num_splits: int, variant: int) -> None:
     assert variant < cuda_ops.decode_variants()
     dtype, d, hq, hkv = torch.bfloat16, 128, 32, 8
@@ -166,6 +166,20 @@ def test_decode_forced_splits_and_variants(num_splits: int, variant: int) -> Non
     kv = make_paged(lens, 16, hkv, d, dtype)
     q = torch.randn(len(lens), hq, d, device=DEV).to(dtype)
     out = run_decode(q, kv, d**-0.5, 64, num_splits=num_splits, variant=variant)
+    check_close(out, ref_decode(q, kv, d**-0.5), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("d", "hq", "hkv"), [(128, 32, 8), (64, 9, 3)])
+def test_decode_large_batch_head_major_path(dtype, d: int, hq: int, hkv: int) -> None:
+    """Batches that fill every SM take the head-major layout; check it on ragged lengths."""
+    batch = torch.cuda.get_device_properties(0).multi_processor_count + 8
+    lens = torch.randint(1, 300, (batch,)).tolist()
+    kv = make_paged(lens, 16, hkv, d, dtype)
+    q = torch.randn(batch, hq, d, device=DEV).to(dtype)
+    variant, _ = cuda_ops.decode_plan(batch, hq, hkv, d, dtype, 16)
+    assert variant == 5
+    out = run_decode(q, kv, d**-0.5, 16)
     check_close(out, ref_decode(q, kv, d**-0.5), dtype)
 
 

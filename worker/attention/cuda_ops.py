@@ -28,8 +28,9 @@ _SOURCES = ("ops.cpp", "decode.cu", "prefill.cu", "store_kv.cu")
 _HEADERS = ("common.cuh", "launch.h")
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "kvray" / "kernels"
 
-# Decode splits beyond this only add partial-result traffic: a split keeps >= 64 tokens.
-_MIN_TOKENS_PER_SPLIT = 64
+# The decode kernel never makes a split shorter than this (csrc/decode.cu, kMinChunk), so
+# more splits than max_seq_len / 256 would only add empty blocks.
+_MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 64
 
 _lock = threading.Lock()
@@ -121,15 +122,14 @@ def recommended_max_splits(max_seq_len: int) -> int:
     return max(1, min(_MAX_SPLITS, math.ceil(max_seq_len / _MIN_TOKENS_PER_SPLIT)))
 
 
-def decode_num_splits(
+def decode_plan(
     batch: int, n_q_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, max_splits: int
-) -> int:
-    """Splits decode_attention uses for this batch size (a function of shapes only)."""
-    return int(
-        load().decode_num_splits(
-            batch, n_q_heads, n_kv_heads, head_dim, dtype == torch.float16, 0, max_splits
-        )
+) -> tuple[int, int]:
+    """(kernel variant, split count) decode_attention uses for this batch: shapes only."""
+    variant, splits = load().decode_plan(
+        batch, n_q_heads, n_kv_heads, head_dim, dtype == torch.float16, 0, max_splits
     )
+    return int(variant), int(splits)
 
 
 def store_kv(
@@ -161,9 +161,10 @@ def decode_attention(
 ) -> None:
     """One query token per request over its paged KV; writes out[B, Hq, D].
 
-    o_part [>=B, Hq, S, D] and ml_part [>=B, Hq, S, 2] (float32) hold split partials; the
-    split count is chosen from B and the shapes (capped at S), or forced by num_splits.
-    `variant` picks a tiling for benchmarking (0 = default).
+    o_part [>=B, Hq, S, D] and ml_part [>=B, Hq, S, 2] (float32) hold split partials
+    (size S with recommended_max_splits). The kernel layout and split count are chosen
+    from B and the shapes (see decode_plan); `num_splits` / `variant` force them, for
+    tests and benchmarks (variant 0 = automatic).
     """
     load().decode_attention(
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, page_size, sm_scale,
