@@ -71,7 +71,19 @@ def deploy(config: ClusterConfig) -> Served:
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     served = Served(config, f"http://{config.host}:{config.port}")
     wait_healthy(served)
+    warm_up(served)
     return served
+
+
+def warm_up(served: Served) -> None:
+    """A few tiny requests, so engines have stepped (an engine that never stepped reports
+    no free pages yet) and first-step costs are paid before a test measures anything."""
+    body = {"model": served.config.model_name, "prompt": "Hello", "max_tokens": 2}
+    for _ in range(served.config.worker_replicas):
+        response = httpx.post(
+            f"{served.base_url}/v1/completions", json=body, headers=served.headers(), timeout=120
+        )
+        response.raise_for_status()
 
 
 def wait_healthy(served: Served, timeout_s: float = 120.0) -> None:
