@@ -150,6 +150,13 @@ class RayHarness:
         self.local = None
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the multi-node module last, so the single-node app starts once per session."""
+    items.sort(
+        key=lambda item: item.module is not None and item.module.__name__.endswith("test_multinode")
+    )
+
+
 @pytest.fixture(scope="session")
 def ray_harness() -> Iterator[RayHarness]:
     harness = RayHarness()

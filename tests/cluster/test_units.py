@@ -1,0 +1,234 @@
+"""Fast checks of the cluster's pure parts: routing policy, wire format, config, protocol,
+autoscaling policy. No Ray runtime is started here."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+from ray.serve.config import AutoscalingContext
+
+from cluster.autoscaling import EngineLoadPolicy
+from cluster.config import API_KEYS_ENV, ClusterConfig
+from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.router import ReplicaView, RouteHint, matched_pages, rank_replicas
+from cluster.transport import (
+    Accepted,
+    Refused,
+    WireRequest,
+    decode_deltas,
+    decode_first,
+    decode_requests,
+    encode_accepted,
+    encode_deltas,
+    encode_refused,
+    encode_requests,
+)
+from worker.outputs import RequestDelta, TokenLogprobs
+from worker.page_hash import page_hashes
+from worker.sampling import SamplingParams
+
+PROMPT = list(range(100, 180))  # 5 full pages of 16
+KEYS = page_hashes(PROMPT, 16)
+
+
+# -- router policy -----------------------------------------------------------------------------
+
+
+def test_matched_pages_counts_the_leading_run_only() -> None:
+    assert matched_pages(KEYS, set(KEYS)) == 5
+    assert matched_pages(KEYS, set(KEYS[:3])) == 3
+    assert matched_pages(KEYS, set(KEYS[1:])) == 0
+
+
+def test_affinity_wins_while_balanced() -> None:
+    hint = RouteHint(page_hashes=(tuple(KEYS),), num_requests=1)
+    views = [
+        ReplicaView("cold", 0),
+        ReplicaView("warm", 2, keys=set(KEYS[:4])),
+        ReplicaView("luke", 1, keys={KEYS[0]}),
+    ]
+    assert rank_replicas(hint, views, imbalance_threshold=2) == ["warm", "luke", "cold"]
+
+
+def test_load_wins_past_the_imbalance_threshold() -> None:
+    hint = RouteHint(page_hashes=(tuple(KEYS),), num_requests=1)
+    views = [ReplicaView("idle", 0), ReplicaView("hot", 9, keys=set(KEYS))]
+    assert rank_replicas(hint, views, imbalance_threshold=8) == ["idle", "hot"]
+    assert rank_replicas(hint, views, imbalance_threshold=9) == ["hot", "idle"]
+
+
+def test_without_affinity_the_least_loaded_replica_goes_first() -> None:
+    views = [
+        ReplicaView("a", 3),
+        ReplicaView("b", 1, kv_usage=0.9),
+        ReplicaView("c", 1, kv_usage=0.1),
+    ]
+    assert rank_replicas(None, views, imbalance_threshold=8) == ["c", "b", "a"]
+    assert rank_replicas(None, [], imbalance_threshold=8) == []
+
+
+# -- wire format ---------------------------------------------------------------------------------
+
+
+def test_requests_round_trip_through_msgpack() -> None:
+    params = SamplingParams(temperature=0.5, stop=("x", "yz"), seed=3, logprobs=2, max_tokens=7)
+    requests = [WireRequest("r-0", [1, 2, 3], params), WireRequest("r-1", [4], SamplingParams())]
+    assert decode_requests(encode_requests(requests)) == requests
+
+
+def test_first_frame_is_accept_or_refusal() -> None:
+    assert decode_first(encode_accepted("abc")) == Accepted("abc")
+    assert decode_first(encode_refused("full", "queue full")) == Refused("full", "queue full")
+
+
+def test_deltas_round_trip_with_logprobs() -> None:
+    deltas = [
+        RequestDelta("a", [5], [TokenLogprobs(5, -0.25, {5: -0.25, 9: -2.0})], None, None, 12, 4),
+        RequestDelta("b", [], None, "abort", None, 3, 0),
+        RequestDelta("c", [7, 8], None, "error", "boom", 0, 0),
+    ]
+    assert decode_deltas(encode_deltas(deltas)) == deltas
+
+
+# -- config --------------------------------------------------------------------------------------
+
+
+def test_config_from_yaml(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "engine: {model: demo, num_pages: 64}\n"
+        "autoscaling: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 8}\n"
+        "router: {batch_window_ms: 0, imbalance_threshold: 3}\n"
+        "worker_resources: {num_gpus: 1, accelerator_a100: 0.1}\n"
+    )
+    config = ClusterConfig.from_yaml(path)
+    assert config.engine.num_pages == 64 and config.router.batch_window_ms == 0
+    assert config.autoscaling is not None and config.autoscaling.max_replicas == 4
+    options = config.worker_ray_resources(cluster_has_gpus=False)
+    assert options == {"num_cpus": 1.0, "num_gpus": 1, "resources": {"accelerator_a100": 0.1}}
+
+
+def test_worker_gets_a_gpu_only_where_there_is_one() -> None:
+    assert "num_gpus" not in ClusterConfig().worker_ray_resources(cluster_has_gpus=False)
+    assert ClusterConfig().worker_ray_resources(cluster_has_gpus=True)["num_gpus"] == 1
+    cpu = ClusterConfig.model_validate({"engine": {"device": "cpu"}})
+    assert "num_gpus" not in cpu.worker_ray_resources(cluster_has_gpus=True)
+
+
+def test_api_keys_come_from_config_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(API_KEYS_ENV, "k1, k2")
+    assert ClusterConfig.model_validate({"api_keys": ["k0"]}).api_keys == ("k0", "k1", "k2")
+
+
+def test_config_rejects_bad_values() -> None:
+    with pytest.raises(ValidationError):
+        ClusterConfig.model_validate({"autoscaling": {"min_replicas": 3, "max_replicas": 2}})
+    with pytest.raises(ValidationError):
+        ClusterConfig.model_validate({"router": {"batch_window_ms": -1}})
+    with pytest.raises(ValidationError):
+        ClusterConfig.model_validate({"no_such_field": 1})
+
+
+def test_model_name_defaults_to_the_directory_name() -> None:
+    assert ClusterConfig().model_name == "demo"
+    assert (
+        ClusterConfig.model_validate({"engine": {"model": "/m/Qwen3-8B"}}).model_name == "Qwen3-8B"
+    )
+    assert ClusterConfig.model_validate({"served_model_name": "x"}).model_name == "x"
+
+
+# -- protocol ------------------------------------------------------------------------------------
+
+
+def test_chat_request_maps_onto_sampling_params() -> None:
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "demo",
+            "messages": [
+                {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+                {"role": "user", "content": "hi"},
+            ],
+            "max_completion_tokens": 9,
+            "max_tokens": 3,
+            "logprobs": True,
+            "stop": "END",
+            "top_k": -1,
+            "seed": 5,
+        }
+    )
+    params = req.sampling_params()
+    assert (params.max_tokens, params.logprobs, params.stop, params.top_k, params.seed) == (
+        9,
+        0,
+        ("END",),
+        0,
+        5,
+    )
+    assert req.template_messages()[0] == {"role": "system", "content": "be brief"}
+
+
+def test_completion_prompts_take_every_openai_shape() -> None:
+    def prompts(p: object) -> object:
+        return CompletionRequest.model_validate({"model": "m", "prompt": p}).prompts()
+
+    assert prompts("hi") == ["hi"]
+    assert prompts(["a", "b"]) == ["a", "b"]
+    assert prompts([1, 2]) == [[1, 2]]
+    assert prompts([[1], [2, 3]]) == [[1], [2, 3]]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x"}).max_tokens == 16
+
+
+def test_unsupported_features_are_named() -> None:
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert (
+        ChatCompletionRequest.model_validate({**base, "tool_choice": "auto"}).refused_field()
+        == "tool_choice"
+    )
+    assert (
+        ChatCompletionRequest.model_validate(
+            {**base, "tool_choice": "none", "store": True}
+        ).refused_field()
+        is None
+    )
+    assert (
+        CompletionRequest.model_validate(
+            {"model": "m", "prompt": "x", "echo": True}
+        ).refused_field()
+        == "echo"
+    )
+
+
+# -- autoscaling ---------------------------------------------------------------------------------
+
+
+def context(
+    requests: dict[str, float], kv: dict[str, float], current: int = 2
+) -> AutoscalingContext:
+    metrics = {"engine_requests": requests, "kv_usage": kv} if requests else {}
+    return AutoscalingContext(
+        deployment_id=None,
+        deployment_name="w",
+        app_name="kvray",
+        current_num_replicas=current,
+        target_num_replicas=current,
+        running_replicas=[],
+        total_num_requests=0.0,
+        total_queued_requests=0.0,
+        aggregated_metrics=metrics,
+        raw_metrics=None,
+        capacity_adjusted_min_replicas=1,
+        capacity_adjusted_max_replicas=8,
+        policy_state={},
+        last_scale_up_time=None,
+        last_scale_down_time=None,
+        current_time=0.0,
+        config=None,
+    )
+
+
+def test_policy_scales_with_engine_requests_and_kv_pressure() -> None:
+    policy = EngineLoadPolicy(target_requests=8, target_kv_usage=0.9)
+    assert policy(context({"a": 20, "b": 12}, {"a": 0.2, "b": 0.3}))[0] == 4
+    assert policy(context({"a": 1, "b": 1}, {"a": 0.95, "b": 0.97}))[0] == 3
+    assert policy(context({"a": 0, "b": 0}, {"a": 0.0, "b": 0.0}))[0] == 0
+    assert policy(context({}, {}, current=3))[0] == 3
