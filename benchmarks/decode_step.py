@@ -40,13 +40,19 @@ def _engine(shape: str, max_running: int, context: int, steps: int) -> Engine:
     return Engine(cfg)
 
 
+def run_until_decoding(engine: Engine) -> None:
+    """Step until every submitted request has finished its prompt and decodes one token a step."""
+    engine.step()  # drains the inbox into the scheduler
+    while engine.scheduler.waiting or any(r.num_pending > 1 or not r.output_ids for r in engine.scheduler.running):
+        engine.step()
+
+
 def _time_steps(engine: Engine, batch: int, context: int, steps: int, tag: str) -> float:
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    g = torch.Generator().manual_seed(batch)
+    g = torch.Generator().manual_seed(2 * batch + (tag == "e"))  # fresh prompts per run: no prefix hits
     prompts = [torch.randint(10, 30000, (context,), generator=g).tolist() for _ in range(batch)]
     stream = engine.submit([EngineRequest(f"{tag}-{batch}-{i}", p, params) for i, p in enumerate(prompts)])
-    while any(r.num_pending > 1 or not r.output_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
+    run_until_decoding(engine)
     for _ in range(3):
         engine.step()
     torch.cuda.synchronize()
