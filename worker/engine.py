@@ -19,7 +19,7 @@ from worker.config import EngineConfig
 from worker.executor import Executor, StepResult
 from worker.model.config import ModelConfig
 from worker.model.demo import resolve_model_path
-from worker.outputs import FinishReason, RequestDelta
+from worker.outputs import FinishReason, RequestDelta, RequestMetrics
 from worker.request import Request, ScheduledTask, Status
 from worker.sampling import SamplingParams
 from worker.scheduler import Scheduler
@@ -225,6 +225,7 @@ class Engine:
         return RequestDelta(
             request.request_id, tokens, [lp] if lp is not None else None, request.finish_reason, request.error,
             num_prompt_tokens=len(request.prompt_ids), num_cached_tokens=request.num_cached,
+            metrics=_metrics(request) if request.finish_time is not None else None,
         )
 
     def _publish(self, deltas: list[RequestDelta]) -> None:
@@ -301,6 +302,19 @@ class Engine:
     def prefix_summary(self, max_pages: int = SUMMARY_PAGES) -> list[int]:
         """Keys of cached pages, most recent first, as of the last refresh (engine thread, <= 50 ms old)."""
         return self._summary[:max_pages]
+
+
+def _metrics(r: Request) -> RequestMetrics:
+    end = r.finish_time or time.monotonic()
+    first = r.first_token_time
+    n_out = len(r.output_ids)
+    return RequestMetrics(
+        queue_time=(r.first_scheduled_time or end) - r.arrival_time,
+        time_to_first_token=(first or end) - r.arrival_time,
+        time_per_output_token=(end - first) / (n_out - 1) if first is not None and n_out > 1 else 0.0,
+        e2e_latency=end - r.arrival_time,
+        num_preemptions=r.num_preemptions,
+    )
 
 
 def _has_tokenizer(path: Path) -> bool:

@@ -94,12 +94,14 @@ class _Job:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.num_cached = 0
+        self.metrics = None
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
     def add(self, delta, engine: Engine) -> str:
+        self.metrics = delta.metrics or self.metrics
         if self.done:
             return ""  # the abort after a stop-string hit
         self.token_ids.extend(delta.new_token_ids)
@@ -121,7 +123,7 @@ class _Job:
         return RequestOutput(
             self.request_id, self.prompt_ids, self.token_ids, self.text.text if self.text else "",
             self.finish_reason,  # type: ignore[arg-type]
-            self.logprobs, self.error, self.num_cached,
+            self.logprobs, self.error, self.num_cached, self.metrics,
         )
 
 

@@ -18,6 +18,17 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
+class RequestMetrics:
+    """Timings of one finished request, in seconds."""
+
+    queue_time: float  # arrival -> first scheduled
+    time_to_first_token: float  # arrival -> first token
+    time_per_output_token: float  # mean gap between tokens after the first (0 with one token)
+    e2e_latency: float  # arrival -> finish
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
 class RequestDelta:
     """What one engine step produced for one request."""
 
@@ -28,6 +39,7 @@ class RequestDelta:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None  # on the request's last delta
 
     @property
     def finished(self) -> bool:
@@ -46,3 +58,4 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

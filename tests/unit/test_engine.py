@@ -64,6 +64,8 @@ def test_abort_frees_pages_within_one_step(engine_factory):
     assert got["a0"][-1].finish_reason == "length" and got["a2"][-1].finish_reason == "length"
     assert sum(len(d.new_token_ids) for d in got["a0"]) == 40
     assert cache.num_free_pages == initial
+    m = got["a0"][-1].metrics
+    assert m is not None and 0 <= m.queue_time <= m.time_to_first_token <= m.e2e_latency and m.time_per_output_token > 0
 
 
 def test_failed_step_fails_only_its_requests_and_the_engine_keeps_serving(engine_factory):
