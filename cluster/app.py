@@ -101,7 +101,12 @@ def _worker(config: ClusterConfig) -> Any:
         graceful_shutdown_timeout_s=5,
         logging_config={"enable_access_log": False},  # one line per internal call is noise
     )
-    return deployment.bind(config.engine, config.router.summary_pages, config.stall_threshold_s)
+    return deployment.bind(
+        config.engine,
+        config.router.summary_pages,
+        config.stall_threshold_s,
+        config.worker_cpu_threads,
+    )
 
 
 def build_app(

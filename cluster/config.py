@@ -130,6 +130,11 @@ class ClusterConfig(BaseModel):
         description="Ray resources of one worker replica, e.g. {num_gpus: 1} or {my_gpu: 1}; None = one GPU unless the engine runs on CPU",
     )
     worker_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per worker replica")
+    worker_cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch CPU threads of a worker replica; None = every core when the engine runs on CPU (Ray would give it num_cpus)",
+    )
     ingress_replicas: int = Field(
         1, ge=1, description="ingress (HTTP, tokenization, routing) replicas"
     )

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import torch
 from ray import serve
 
 from cluster.router import RouteHint
@@ -25,6 +27,15 @@ from worker.engine import Engine, EngineFull, EngineRequest
 log = logging.getLogger(__name__)
 
 
+def _set_cpu_threads(config: EngineConfig, threads: int | None) -> None:
+    """Ray caps an actor's torch threads at its `num_cpus`; an engine on CPU wants every core."""
+    on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
+    if threads is None and on_cpu:
+        threads = os.cpu_count() or 1
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
 class WorkerDeployment:
     """The body of the worker deployment; `app.build_app` wraps it with `serve.deployment`."""
 
@@ -33,7 +44,9 @@ class WorkerDeployment:
         engine_config: EngineConfig,
         summary_pages: int = 4096,
         stall_threshold_s: float = 60.0,
+        cpu_threads: int | None = None,
     ):
+        _set_cpu_threads(engine_config, cpu_threads)
         self._engine = Engine(engine_config)
         self._engine.start()
         self._summary_pages = summary_pages

@@ -1,0 +1,138 @@
+"""Dataset, arrival schedule and statistics of `kvray bench serve` (no Ray, no HTTP here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class BenchSample:
+    prompt: list[int]
+    output_len: int
+
+
+@dataclass(slots=True)
+class RequestResult:
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    e2e: float = 0.0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.ttft is not None
+
+
+def make_samples(
+    num: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    prefix_len: int,
+    vocab: int,
+    seed: int,
+) -> list[BenchSample]:
+    """Random token-id prompts (ids clear of the special tokens at both ends of the vocabulary);
+    with `prefix_len`, every prompt opens with the same `prefix_len` tokens."""
+    rng = np.random.default_rng(seed)
+    low, high = min(1000, vocab // 4), vocab - 1
+
+    def lengths(mean: int) -> np.ndarray:
+        lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+        return rng.integers(lo, hi + 1, size=num)
+
+    prefix = rng.integers(low, high, size=prefix_len).tolist()
+    return [
+        BenchSample(prefix + rng.integers(low, high, size=int(n_in)).tolist(), int(n_out))
+        for n_in, n_out in zip(lengths(input_len), lengths(output_len), strict=True)
+    ]
+
+
+def make_arrivals(num: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
+    """Arrival offsets in seconds: gamma-distributed gaps with mean 1/rate (Poisson at burstiness 1)."""
+    if rate == float("inf"):
+        return np.zeros(num)
+    rng = np.random.default_rng(seed + 1)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+def _stats_ms(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
+    arr = np.asarray(values) * 1000.0
+    return {
+        "mean": float(arr.mean()),
+        "p50": float(np.percentile(arr, 50)),
+        "p99": float(np.percentile(arr, 99)),
+    }
+
+
+def summarize(results: list[RequestResult], duration_s: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    output = sum(r.output_tokens for r in ok)
+    prompt = sum(r.prompt_tokens for r in ok)
+    tpots = [
+        (r.e2e - r.ttft) / (r.output_tokens - 1)
+        for r in ok
+        if r.ttft is not None and r.output_tokens > 1
+    ]
+    return {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "duration_s": duration_s,
+        "request_throughput": len(ok) / duration_s,
+        "output_throughput": output / duration_s,
+        "total_token_throughput": (output + prompt) / duration_s,
+        "ttft_ms": _stats_ms([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_ms": _stats_ms(tpots),
+        "itl_ms": _stats_ms([x for r in ok for x in r.itls]),
+        "e2e_ms": _stats_ms([r.e2e for r in ok]),
+    }
+
+
+def print_report(summaries: dict[str, dict[str, Any]], args: dict[str, Any]) -> None:
+    keys = (
+        "num_prompts",
+        "input_len",
+        "output_len",
+        "prefix_len",
+        "request_rate",
+        "max_concurrency",
+    )
+    print("\n" + " ".join(f"{k}={args.get(k)}" for k in keys))
+    names = list(summaries)
+    width = max(24, *(len(n) for n in names))
+    print(f"{'':26}" + "".join(f"{n:>{width + 2}}" for n in names))
+    rows = [
+        ("completed / failed", lambda s: f"{s['completed']} / {s['failed']}"),
+        ("duration (s)", lambda s: f"{s['duration_s']:.2f}"),
+        ("requests/s", lambda s: f"{s['request_throughput']:.2f}"),
+        ("output tokens/s", lambda s: f"{s['output_throughput']:.1f}"),
+        ("total tokens/s", lambda s: f"{s['total_token_throughput']:.1f}"),
+    ]
+    for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        for stat in ("mean", "p50", "p99"):
+            rows.append(
+                (f"{metric[:-3].upper()} {stat} (ms)", lambda s, m=metric, t=stat: f"{s[m][t]:.2f}")
+            )
+    for title, cell in rows:
+        print(f"{title:26}" + "".join(f"{cell(summaries[n]):>{width + 2}}" for n in names))
+    if len(names) == 2:
+        a, b = (summaries[n] for n in names)
+        print(
+            f"\nserve - engine: TTFT p50 {a['ttft_ms']['p50'] - b['ttft_ms']['p50']:+.2f} ms, ITL p50 {a['itl_ms']['p50'] - b['itl_ms']['p50']:+.2f} ms"
+        )
+        print(
+            f"ITL p99 / p50: serve {a['itl_ms']['p99'] / a['itl_ms']['p50']:.2f}, engine {b['itl_ms']['p99'] / b['itl_ms']['p50']:.2f}"
+        )
+    for name in names:
+        for error in summaries[name]["errors"]:
+            print(f"{name}: error: {error}")
