@@ -1,12 +1,17 @@
 // Paged decode attention, split-KV (FlashDecoding) with a combine step.
 //
-// One block per (split, kv head, request). The block's warps share the q heads of the
-// kv head's GQA group as the 16 rows of m16n8k16 tensor-core MMAs (rows past the group
-// are zero), so every K/V byte is read from memory once per step. Each warp streams its
-// own 16-token tiles through a cp.async ring in shared memory (no block-wide barriers in
-// the main loop), keeps its own online-softmax state, and the warps merge once at the
-// end. With one split the block writes the output directly; otherwise it writes a
-// normalized partial plus (max, sum) and a combine kernel merges the active splits.
+// A warp owns the q heads of one kv head's GQA group as the 16 rows of m16n8k16
+// tensor-core MMAs (rows past the group are zero), so every K/V byte is read from memory
+// once per step. It streams 16-token tiles through its own cp.async ring in shared
+// memory (no block-wide barriers in the main loop) and keeps an online-softmax state.
+// Two block layouts share that warp code:
+//  - token-split: one block per (split, kv head, request); its warps take interleaved
+//    tiles of the split and merge their states in shared memory at the end;
+//  - head-major: one block per (split, 4 kv heads, request); each warp streams one head,
+//    so the block reads adjacent head slices of the same token rows together.
+// Variant 0 picks head-major once the batch alone gives every SM a block, token-split
+// below that. With one split the block writes the output directly; otherwise it writes
+// a normalized partial plus (max, sum) and a combine kernel merges the active splits.
 //
 // The grid depends only on shapes (batch, heads, the split count chosen from the batch
 // size), never on live sequence lengths, so launches can be captured in CUDA graphs;

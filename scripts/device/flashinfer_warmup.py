@@ -28,7 +28,10 @@ def main() -> None:
         w.plan(indptr, indices, last, hq, hkv, d, page, q_data_type=torch.bfloat16)
         w.run(q, (k, v))
         torch.cuda.synchronize()
-        print(f"flashinfer {flashinfer.__version__} tensor_cores={tc}: ready in {time.time() - t0:.1f}s", flush=True)
+        print(
+            f"flashinfer {flashinfer.__version__} tensor_cores={tc}: ready in {time.time() - t0:.1f}s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
