@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-kvray-replica"  # which worker replica served the request
 _INFO_TIMEOUT_S = 30.0
+_INLINE_TOKENIZE_CHARS = 16_384
 _STATS_TIMEOUT_S = 5.0
 
 ParsedRequest = ChatCompletionRequest | CompletionRequest
@@ -112,14 +113,19 @@ class Ingress:
         arrival = time.perf_counter()
         req = await self._parse(request, ChatCompletionRequest)
         assert isinstance(req, ChatCompletionRequest)
-        prompt = self._tokenizer.apply_chat_template(req.template_messages())
+        messages = req.template_messages()
+        size = sum(len(m["content"]) for m in messages)
+        prompt = await self._tokenize(size, self._tokenizer.apply_chat_template, messages)
         return await self._generate(req, [list(prompt)], req.sampling_params(), arrival, chat=True)
 
     async def completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
         req = await self._parse(request, CompletionRequest)
         assert isinstance(req, CompletionRequest)
-        prompts = [self._tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts()]
+        prompts = [
+            await self._tokenize(len(p), self._tokenizer.encode, p) if isinstance(p, str) else p
+            for p in req.prompts()
+        ]
         return await self._generate(
             req, [list(p) for p in prompts], req.sampling_params(), arrival, chat=False
         )
@@ -191,8 +197,8 @@ class Ingress:
             raise from_call(exc, self._config.limits.retry_after_s) from None
         self._count_finished(collector.choices.values())
         build = collector.chat if chat else collector.completion
-        body = build(rid, now(), model, usage_of(gen), self._token_text)
-        return JSONResponse(body.model_dump(), headers=headers)
+        response = build(rid, now(), model, usage_of(gen), self._token_text)
+        return JSONResponse(response.model_dump(), headers=headers)
 
     async def _sse(
         self, gen: Generation, writer: ChunkWriter, num_choices: int
@@ -254,6 +260,15 @@ class Ingress:
             )
 
     # -- helpers --------------------------------------------------------------------------
+
+    async def _tokenize(self, size: int, fn: Any, arg: Any) -> list[int]:
+        """Tokenize inline, or in a thread for long inputs so other streams keep flowing."""
+        try:
+            if size > _INLINE_TOKENIZE_CHARS:
+                return list(await asyncio.to_thread(fn, arg))
+            return list(fn(arg))
+        except (ValueError, TypeError) as exc:  # e.g. a model without a chat template
+            raise ApiError(400, f"cannot tokenize the input: {exc}", code="invalid_input") from None
 
     def _authorize(self, request: Request) -> None:
         keys = self._config.api_keys

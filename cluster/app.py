@@ -78,29 +78,29 @@ def _autoscaling(config: ClusterConfig) -> AutoscalingConfig | None:
 
 
 def _worker(config: ClusterConfig) -> Any:
-    router = RequestRouterConfig(
-        request_router_class=ROUTER_CLASS_PATH,
-        request_router_kwargs={"imbalance_threshold": config.router.imbalance_threshold},
-        request_routing_stats_period_s=config.router.stats_period_s,
-        request_routing_stats_timeout_s=max(5.0, 4 * config.router.stats_period_s),
-    )
+    router_options: dict[str, Any] = {
+        "request_router_class": ROUTER_CLASS_PATH,
+        "request_router_kwargs": {"imbalance_threshold": config.router.imbalance_threshold},
+        "request_routing_stats_period_s": config.router.stats_period_s,
+        "request_routing_stats_timeout_s": max(5.0, 4 * config.router.stats_period_s),
+    }
     autoscaling = _autoscaling(config)
     scaling: dict[str, Any] = (
         {"autoscaling_config": autoscaling}
         if autoscaling
         else {"num_replicas": config.worker_replicas}
     )
-    deployment = serve.deployment(WorkerDeployment).options(
+    deployment = serve.deployment(
         name=WORKER_NAME,
         **scaling,
         ray_actor_options=config.worker_ray_resources(_cluster_has_gpus()),
         max_ongoing_requests=config.max_calls_per_worker,
         health_check_period_s=config.health_check_period_s,
         health_check_timeout_s=max(30.0, config.health_check_period_s),
-        request_router_config=router,
+        request_router_config=RequestRouterConfig(**router_options),
         graceful_shutdown_timeout_s=5,
         logging_config={"enable_access_log": False},  # one line per internal call is noise
-    )
+    )(WorkerDeployment)
     return deployment.bind(
         config.engine,
         config.router.summary_pages,
@@ -114,12 +114,12 @@ def build_app(
 ) -> serve.Application:
     """The kvray application: an OpenAI ingress in front of the worker deployment."""
     cfg = load_config(config)
-    ingress = serve.deployment(Ingress).options(
+    ingress = serve.deployment(
         name=INGRESS_NAME,
         num_replicas=cfg.ingress_replicas,
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
         max_ongoing_requests=max(1024, 2 * cfg.engine.max_waiting),
-    )
+    )(Ingress)
     log.info(
         "kvray app: model %s, %s",
         cfg.model_name,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,10 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict[str, Any]
     }
 
 
+def _stat_cell(metric: str, stat: str) -> Callable[[dict[str, Any]], str]:
+    return lambda summary: f"{summary[metric][stat]:.2f}"
+
+
 def print_report(summaries: dict[str, dict[str, Any]], args: dict[str, Any]) -> None:
     keys = (
         "num_prompts",
@@ -111,7 +116,7 @@ def print_report(summaries: dict[str, dict[str, Any]], args: dict[str, Any]) -> 
     names = list(summaries)
     width = max(24, *(len(n) for n in names))
     print(f"{'':26}" + "".join(f"{n:>{width + 2}}" for n in names))
-    rows = [
+    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("completed / failed", lambda s: f"{s['completed']} / {s['failed']}"),
         ("duration (s)", lambda s: f"{s['duration_s']:.2f}"),
         ("requests/s", lambda s: f"{s['request_throughput']:.2f}"),
@@ -120,9 +125,7 @@ def print_report(summaries: dict[str, dict[str, Any]], args: dict[str, Any]) -> 
     ]
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         for stat in ("mean", "p50", "p99"):
-            rows.append(
-                (f"{metric[:-3].upper()} {stat} (ms)", lambda s, m=metric, t=stat: f"{s[m][t]:.2f}")
-            )
+            rows.append((f"{metric[:-3].upper()} {stat} (ms)", _stat_cell(metric, stat)))
     for title, cell in rows:
         print(f"{title:26}" + "".join(f"{cell(summaries[n]):>{width + 2}}" for n in names))
     if len(names) == 2:

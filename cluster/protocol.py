@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -162,8 +162,8 @@ class CompletionRequest(_Request):
         if isinstance(p, str):
             return [p]
         if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+            return [cast(list[int], list(p))]
+        return cast(list[str] | list[list[int]], list(p))
 
     def sampling_params(self) -> SamplingParams:
         return self._sampling(self.max_tokens, self.logprobs)
