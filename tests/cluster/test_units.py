@@ -232,3 +232,34 @@ def test_policy_scales_with_engine_requests_and_kv_pressure() -> None:
     assert policy(context({"a": 1, "b": 1}, {"a": 0.95, "b": 0.97}))[0] == 3
     assert policy(context({"a": 0, "b": 0}, {"a": 0.0, "b": 0.0}))[0] == 0
     assert policy(context({}, {}, current=3))[0] == 3
+
+
+# -- the application -----------------------------------------------------------------------------
+
+
+def test_one_yaml_builds_the_app_for_kvray_serve_run_and_rayservice(tmp_path) -> None:
+    from ray.serve import Application
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.app import build_app
+
+    args = {
+        "engine": {"model": "demo", "num_pages": 64},
+        "worker_replicas": 2,
+        "router": {"batch_window_ms": 1},
+    }
+    rayservice = {
+        "applications": [
+            {
+                "name": "kvray",
+                "route_prefix": "/",
+                "import_path": "cluster.app:build_app",
+                "args": args,
+            }
+        ]
+    }
+    ServeDeploySchema.model_validate(rayservice)  # the serveConfigV2 document is valid
+    path = tmp_path / "cluster.yaml"
+    path.write_text("engine: {model: demo, num_pages: 64}\nworker_replicas: 2\n")
+    for source in (args, {"config": str(path)}, str(path), ClusterConfig.model_validate(args)):
+        assert isinstance(build_app(source), Application)
