@@ -62,12 +62,16 @@ class Ingress:
         self._config = config
         self._worker = worker
         self._tokenizer = Tokenizer.from_dir(str(resolve_model_path(config.engine.model)))
-        router = config.router
-        self._dispatcher = Dispatcher(
-            worker, router.batch_window_ms / 1000.0, router.max_batch_requests, config.limits
-        )
         replica_id = serve.get_replica_context().replica_id.unique_id
         self._metrics = Metrics(config.model_name, replica_id)
+        router = config.router
+        self._dispatcher = Dispatcher(
+            worker,
+            router.batch_window_ms / 1000.0,
+            router.max_batch_requests,
+            config.limits,
+            on_call=self._metrics.observe_call,
+        )
         self._created = now()
         self._info: dict[str, Any] | None = None
         self._info_lock = asyncio.Lock()

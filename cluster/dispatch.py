@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -193,8 +193,10 @@ class _Call:
         await self._pump(limits.stall_timeout_s)
 
     def _refused(self, refusal: Refused) -> None:
-        if refusal.kind == "invalid" and len(self.streams) > 1:
-            for stream in self.streams:  # find which group is invalid: retry each alone
+        if refusal.kind in ("invalid", "full") and len(self.streams) > 1:
+            # One bad group fails the whole batch, and a batch may not fit the queue where
+            # its groups would one by one: send each group alone to get each its own answer.
+            for stream in self.streams:
                 self.dispatcher.send([stream])
             return
         self._fail(CallError(refusal.kind, refusal.message))
@@ -230,7 +232,16 @@ class _Call:
 class Dispatcher:
     """Batches groups within a window and sends each batch as one streaming worker call."""
 
-    def __init__(self, worker_handle: Any, window_s: float, max_batch: int, limits: Any):
+    def __init__(
+        self,
+        worker_handle: Any,
+        window_s: float,
+        max_batch: int,
+        limits: Any,
+        on_call: Callable[[int], None] = lambda num_requests: None,
+    ):
+        """`on_call(num_requests)` is told the size of every call sent (a metric)."""
+        self._on_call = on_call
         self.generate_handle = worker_handle.options(method_name="generate", stream=True)
         self._abort_handle = worker_handle.options(method_name="abort")
         self.limits = limits
@@ -269,6 +280,7 @@ class Dispatcher:
             self.send(live)
 
     def send(self, streams: list[GroupStream], attempt: int = 0) -> None:
+        self._on_call(sum(len(s.group.requests) for s in streams))
         self._spawn(_Call(self, streams, attempt).run())
 
     def send_abort(self, replica_id: str, request_ids: list[str]) -> None:

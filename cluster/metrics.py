@@ -166,6 +166,13 @@ class Metrics:
             [*labels, "status"],
             registry=self.registry,
         )
+        self.call_size = Histogram(
+            "kvray:request_batch_size",
+            "Requests per worker call (request batching).",
+            labels,
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=self.registry,
+        )
         self._engines = _EngineCollector(model_name)
         self.registry.register(self._engines)
 
@@ -176,6 +183,9 @@ class Metrics:
         if tpot_s is not None:
             self.tpot.labels(*self._labels).observe(tpot_s)
         self.e2e.labels(*self._labels).observe(e2e_s)
+
+    def observe_call(self, num_requests: int) -> None:
+        self.call_size.labels(*self._labels).observe(num_requests)
 
     def count_finished(self, reason: str) -> None:
         self.finished.labels(*self._labels, reason).inc()
