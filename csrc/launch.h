@@ -7,7 +7,7 @@
 
 namespace kvray {
 
-enum class DType : int { kBF16 = 0, kFP16 = 1 };
+enum class DType : int { kBF16 = 0, kFP16 = 1, kFP32 = 2 };  // kFP32: fused ops only
 
 // KV cache of one layer: [n_slots, n_kv_heads, head_dim], contiguous.
 struct PagedKV {
@@ -60,6 +60,57 @@ struct StoreParams {
   int num_tokens, num_kv_heads, head_dim;
 };
 
+// The order in which torch's CUDA mean(-1) adds a row's terms (see fused.cu).
+struct MeanOrder {
+  int lanes;    // threads sharing one row's sum
+  int lanes_x;  // of those, the ones in one warp row (they also take the unaligned ends)
+  bool vectorized;
+};
+
+// RMSNorm over rows of n elements, contiguous within a row. Row r of x / out starts at
+// (r / inner_rows) * outer + (r % inner_rows) * inner elements ([T, H, D] views of a
+// fused projection: inner_rows = H). With residual set: residual = residual + x, then
+// x = norm(residual) (residual rows contiguous, res_stride apart); else out = norm(x).
+struct NormParams {
+  void* x;
+  void* residual;  // nullptr: plain norm
+  void* out;
+  const void* weight;  // [n]
+  int64_t x_outer, x_inner, out_outer, out_inner, res_stride;
+  int64_t rows;
+  int inner_rows, n;
+  float eps, inv_n;  // inv_n: torch's mean factor, float(rows) / float(rows * n)
+  int lanes, lanes_x;
+  bool vectorized;  // MeanOrder
+  bool vec_ok;      // every row start, and n, allow 16-byte accesses
+  DType dtype;
+};
+
+// Rotate-half RoPE in place on q [T, Hq, D] and k [T, Hk, D] (last dim contiguous);
+// cos / sin: contiguous float32 [max_len, D], row positions[t] for token t.
+struct RotaryParams {
+  void* q;
+  void* k;
+  int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h;
+  const int64_t* positions;
+  const float* cos;
+  const float* sin;
+  int64_t num_tokens;
+  int num_q_heads, num_k_heads, head_dim;
+  DType dtype;
+};
+
+// out[t, :inter] = silu(gate_up[t, :inter]) * gate_up[t, inter:].
+struct SiluMulParams {
+  const void* gate_up;
+  void* out;
+  int64_t in_stride, out_stride;
+  int64_t num_tokens;
+  int inter;
+  bool vec_ok;
+  DType dtype;
+};
+
 // Splits chosen for a decode batch: about one wave of resident blocks, never more than
 // s_cap. Depends only on shapes (batch size, heads), so graph launches stay valid.
 int decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim, DType dtype,
@@ -73,5 +124,10 @@ int decode_blocks_per_sm(DType dtype, int head_dim, int variant);
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream);
 cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream);
 cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream);
+
+bool torch_mean_order(int64_t n, int64_t rows, MeanOrder* order);
+cudaError_t launch_rms_norm(const NormParams& p, cudaStream_t stream);
+cudaError_t launch_rotary(const RotaryParams& p, cudaStream_t stream);
+cudaError_t launch_silu_and_mul(const SiluMulParams& p, cudaStream_t stream);
 
 }  // namespace kvray

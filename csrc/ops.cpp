@@ -233,13 +233,158 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   check_launch(kvray::launch_prefill(p, c10::cuda::getCurrentCUDAStream()), "prefill_attention");
 }
 
+// ---- fused elementwise ops of the Llama layer (csrc/fused.cu) ----
+
+DType float_dtype_of(const at::Tensor& t, const char* name) {
+  if (t.scalar_type() == at::kFloat) return DType::kFP32;
+  return dtype_of(t, name);
+}
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// Elements per 16-byte access of this dtype.
+int64_t vec_width(const at::Tensor& t) { return 16 / static_cast<int64_t>(t.element_size()); }
+
+void check_same(const at::Tensor& t, const at::Tensor& ref, const char* name) {
+  check_cuda(t, ref, name);
+  KV_CHECK(t.scalar_type() == ref.scalar_type(), name, " must have x's dtype");
+}
+
+// Rows of a [T, N] or [T, H, N] tensor with a contiguous last dim, as NormParams strides.
+void norm_rows(const at::Tensor& t, const char* name, int64_t* outer, int64_t* inner) {
+  KV_CHECK(t.dim() == 2 || t.dim() == 3, name, " must be [T, N] or [T, H, N]");
+  KV_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, name, " must have a contiguous last dimension");
+  *outer = t.stride(0);
+  *inner = t.dim() == 3 ? t.stride(1) : 0;
+}
+
+kvray::NormParams norm_params(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  KV_CHECK(x.is_cuda(), "x must be a CUDA tensor");
+  const DType dt = float_dtype_of(x, "x");
+  check_same(weight, x, "weight");
+  const int64_t n = x.size(-1);
+  KV_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.is_contiguous(),
+           "weight must be contiguous [N] with N = x.size(-1)");
+  const int64_t rows = x.numel() / std::max<int64_t>(n, 1);
+  kvray::MeanOrder order{};
+  KV_CHECK(n >= 1 && n <= (1 << 16) && kvray::torch_mean_order(n, std::max<int64_t>(rows, 1), &order),
+           "rms_norm supports rows of 1..65536 elements, got ", n);
+  kvray::NormParams p{};
+  p.weight = weight.data_ptr();
+  p.rows = rows;
+  p.inner_rows = x.dim() == 3 ? static_cast<int>(x.size(1)) : 1;
+  p.n = static_cast<int>(n);
+  p.eps = static_cast<float>(eps);
+  // torch's MeanOps factor: float(outputs) / numel, a float divided by an int64 (as float).
+  p.inv_n = static_cast<float>(std::max<int64_t>(rows, 1)) / static_cast<float>(std::max<int64_t>(rows, 1) * n);
+  p.lanes = order.lanes;
+  p.lanes_x = order.lanes_x;
+  p.vectorized = order.vectorized;
+  p.dtype = dt;
+  return p;
+}
+
+void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                        double eps) {
+  KV_CHECK(x.dim() == 2 && residual.sizes() == x.sizes(), "x and residual must be [T, N] of one shape");
+  const c10::cuda::CUDAGuard guard(x.device());
+  kvray::NormParams p = norm_params(x, weight, eps);
+  check_same(residual, x, "residual");
+  norm_rows(x, "x", &p.x_outer, &p.x_inner);
+  KV_CHECK(residual.stride(1) == 1 || residual.size(1) == 1, "residual must have a contiguous last dimension");
+  p.x = x.data_ptr();
+  p.residual = residual.data_ptr();
+  p.out = x.data_ptr();
+  p.res_stride = residual.stride(0);
+  p.out_outer = p.x_outer;
+  const int64_t w = vec_width(x);
+  p.vec_ok = p.n % w == 0 && p.x_outer % w == 0 && p.res_stride % w == 0 && aligned16(x) &&
+             aligned16(residual) && aligned16(weight);
+  check_launch(kvray::launch_rms_norm(p, c10::cuda::getCurrentCUDAStream()), "fused_add_rms_norm");
+}
+
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& out) {
+  KV_CHECK(out.sizes() == x.sizes(), "out must have x's shape");
+  const c10::cuda::CUDAGuard guard(x.device());
+  kvray::NormParams p = norm_params(x, weight, eps);
+  check_same(out, x, "out");
+  norm_rows(x, "x", &p.x_outer, &p.x_inner);
+  norm_rows(out, "out", &p.out_outer, &p.out_inner);
+  p.x = x.data_ptr();
+  p.residual = nullptr;
+  p.out = out.data_ptr();
+  const int64_t w = vec_width(x);
+  const bool rows_ok = p.x_outer % w == 0 && p.x_inner % w == 0 && p.out_outer % w == 0 &&
+                       p.out_inner % w == 0;
+  p.vec_ok = p.n % w == 0 && rows_ok && aligned16(x) && aligned16(out) && aligned16(weight);
+  check_launch(kvray::launch_rms_norm(p, c10::cuda::getCurrentCUDAStream()), "rms_norm");
+}
+
+void rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+            const at::Tensor& cos_cache, const at::Tensor& sin_cache) {
+  KV_CHECK(q.is_cuda() && q.dim() == 3 && k.dim() == 3, "q and k must be CUDA [T, H, D] tensors");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const DType dt = float_dtype_of(q, "q");
+  check_same(k, q, "k");
+  const int64_t d = q.size(2);
+  KV_CHECK(k.size(0) == q.size(0) && k.size(2) == d && d % 2 == 0,
+           "k must be [T, Hk, D] with q's T and an even D");
+  KV_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "q and k must have a contiguous last dimension");
+  check_cuda(positions, q, "positions");
+  KV_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 &&
+               positions.is_contiguous() && positions.size(0) == q.size(0),
+           "positions must be contiguous int64 [T]");
+  for (const at::Tensor* t : {&cos_cache, &sin_cache}) {
+    check_cuda(*t, q, "cos_cache / sin_cache");
+    KV_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous() && t->size(1) == d,
+             "cos_cache and sin_cache must be contiguous float32 [max_len, D]");
+  }
+  kvray::RotaryParams p{q.data_ptr(),         k.data_ptr(),
+                        q.stride(0),          q.stride(1),
+                        k.stride(0),          k.stride(1),
+                        positions.data_ptr<int64_t>(),
+                        cos_cache.data_ptr<float>(),
+                        sin_cache.data_ptr<float>(),
+                        q.size(0),
+                        static_cast<int>(q.size(1)),
+                        static_cast<int>(k.size(1)),
+                        static_cast<int>(d),
+                        dt};
+  check_launch(kvray::launch_rotary(p, c10::cuda::getCurrentCUDAStream()), "rotary");
+}
+
+void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out) {
+  KV_CHECK(gate_up.is_cuda() && gate_up.dim() == 2 && out.dim() == 2,
+           "gate_up and out must be CUDA [T, 2I] and [T, I] tensors");
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  const DType dt = float_dtype_of(gate_up, "gate_up");
+  check_cuda(out, gate_up, "out");
+  KV_CHECK(out.scalar_type() == gate_up.scalar_type(), "out must have gate_up's dtype");
+  const int64_t inter = out.size(1);
+  KV_CHECK(out.size(0) == gate_up.size(0) && gate_up.size(1) == 2 * inter,
+           "out must be [T, I] for gate_up [T, 2I]");
+  KV_CHECK((gate_up.stride(1) == 1 || gate_up.size(1) <= 1) && (out.stride(1) == 1 || inter <= 1),
+           "gate_up and out must have a contiguous last dimension");
+  const int64_t w = vec_width(out);
+  kvray::SiluMulParams p{gate_up.data_ptr(), out.data_ptr(), gate_up.stride(0), out.stride(0),
+                         gate_up.size(0),    static_cast<int>(inter),
+                         inter % w == 0 && gate_up.stride(0) % w == 0 && out.stride(0) % w == 0 &&
+                             aligned16(gate_up) && aligned16(out),
+                         dt};
+  check_launch(kvray::launch_silu_and_mul(p, c10::cuda::getCurrentCUDAStream()), "silu_and_mul");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "kvray CUDA kernels: paged decode / prefill attention and the KV write";
+  m.doc() = "kvray CUDA kernels: paged attention, the KV write, fused norm / RoPE / SiLU";
   m.def("store_kv", &store_kv, "scatter K/V rows of new tokens into the paged cache");
   m.def("decode_attention", &decode_attention, "paged split-KV decode attention");
   m.def("prefill_attention", &prefill_attention, "paged ragged causal prefill attention");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place");
+  m.def("rms_norm", &rms_norm, "out = rms_norm(x) over the last dim ([T, N] or [T, H, N])");
+  m.def("rotary", &rotary, "rotate-half RoPE on q and k in place");
+  m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up for gate_up = [gate | up]");
   m.def("decode_plan", &decode_plan, "(resolved variant, splits) decode uses for a batch");
   m.def("decode_num_variants", &kvray::decode_num_variants, "number of decode tiling variants");
   m.def(

@@ -19,6 +19,7 @@ from worker.graphs import DecodeGraphRunner
 from worker.kv_sizing import build_cache
 from worker.model.config import ModelConfig
 from worker.model.loader import load_model
+from worker.model.ops import OPS
 from worker.outputs import TokenLogprobs
 from worker.request import ScheduledTask
 from worker.sampling import SamplerOutput, SamplingBatchInfo, sample
@@ -42,8 +43,9 @@ class Executor:
         self.config, self.model_config, self.eos_token_ids = config, model_config, eos_token_ids
         self.device = torch.device(config.device)
         self.model = load_model(
-            model_path, config.torch_dtype, self.device, config.max_seq_len, random=config.load_format == "random"
-        )
+            model_path, config.torch_dtype, self.device, config.max_seq_len,
+            random=config.load_format == "random", ops=OPS[config.backend](),
+        )  # fmt: skip
         self.workspace = InferenceWorkspace(
             max_tokens=config.token_budget,
             max_running=config.max_running,
@@ -56,7 +58,7 @@ class Executor:
         )
         self.cache = build_cache(config, model_config, self.workspace)
         self.backend = BACKENDS[config.backend](model_config.num_heads, model_config.head_dim, self.workspace)
-        log.info("attention backend: %s", type(self.backend).__name__)
+        log.info("attention backend: %s, layer ops: %s", type(self.backend).__name__, type(self.model.ops).__name__)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self._sampling: SamplingBatchInfo | None = None
         self.graphs: DecodeGraphRunner | None = None

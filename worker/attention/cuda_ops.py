@@ -6,8 +6,9 @@ it freely. The first op call (or an explicit `load()`) builds csrc/ with
 (sm_90a on Hopper) into a cache directory keyed by the sources, torch, CUDA and the
 arch, so later processes only load the built library.
 
-All ops write into caller-provided tensors and allocate nothing, so they can be captured
-in CUDA graphs. Layouts: per layer, `k_cache` / `v_cache` are contiguous
+All ops write into caller-provided tensors (or in place) and allocate nothing, so they
+can be captured in CUDA graphs. The fused layer ops (norm, RoPE, SiLU·mul) give the same
+bits as HF transformers' torch op sequence on the GPU (see csrc/fused.cu). Layouts: per layer, `k_cache` / `v_cache` are contiguous
 `[n_slots, n_kv_heads, head_dim]`; the slot of (request row r, position p) is
 `req_to_token[r, p // page_size * page_size] + p % page_size`.
 """
@@ -24,7 +25,7 @@ from types import ModuleType
 import torch
 
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
-_SOURCES = ("ops.cpp", "decode.cu", "prefill.cu", "store_kv.cu")
+_SOURCES = ("ops.cpp", "decode.cu", "prefill.cu", "store_kv.cu", "fused.cu")
 _HEADERS = ("common.cuh", "launch.h")
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "kvray" / "kernels"
 
@@ -201,6 +202,31 @@ def prefill_attention(
         sm_scale,
         out,
     )
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place on [T, N] tensors: residual = residual + x, then x = rms_norm(residual) * weight."""
+    load().fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+    """out = rms_norm(x) * weight over the last dim of [T, N] or [T, H, N] (out may be x)."""
+    load().rms_norm(x, weight, eps, out)
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor
+) -> None:
+    """Rotate-half RoPE in place on q [T, Hq, D] and k [T, Hk, D] (strided views allowed).
+
+    cos_cache / sin_cache: float32 [max_len, D]; positions: int64 [T], each < max_len.
+    """
+    load().rotary(q, k, positions, cos_cache, sin_cache)
+
+
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]."""
+    load().silu_and_mul(gate_up, out)
 
 
 def decode_variants() -> int:

@@ -11,18 +11,20 @@ from worker.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """HF's RMSNorm: normalise in float32, cast back, then scale."""
+    """HF's RMSNorm parameters; the model applies them through its ModelOps (worker/model/ops.py)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm over the last dim: normalise in float32, cast back, then scale."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -48,6 +50,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with cos/sin tables built once; `forward` gathers a step's rows."""
+
+    cos: torch.Tensor  # float32 [max_len, head_dim], a buffer
+    sin: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, max_len: int):
         super().__init__()

@@ -13,7 +13,8 @@ from torch import nn
 from worker.attention.base import AttentionBackend
 from worker.cache_view import CacheView
 from worker.model.config import ModelConfig
-from worker.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
+from worker.model.layers import MergedLinear, RMSNorm, RotaryEmbedding
+from worker.model.ops import ModelOps, RopeInputs, TorchOps
 
 
 class Attention(nn.Module):
@@ -30,7 +31,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: CacheView, backend: AttentionBackend
+        self, x: torch.Tensor, rope: RopeInputs, view: CacheView, backend: AttentionBackend, ops: ModelOps
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -38,8 +39,9 @@ class Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        q, k = ops.rope(q, k, rope)
         out = backend.forward(self.layer_id, q, k, v, view)
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -47,15 +49,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.inter = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(
             cfg.hidden_size, {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}, bias=cfg.mlp_bias
         )
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -66,9 +66,25 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, view: CacheView, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, view, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RopeInputs,
+        view: CacheView,
+        backend: AttentionBackend,
+        ops: ModelOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before adding it); the next layer's
+        norm (or the final one) adds them. The first layer gets residual None."""
+        norm, post = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            x, residual = ops.rms_norm(x, norm.weight, norm.eps), x
+        else:
+            x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        x = self.self_attn(x, rope, view, backend, ops)
+        x, residual = ops.add_rms_norm(x, residual, post.weight, post.eps)
+        return self.mlp(x, ops), residual
 
 
 class Backbone(nn.Module):
@@ -82,9 +98,10 @@ class Backbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_len: int):
+    def __init__(self, cfg: ModelConfig, max_len: int, ops: ModelOps | None = None):
         super().__init__()
         self.config = cfg
+        self.ops = ops or TorchOps()
         self.model = Backbone(cfg)
         self.rotary = RotaryEmbedding(cfg, max_len)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -94,10 +111,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states `[T, hidden]` after the final norm for a packed batch of T tokens."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        rope = self.ops.rope_inputs(self.rotary, positions, x.dtype)
+        residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, view, backend)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, view, backend, self.ops)
+        norm = self.model.norm
+        if residual is None:
+            return self.ops.rms_norm(x, norm.weight, norm.eps)
+        return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from worker.model.config import ModelConfig
 from worker.model.layers import MergedLinear, RotaryEmbedding
 from worker.model.llama import MODEL_CLASSES, LlamaForCausalLM
+from worker.model.ops import ModelOps
 
 log = logging.getLogger("kvray.loader")
 
@@ -131,16 +132,25 @@ def random_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype, device: torch.device | str, max_len: int, *, random: bool = False
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_len: int,
+    *,
+    random: bool = False,
+    ops: ModelOps | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model for `path` on `device` in `dtype`, with RoPE tables for `max_len` positions."""
+    """Build the model for `path` on `device` in `dtype`, with RoPE tables for `max_len` positions.
+
+    `ops` computes its norms, RoPE and SiLU·mul (default TorchOps, the torch op sequence).
+    """
     path, device = Path(path), torch.device(device)
     if not path.is_dir():
         raise ModelLoadError(f"model path {path} is not a directory")
     cfg = ModelConfig.from_dir(path)
     start = time.perf_counter()
     with torch.device("meta"):
-        model = MODEL_CLASSES[cfg.architecture](cfg, max_len=1)
+        model = MODEL_CLASSES[cfg.architecture](cfg, max_len=1, ops=ops)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.rotary = RotaryEmbedding(cfg, max_len).to(device)
     if random:

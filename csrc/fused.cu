@@ -1,0 +1,346 @@
+// Fused elementwise ops of the Llama layer, bit-exact with HF transformers' torch op
+// sequence on CUDA (every intermediate rounded to the activation dtype where torch
+// rounds, fp32 arithmetic written with __f*_rn so nvcc cannot contract it into FMAs):
+//  - RMSNorm, optionally after the residual add, in one launch;
+//  - rotate-half RoPE on q and k in place;
+//  - SiLU(gate) * up.
+//
+// RMSNorm's mean of squares must add its fp32 terms in the order torch's CUDA reduction
+// (ATen/native/cuda/Reduce.cuh, mean over the last dim of a contiguous float tensor) adds
+// them, or the rounded result differs in a few elements per thousand rows. That order is
+// set by a launch configuration torch derives from the row length and the number of rows;
+// the host code below derives the same one (torch_mean_order) and the kernel replays it:
+// `lanes` virtual threads each keep four partial sums over a strided walk of the row, then
+// a pairwise tree combines the lanes.
+#include <algorithm>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "launch.h"
+
+namespace kvray {
+namespace {
+
+constexpr int kMaxThreads = 512;  // torch's reduce block size (mnt_wrapper<float>)
+
+template <typename T>
+struct Num;
+
+template <>
+struct Num<float> {
+  static __device__ __forceinline__ float to_f(float v) { return v; }
+  static __device__ __forceinline__ float from_f(float v) { return v; }
+};
+
+template <>
+struct Num<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16_rn(v); }
+};
+
+template <>
+struct Num<__half> {
+  static __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half from_f(float v) { return __float2half_rn(v); }
+};
+
+// fp32 value of x after a round trip through T: the rounding torch applies after each op.
+template <typename T>
+__device__ __forceinline__ float round_to(float x) {
+  return Num<T>::to_f(Num<T>::from_f(x));
+}
+
+// VEC elements of T moved as one 16-byte access, or one element when VEC == 1.
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T v[VEC];
+};
+
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> load(const T* p) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    uint4 raw = *reinterpret_cast<const uint4*>(p);
+    return *reinterpret_cast<Pack<T, VEC>*>(&raw);
+  } else {
+    Pack<T, VEC> out;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) out.v[i] = p[i];
+    return out;
+  }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store(T* p, const Pack<T, VEC>& val) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&val);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) p[i] = val.v[i];
+  }
+}
+
+// ---------------------------------------------------------------- RMSNorm
+
+template <typename T>
+__device__ __forceinline__ float square(const T* row, int k) {
+  const float v = Num<T>::to_f(row[k]);
+  return __fmul_rn(v, v);
+}
+
+// One virtual lane's share of torch's sum of squares over a row of n elements.
+// Vectorized walk (n >= 128): torch reads the float row as 16-byte groups from the first
+// 16-byte boundary; `shift` elements of the row lie before it and the lanes below four
+// pick up the ones after it (torch's unaligned head), the rest in groups of four.
+template <typename T>
+__device__ float lane_sum_vectorized(const T* row, int n, int shift, int lane, int lanes,
+                                     int lanes_x) {
+  float head = 0.f;
+  int base = 0, end = n;
+  if (shift > 0) {
+    if (lane >= shift && lane < 4 && lane < lanes_x) head = __fadd_rn(0.f, square(row, lane - shift));
+    base = 4 - shift;
+    end = n - base;
+  }
+  float acc[4] = {head, 0.f, 0.f, 0.f};
+  for (int idx = lane; idx * 4 + 3 < end; idx += lanes) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[q] = __fadd_rn(acc[q], square(row, base + idx * 4 + q));
+  }
+  const int tail = end - end % 4 + lane;
+  if (lane < lanes_x && tail < end) acc[0] = __fadd_rn(acc[0], square(row, base + tail));
+  return __fadd_rn(__fadd_rn(__fadd_rn(acc[0], acc[1]), acc[2]), acc[3]);
+}
+
+// Scalar walk (n < 128): four accumulators over elements lane, lane + lanes, ...
+template <typename T>
+__device__ float lane_sum_scalar(const T* row, int n, int lane, int lanes) {
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  int idx = lane;
+  for (; idx + 3 * lanes < n; idx += 4 * lanes) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[q] = __fadd_rn(acc[q], square(row, idx + q * lanes));
+  }
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    if (idx >= n) break;
+    acc[q] = __fadd_rn(acc[q], square(row, idx));
+    idx += lanes;
+  }
+  return __fadd_rn(__fadd_rn(__fadd_rn(acc[0], acc[1]), acc[2]), acc[3]);
+}
+
+__device__ __forceinline__ int64_t row_offset(int64_t r, int inner_rows, int64_t s_outer,
+                                              int64_t s_inner) {
+  return (r / inner_rows) * s_outer + (r % inner_rows) * s_inner;
+}
+
+// Block: threadIdx.x = virtual lane (p.lanes of them), threadIdx.y = row within the block.
+// ADD: residual = round(residual + x), then x = norm(residual). Else out = norm(x).
+template <typename T, int VEC, bool ADD>
+__global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const NormParams p) {
+  __shared__ float partial[kMaxThreads];
+  __shared__ float inv_rms[kMaxThreads];
+  const int lane = threadIdx.x, lanes = blockDim.x, y = threadIdx.y;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.y + y;
+  const bool live = r < p.rows;
+  const int chunks = p.n / VEC;
+  T* x = static_cast<T*>(p.x) + (live ? row_offset(r, p.inner_rows, p.x_outer, p.x_inner) : 0);
+  T* res = static_cast<T*>(p.residual) + (ADD && live ? r * p.res_stride : 0);
+  T* out = static_cast<T*>(p.out) + (live ? row_offset(r, p.inner_rows, p.out_outer, p.out_inner) : 0);
+  const T* w = static_cast<const T*>(p.weight);
+  const T* src = ADD ? res : x;
+
+  if (ADD && live) {
+    for (int c = lane; c < chunks; c += lanes) {
+      Pack<T, VEC> a = load<T, VEC>(x + c * VEC), b = load<T, VEC>(res + c * VEC);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i)
+        b.v[i] = Num<T>::from_f(__fadd_rn(Num<T>::to_f(b.v[i]), Num<T>::to_f(a.v[i])));
+      store<T, VEC>(res + c * VEC, b);
+    }
+  }
+  __syncthreads();  // the row's summed residual is complete before anyone squares it
+
+  float s = 0.f;
+  if (live) {
+    s = p.vectorized ? lane_sum_vectorized(src, p.n, static_cast<int>((r * p.n) & 3), lane, lanes,
+                                           p.lanes_x)
+                     : lane_sum_scalar(src, p.n, lane, lanes);
+  }
+  float* mine = partial + y * lanes;
+  mine[lane] = s;
+  __syncthreads();
+  // torch: lanes of one warp row first (block_x_reduce), then across rows (block_y_reduce),
+  // each as a tree with the offset halving and the lower lane's value on the left.
+  const int lx = lane % p.lanes_x;
+  for (int off = p.lanes_x / 2; off > 0; off >>= 1) {
+    if (lx < off) mine[lane] = __fadd_rn(mine[lane], mine[lane + off]);
+    __syncthreads();
+  }
+  for (int off = lanes / p.lanes_x / 2; off > 0; off >>= 1) {
+    if (lx == 0 && lane / p.lanes_x < off) mine[lane] = __fadd_rn(mine[lane], mine[lane + off * p.lanes_x]);
+    __syncthreads();
+  }
+  if (lane == 0) inv_rms[y] = rsqrtf(__fadd_rn(__fmul_rn(mine[0], p.inv_n), p.eps));
+  __syncthreads();
+  if (!live) return;
+
+  const float scale = inv_rms[y];
+  T* dst = ADD ? x : out;
+  for (int c = lane; c < chunks; c += lanes) {
+    Pack<T, VEC> v = load<T, VEC>(src + c * VEC);
+    const Pack<T, VEC> g = load<T, VEC>(w + c * VEC);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      const float normed = round_to<T>(__fmul_rn(Num<T>::to_f(v.v[i]), scale));
+      v.v[i] = Num<T>::from_f(__fmul_rn(Num<T>::to_f(g.v[i]), normed));
+    }
+    store<T, VEC>(dst + c * VEC, v);
+  }
+}
+
+int last_pow2(int n) {
+  n |= n >> 1;
+  n |= n >> 2;
+  n |= n >> 4;
+  n |= n >> 8;
+  n |= n >> 16;
+  return std::max(1, n - (n >> 1));
+}
+
+// ---------------------------------------------------------------- RoPE
+
+// One thread per (token, head, d < D/2) of q then k: the pair (d, d + D/2) rotates together.
+template <typename T>
+__global__ void __launch_bounds__(256) rotary_kernel(const RotaryParams p) {
+  const int half = p.head_dim / 2;
+  const int64_t per_token = static_cast<int64_t>(p.num_q_heads + p.num_k_heads) * half;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= p.num_tokens * per_token) return;
+  const int64_t t = i / per_token;
+  int h = static_cast<int>((i - t * per_token) / half);
+  const int d = static_cast<int>(i % half);
+  T* x;
+  if (h < p.num_q_heads) {
+    x = static_cast<T*>(p.q) + t * p.q_stride_t + h * p.q_stride_h;
+  } else {
+    h -= p.num_q_heads;
+    x = static_cast<T*>(p.k) + t * p.k_stride_t + h * p.k_stride_h;
+  }
+  const int64_t pos = p.positions[t];
+  const float* cos_row = p.cos + pos * p.head_dim;
+  const float* sin_row = p.sin + pos * p.head_dim;
+  const float x1 = Num<T>::to_f(x[d]), x2 = Num<T>::to_f(x[d + half]);
+  const float c1 = round_to<T>(cos_row[d]), c2 = round_to<T>(cos_row[d + half]);
+  const float s1 = round_to<T>(sin_row[d]), s2 = round_to<T>(sin_row[d + half]);
+  // x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1); each product rounded.
+  const float lo = __fadd_rn(round_to<T>(__fmul_rn(x1, c1)), round_to<T>(__fmul_rn(-x2, s1)));
+  const float hi = __fadd_rn(round_to<T>(__fmul_rn(x2, c2)), round_to<T>(__fmul_rn(x1, s2)));
+  x[d] = Num<T>::from_f(lo);
+  x[d + half] = Num<T>::from_f(hi);
+}
+
+// ---------------------------------------------------------------- SiLU * up
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(256) silu_and_mul_kernel(const SiluMulParams p) {
+  const int c = blockIdx.y * blockDim.x + threadIdx.x;
+  if (c * VEC >= p.inter) return;
+  const int64_t t = blockIdx.x;
+  const T* gate = static_cast<const T*>(p.gate_up) + t * p.in_stride + c * VEC;
+  const Pack<T, VEC> g = load<T, VEC>(gate), u = load<T, VEC>(gate + p.inter);
+  Pack<T, VEC> o;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    const float a = Num<T>::to_f(g.v[i]);
+    const float act = round_to<T>(a / (1.0f + expf(-a)));  // torch's silu, in fp32
+    o.v[i] = Num<T>::from_f(__fmul_rn(act, Num<T>::to_f(u.v[i])));
+  }
+  store<T, VEC>(static_cast<T*>(p.out) + t * p.out_stride + c * VEC, o);
+}
+
+template <template <typename> class F, typename... Args>
+cudaError_t by_dtype(DType dtype, Args&&... args) {
+  if (dtype == DType::kBF16) return F<__nv_bfloat16>::run(args...);
+  if (dtype == DType::kFP16) return F<__half>::run(args...);
+  return F<float>::run(args...);
+}
+
+template <typename T>
+struct LaunchNorm {
+  static cudaError_t run(const NormParams& p, cudaStream_t stream) {
+    const dim3 block(p.lanes, std::max(1, 256 / p.lanes));
+    const dim3 grid(static_cast<unsigned>((p.rows + block.y - 1) / block.y));
+    constexpr int kVec = 16 / sizeof(T);
+    if (p.residual != nullptr) {
+      if (p.vec_ok) rms_norm_kernel<T, kVec, true><<<grid, block, 0, stream>>>(p);
+      else rms_norm_kernel<T, 1, true><<<grid, block, 0, stream>>>(p);
+    } else {
+      if (p.vec_ok) rms_norm_kernel<T, kVec, false><<<grid, block, 0, stream>>>(p);
+      else rms_norm_kernel<T, 1, false><<<grid, block, 0, stream>>>(p);
+    }
+    return cudaGetLastError();
+  }
+};
+
+template <typename T>
+struct LaunchRotary {
+  static cudaError_t run(const RotaryParams& p, cudaStream_t stream) {
+    const int64_t work = p.num_tokens * (p.num_q_heads + p.num_k_heads) * (p.head_dim / 2);
+    rotary_kernel<T><<<static_cast<unsigned>((work + 255) / 256), 256, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
+};
+
+template <typename T>
+struct LaunchSiluMul {
+  static cudaError_t run(const SiluMulParams& p, cudaStream_t stream) {
+    constexpr int kVec = 16 / sizeof(T);
+    const int vec = p.vec_ok ? kVec : 1;
+    const dim3 grid(static_cast<unsigned>(p.num_tokens), (p.inter / vec + 255) / 256);
+    if (p.vec_ok) silu_and_mul_kernel<T, kVec><<<grid, 256, 0, stream>>>(p);
+    else silu_and_mul_kernel<T, 1><<<grid, 256, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
+};
+
+}  // namespace
+
+// torch's launch configuration for mean(-1) of a contiguous float [rows, n] tensor
+// (setReduceConfig in ATen/native/cuda/Reduce.cuh), reduced to what fixes the order of
+// the additions. Returns false when torch would also split rows across blocks (n beyond
+// ~128k), an order the kernel does not replay.
+bool torch_mean_order(int64_t n, int64_t rows, MeanOrder* order) {
+  const bool vectorized = n >= 128;  // "vectorize along input": groups of 4 floats
+  const int64_t dim0 = vectorized ? n / 4 : n;
+  const int d0 = dim0 < kMaxThreads ? last_pow2(static_cast<int>(dim0)) : kMaxThreads;
+  const int d1 = rows < kMaxThreads ? last_pow2(static_cast<int>(rows)) : kMaxThreads;
+  int bw = std::min(d0, 32);
+  const int bh = std::min(d1, kMaxThreads / bw);
+  bw = std::min(d0, kMaxThreads / bh);
+  int64_t step = bw;
+  const bool across_warps = (n + step - 1) / step >= std::min(bh * 16, 256);
+  if (across_warps) step *= bh;
+  if (across_warps && (n + step - 1) / step >= 256) return false;
+  order->lanes_x = bw;
+  order->lanes = across_warps ? bw * bh : bw;
+  order->vectorized = vectorized;
+  return true;
+}
+
+cudaError_t launch_rms_norm(const NormParams& p, cudaStream_t stream) {
+  if (p.rows == 0) return cudaSuccess;
+  return by_dtype<LaunchNorm>(p.dtype, p, stream);
+}
+
+cudaError_t launch_rotary(const RotaryParams& p, cudaStream_t stream) {
+  if (p.num_tokens == 0) return cudaSuccess;
+  return by_dtype<LaunchRotary>(p.dtype, p, stream);
+}
+
+cudaError_t launch_silu_and_mul(const SiluMulParams& p, cudaStream_t stream) {
+  if (p.num_tokens == 0 || p.inter == 0) return cudaSuccess;
+  return by_dtype<LaunchSiluMul>(p.dtype, p, stream);
+}
+
+}  // namespace kvray

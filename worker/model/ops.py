@@ -1,0 +1,116 @@
+"""The model's elementwise layer ops (RMSNorm, residual add, RoPE, SiLU·mul) as a strategy
+chosen once at load, so the model never branches on the device per call.
+
+TorchOps is HF transformers' torch op sequence: the CPU path and the numerical reference.
+CudaOps runs the same computation as csrc's fused kernels, which round exactly where that
+sequence rounds, so both give the same bits on a GPU; a layer then launches a handful of
+kernels instead of about forty.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker.model.layers import RotaryEmbedding, apply_rope, rms_norm
+
+
+@dataclass(frozen=True, slots=True)
+class RopeInputs:
+    """One step's RoPE inputs, built once per forward by the ops that later read them:
+    TorchOps keeps each token's cos/sin rows in the activation dtype, CudaOps the float32
+    tables that `positions` index."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class ModelOps(ABC):
+    """Results may reuse their inputs' storage (CudaOps works in place); callers use the
+    returned tensors and never read the inputs again."""
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """HF RMSNorm over the last dim of `[T, N]` or `[T, H, N]` (Qwen3's per-head q/k norm)."""
+
+    @abstractmethod
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x): the residual add of the previous sublayer
+        fused with the next norm."""
+
+    @abstractmethod
+    def rope_inputs(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs: ...
+
+    @abstractmethod
+    def rope(self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate-half RoPE of q `[T, Hq, D]` and k `[T, Hk, D]`."""
+
+    @abstractmethod
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for `gate_up = [gate | up]` of shape `[T, 2I]`."""
+
+
+class TorchOps(ModelOps):
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual + x
+        return rms_norm(residual, weight, eps), residual
+
+    def rope_inputs(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
+        cos, sin = rotary(positions, dtype)
+        return RopeInputs(positions, cos, sin)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rope(q, rope.cos, rope.sin), apply_rope(k, rope.cos, rope.sin)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+        return F.silu(gate) * up
+
+
+class CudaOps(ModelOps):
+    """csrc's fused kernels: norms and RoPE in place, outputs of the others allocated here
+    (inside a captured graph they come from the graph's pool)."""
+
+    def __init__(self) -> None:
+        from worker.attention import cuda_ops
+
+        cuda_ops.load()  # build (or load the cached build) now, not inside the first step
+        self._k = cuda_ops
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        self._k.rms_norm(x, weight, eps, out)
+        return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._k.fused_add_rms_norm(x, residual, weight, eps)
+        return x, residual
+
+    def rope_inputs(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
+        return RopeInputs(positions, rotary.cos, rotary.sin)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        self._k.rotary(q, k, rope.positions, rope.cos, rope.sin)
+        return q, k
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device)
+        self._k.silu_and_mul(gate_up, out)
+        return out
+
+
+OPS: dict[str, type[ModelOps]] = {"torch": TorchOps, "cuda": CudaOps}
+"""Attention backend name -> the layer ops that go with it (the csrc kernels travel together)."""
