@@ -1,0 +1,212 @@
+"""csrc's fused layer ops vs HF transformers' torch op sequence on the GPU: bit for bit.
+
+Each op must give exactly the tensor the torch sequence gives (torch.equal), on fresh
+random inputs (never zeros), in bf16, fp16 and fp32, for row lengths that are and are not
+multiples of the vector width, for batch sizes that change torch's own reduction layout,
+and on strided q/k views of a fused qkv projection.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.attention import cuda_ops
+from worker.model.layers import apply_rope, rms_norm
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DEV = "cuda"
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+EPS = 1e-5
+# Row lengths: scalar reduction (< 128), unaligned rows (N % 4 != 0), the demo (576) and
+# Llama-3-8B (4096) hidden sizes, and 8192, where torch splits a row across warps.
+HIDDEN = [64, 100, 130, 576, 1000, 4096, 8192]
+TOKENS = [1, 2, 3, 5, 8, 16, 33, 130, 1000]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built() -> None:
+    cuda_ops.load()
+
+
+def _rand(*shape: int, dtype: torch.dtype, scale: float = 2.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=DEV) * scale).to(dtype)
+
+
+def _diff(got: torch.Tensor, want: torch.Tensor) -> str:
+    bad = (got != want) & ~(got.isnan() & want.isnan())
+    return f"{int(bad.sum())}/{want.numel()} elements differ"
+
+
+def _check_all(failures: list[str]) -> None:
+    assert not failures, "; ".join(failures[:12]) + f" ({len(failures)} cases)"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_torch_bit_for_bit(dtype):
+    torch.manual_seed(0)
+    failures = []
+    for n in HIDDEN:
+        w = _rand(n, dtype=dtype, scale=1.0)
+        for t in TOKENS:
+            x = _rand(t, n, dtype=dtype)
+            want = rms_norm(x, w, EPS)
+            out = torch.full_like(x, float("nan"))
+            cuda_ops.rms_norm(x, w, EPS, out)
+            if not torch.equal(out, want):
+                failures.append(f"N={n} T={t}: {_diff(out, want)}")
+    _check_all(failures)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_matches_torch_bit_for_bit(dtype):
+    torch.manual_seed(1)
+    failures = []
+    for n in HIDDEN:
+        w = _rand(n, dtype=dtype, scale=1.0)
+        for t in TOKENS:
+            x, residual = _rand(t, n, dtype=dtype), _rand(t, n, dtype=dtype, scale=8.0)
+            want_res = residual + x
+            want = rms_norm(want_res, w, EPS)
+            cuda_ops.fused_add_rms_norm(x, residual, w, EPS)
+            if not (torch.equal(residual, want_res) and torch.equal(x, want)):
+                failures.append(f"N={n} T={t}: residual {_diff(residual, want_res)}, out {_diff(x, want)}")
+    _check_all(failures)
+
+
+def _qkv(t: int, hq: int, hk: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A fused qkv projection output and its strided q, k, v views, as the model makes them."""
+    qkv = _rand(t, (hq + 2 * hk) * d, dtype=dtype)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    return qkv, q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_norm_on_strided_qk_views_in_place(dtype):
+    """Qwen3's per-head q/k norm: rows of head_dim inside the fused projection, out = x."""
+    torch.manual_seed(2)
+    failures = []
+    for d, hq, hk in [(128, 32, 8), (64, 9, 3), (128, 16, 2)]:
+        w = _rand(d, dtype=dtype, scale=1.0)
+        for t in [1, 3, 8, 37, 512]:
+            qkv, q, k, _ = _qkv(t, hq, hk, d, dtype)
+            want_q, want_k = rms_norm(q, w, EPS), rms_norm(k, w, EPS)
+            before = qkv.clone()
+            cuda_ops.rms_norm(q, w, EPS, q)
+            cuda_ops.rms_norm(k, w, EPS, k)
+            v_cols = slice((hq + hk) * d, None)
+            if not (torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(qkv[:, v_cols], before[:, v_cols])):
+                failures.append(f"D={d} Hq={hq} Hk={hk} T={t}: q {_diff(q, want_q)}, k {_diff(k, want_k)}")
+    _check_all(failures)
+
+
+def _rope_tables(max_len: int, d: int, theta: float = 500000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(DEV), emb.sin().to(DEV)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_on_strided_qk_views_matches_torch(dtype):
+    torch.manual_seed(3)
+    cos, sin = _rope_tables(4096, 128)
+    cos64, sin64 = _rope_tables(4096, 64, theta=100000.0)
+    failures = []
+    for d, hq, hk in [(128, 32, 8), (64, 9, 3), (128, 4, 4)]:
+        c_tab, s_tab = (cos, sin) if d == 128 else (cos64, sin64)
+        for t in [1, 2, 7, 64, 300]:
+            qkv, q, k, v = _qkv(t, hq, hk, d, dtype)
+            positions = torch.randint(0, 4096, (t,), device=DEV)
+            c, s = c_tab[positions].to(dtype).unsqueeze(1), s_tab[positions].to(dtype).unsqueeze(1)
+            want_q, want_k, want_v = apply_rope(q, c, s), apply_rope(k, c, s), v.clone()
+            cuda_ops.rotary(q, k, positions, c_tab, s_tab)
+            if not (torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(v, want_v)):
+                failures.append(f"D={d} Hq={hq} Hk={hk} T={t}: q {_diff(q, want_q)}, k {_diff(k, want_k)}")
+    _check_all(failures)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch_bit_for_bit(dtype):
+    torch.manual_seed(4)
+    failures = []
+    for inter in [1, 7, 64, 1536, 1000, 14336]:
+        for t in [1, 3, 8, 129]:
+            gate_up = _rand(t, 2 * inter, dtype=dtype, scale=4.0)
+            gate, up = gate_up.split(inter, dim=-1)
+            want = F.silu(gate) * up
+            out = torch.full((t, inter), float("nan"), dtype=dtype, device=DEV)
+            cuda_ops.silu_and_mul(gate_up, out)
+            strided = _rand(t, 2 * inter + 8, dtype=dtype)[:, : 2 * inter]  # rows 8 elements apart
+            strided.copy_(gate_up)
+            out2 = torch.full((t, inter), float("nan"), dtype=dtype, device=DEV)
+            cuda_ops.silu_and_mul(strided, out2)
+            if not (torch.equal(out, want) and torch.equal(out2, want)):
+                failures.append(f"I={inter} T={t}: {_diff(out, want)}, strided {_diff(out2, want)}")
+    _check_all(failures)
+
+
+def test_zero_tokens_launch_nothing_and_touch_nothing():
+    w = _rand(256, dtype=torch.bfloat16)
+    x, res = _rand(0, 256, dtype=torch.bfloat16), _rand(0, 256, dtype=torch.bfloat16)
+    cuda_ops.fused_add_rms_norm(x, res, w, EPS)
+    cuda_ops.rms_norm(x, w, EPS, x)
+    cos, sin = _rope_tables(16, 64)
+    _, q, k, _ = _qkv(0, 4, 2, 64, torch.bfloat16)
+    cuda_ops.rotary(q, k, torch.zeros(0, dtype=torch.int64, device=DEV), cos, sin)
+    cuda_ops.silu_and_mul(_rand(0, 128, dtype=torch.bfloat16), _rand(0, 64, dtype=torch.bfloat16))
+    torch.cuda.synchronize()
+
+
+def test_ops_replay_in_a_cuda_graph_without_allocating():
+    """One layer's worth of the fused ops captured once, replayed on new inputs: same bits
+    as the torch sequence, and no allocation during replay."""
+    torch.manual_seed(5)
+    t, n, hq, hk, d, inter, dt = 8, 576, 9, 3, 64, 1536, torch.bfloat16
+    w, cos, sin = _rand(n, dtype=dt, scale=1.0), *_rope_tables(512, d, theta=100000.0)
+    x, res = _rand(t, n, dtype=dt), _rand(t, n, dtype=dt)
+    qkv, q, k, _ = _qkv(t, hq, hk, d, dt)
+    positions = torch.randint(0, 512, (t,), device=DEV)
+    gate_up, act = _rand(t, 2 * inter, dtype=dt), torch.empty(t, inter, dtype=dt, device=DEV)
+
+    def step() -> None:
+        cuda_ops.fused_add_rms_norm(x, res, w, EPS)
+        cuda_ops.rotary(q, k, positions, cos, sin)
+        cuda_ops.silu_and_mul(gate_up, act)
+
+    step()  # warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        x.copy_(_rand(t, n, dtype=dt))
+        res.copy_(_rand(t, n, dtype=dt))
+        qkv.copy_(_rand(*qkv.shape, dtype=dt))
+        positions.copy_(torch.randint(0, 512, (t,), device=DEV))
+        gate_up.copy_(_rand(t, 2 * inter, dtype=dt))
+        want_res = res + x
+        want_x = rms_norm(want_res, w, EPS)
+        c, s = cos[positions].to(dt).unsqueeze(1), sin[positions].to(dt).unsqueeze(1)
+        want_q, want_k = apply_rope(q, c, s), apply_rope(k, c, s)
+        gate, up = gate_up.split(inter, dim=-1)
+        want_act = F.silu(gate) * up
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+        assert torch.equal(res, want_res) and torch.equal(x, want_x)
+        assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(act, want_act)
+
+
+def test_bad_arguments_are_refused_with_a_message():
+    x = _rand(4, 256, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="weight must be contiguous"):
+        cuda_ops.rms_norm(x, _rand(128, dtype=torch.bfloat16), EPS, x)
+    with pytest.raises(RuntimeError, match="dtype"):
+        cuda_ops.fused_add_rms_norm(x, _rand(4, 256, dtype=torch.float16), _rand(256, dtype=torch.bfloat16), EPS)
+    with pytest.raises(RuntimeError, match="out must be"):
+        cuda_ops.silu_and_mul(_rand(4, 256, dtype=torch.bfloat16), _rand(4, 64, dtype=torch.bfloat16))
