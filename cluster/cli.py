@@ -28,7 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--replicas", type=int, help="worker replicas (overrides the config)")
     serve.add_argument("--host", help="HTTP host (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="HTTP port (default 8000)")
-    serve.add_argument("--address", help="join this Ray cluster instead of starting a local one")
+    serve.add_argument(
+        "--address",
+        help="join this Ray cluster ('auto': the one on this machine) instead of starting a new one",
+    )
 
     sub.add_parser("prepare-demo", help="convert the demo model once and print its directory")
 
@@ -83,7 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cluster.app import build_app, checkout_runtime_env
 
     config = _serve_config(args)
-    ray.init(address=args.address, runtime_env=checkout_runtime_env())
+    ray.init(address=args.address or "local", runtime_env=checkout_runtime_env())
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
         print(f"kvray: deploying {config.model_name} ...", flush=True)
@@ -165,7 +168,7 @@ def _bench(args: argparse.Namespace) -> int:
     parser = argparse.ArgumentParser(prog=f"kvray bench {args.target}")
     module.add_arguments(parser)
     result = module.run(parser.parse_args(args.args))
-    return int(result or 0)
+    return result if isinstance(result, int) else 0  # benchmarks return their results dict
 
 
 if __name__ == "__main__":
