@@ -7,6 +7,15 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeSteadyState:
+    """This step is the last one plus one token for the same ordered requests (decided once, by
+    `_is_steady_increment` in cache.py): metadata was advanced in place on the device, the
+    inputs are last step's sampled ids, and the sampling batch of last step still applies."""
+
+    batch_size: int
+
+
 @dataclass
 class ForwardBatch:
     """Device tensors are slices of workspace buffers; host lists are what the scheduler knew."""
@@ -21,7 +30,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [B] int64: last new token of each request
     q_lens: list[int]
     seq_lens_host: list[int]
-    steady: bool = False  # same requests as last step, one more token each: metadata advanced in place
+    steady: DecodeSteadyState | None = None
 
     @property
     def batch_size(self) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.batch import ForwardBatch
+from worker.batch import DecodeSteadyState, ForwardBatch
 from worker.cache_view import CacheView
 from worker.page_hash import extend_page_hashes
 from worker.prefix_cache import PrefixCache
@@ -118,13 +118,6 @@ def _is_steady_increment(prev: _BindState | None, now: _BindState) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class DecodeSteadyState:
-    """A steady step, for the executor: reuse the sampling batch, feed last step's sampled ids back."""
-
-    batch_size: int
-
-
 class KVCache(CacheView):
     """Owns the storage and the slot table; admits, grows, binds and releases requests."""
 
@@ -217,7 +210,7 @@ class KVCache(CacheView):
             logits_indices=ws.logits_indices[:b],
             q_lens=q_lens,
             seq_lens_host=seq_lens,
-            steady=steady,
+            steady=DecodeSteadyState(b) if steady else None,
         )
         return self.batch
 

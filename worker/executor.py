@@ -87,8 +87,8 @@ class Executor:
     def _step(self, tasks: list[ScheduledTask]) -> StepResult:
         ws = self.workspace
         batch = self.cache.bind_tasks(tasks)
-        if batch.steady:
-            ws.input_ids[: batch.batch_size].copy_(ws.next_token_ids[: batch.batch_size])
+        if batch.steady is not None:
+            ws.input_ids[: batch.steady.batch_size].copy_(ws.next_token_ids[: batch.steady.batch_size])
         logits = self.forward(batch)
         rows = [i for i, t in enumerate(tasks) if t.samples]
         if not rows:
@@ -96,7 +96,7 @@ class Executor:
             return StepResult([], [], [])
         if len(rows) < len(tasks):
             logits = logits[rows]
-        info = self._sampling_info(tasks, rows, batch.steady)
+        info = self._sampling_info(tasks, rows, batch.steady is not None)
         next_ids = ws.next_token_ids[: len(rows)]
         if info.all_greedy and info.penalties is None and info.min_tokens is None and info.max_logprobs is None:
             torch.argmax(logits, dim=-1, out=next_ids)  # plain greedy: no sampler, no allocation

@@ -64,7 +64,7 @@ class DecodeGraphRunner:
         b = batch.batch_size
         bs = self.bucket(b)
         assert bs is not None and batch.is_decode
-        if not batch.steady or self._padded != (b, bs):
+        if batch.steady is None or self._padded != (b, bs):
             self._pad(b, bs)
         self.graphs[bs].replay()
         return self.logits[bs][:b]

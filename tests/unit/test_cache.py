@@ -1,0 +1,96 @@
+"""Bookkeeping of the KV cache: steady binds, pages, the prefix cache (CPU, no model)."""
+
+import torch
+
+from worker.cache import KVStorage, PageCache, ReqToTokenPool, _BindState, _is_steady_increment
+from worker.request import Request, ScheduledTask
+from worker.sampling import SamplingParams
+from worker.workspace import InferenceWorkspace
+
+PAGE = 4
+
+
+def _cache(num_pages: int = 32, prefix: bool = True) -> PageCache:
+    dev = torch.device("cpu")
+    ws = InferenceWorkspace(max_tokens=64, max_running=4, max_seq_len=64, num_heads=2, head_dim=8,
+                            dtype=torch.float32, device=dev, split_kv=False)  # fmt: skip
+    storage = KVStorage(2, num_pages * PAGE, 1, 8, torch.float32, dev)
+    return PageCache(storage, ReqToTokenPool(4, 64, dev, staging=128), PAGE, num_pages, ws, prefix)
+
+
+def _request(rid: str, n: int, start: int = 10) -> Request:
+    return Request(rid, list(range(start, start + n)), SamplingParams())
+
+
+def test_steady_increment_rules():
+    prev = _BindState((1, 2), (5, 9), all_decode=True)
+    assert _is_steady_increment(prev, _BindState((1, 2), (6, 10), True))
+    assert not _is_steady_increment(prev, _BindState((2, 1), (10, 6), True))  # order matters
+    assert not _is_steady_increment(prev, _BindState((1, 2), (6, 11), True))
+    assert not _is_steady_increment(_BindState((1, 2), (5, 9), False), _BindState((1, 2), (6, 10), True))
+    assert not _is_steady_increment(None, _BindState((1, 2), (6, 10), True))
+
+
+def _decode_step(cache: PageCache, reqs: list[Request]):
+    for r in reqs:
+        r.output_ids.append(7)
+        assert cache.reserve(r, 1)
+    batch = cache.bind_tasks([ScheduledTask(r, 1) for r in reqs])
+    for r in reqs:
+        r.num_computed += 1
+    return batch
+
+
+def test_steady_bind_advances_metadata_like_a_full_rebind():
+    cache = _cache()
+    reqs = [_request("a", 5), _request("b", 7, start=40)]
+    for r in reqs:
+        assert cache.admit(r) and cache.reserve(r, len(r.prompt_ids))
+    cache.bind_tasks([ScheduledTask(r, len(r.prompt_ids)) for r in reqs])
+    for r in reqs:
+        r.num_computed = len(r.prompt_ids)
+    first = _decode_step(cache, reqs)
+    assert first.steady is None  # after a prefill: rebuilt from the host
+    for _ in range(5):  # crosses page boundaries: new pages reach the table through the flush
+        batch = _decode_step(cache, reqs)
+        assert batch.steady is not None and batch.steady.batch_size == 2
+        got = [t.clone() for t in (batch.positions, batch.seq_lens, batch.kv_indptr, batch.out_cache_loc)]
+        cache.invalidate_bind()  # bind the same step again, from the host
+        cache._task_len[[r.row for r in reqs]] -= 1
+        for r in reqs:
+            r.num_computed -= 1
+        rebound = cache.bind_tasks([ScheduledTask(r, 1) for r in reqs])
+        for r in reqs:
+            r.num_computed += 1
+        assert rebound.steady is None
+        want = (rebound.positions, rebound.seq_lens, rebound.kv_indptr, rebound.out_cache_loc)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+
+
+def test_pages_return_and_prefix_pages_are_reused():
+    cache = _cache(num_pages=16)
+    total = cache.num_free_pages
+    a = _request("a", 13)
+    assert cache.admit(a) and cache.reserve(a, 13)
+    assert cache.num_free_pages == total - 4
+    a.num_computed = 13
+    cache.release(a)  # 3 full pages stay cached (evictable), the partial one is freed
+    assert cache.num_free_pages == total and cache.prefix.num_evictable == 3
+    b = _request("b", 13)  # same tokens
+    assert cache.admit(b)
+    assert b.num_computed == 12 and b.num_cached == 12  # 3 pages of hits; the last token recomputes
+    assert cache.prefix_stats == (12, 26)  # a counted its 13 queried tokens too (no hits)
+
+
+def test_eviction_takes_the_deepest_unreferenced_page_first():
+    cache = _cache(num_pages=6)  # 5 usable pages
+    a = _request("a", 12)
+    assert cache.admit(a) and cache.reserve(a, 12)
+    a.num_computed = 12
+    cache.release(a)  # pages of a parked: deepest first in LRU order
+    b = _request("b", 10, start=100)  # different tokens: needs 3 pages, 2 free + evictions
+    assert cache.admit(b) and cache.reserve(b, 10)
+    assert cache.prefix.num_evictable == 2
+    c = _request("c", 8)  # a's first two pages must still be there
+    assert cache.admit(c) and c.num_computed == 4  # (8 - 1) // 4 = 1 page can hit; it is still cached
