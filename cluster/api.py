@@ -24,7 +24,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import ClusterConfig
-from cluster.dispatch import CallError, Dispatcher, Group
+from cluster.dispatch import CallError, Dispatcher, Group, in_own_context
 from cluster.errors import ApiError, from_call, from_validation
 from cluster.generation import Generation
 from cluster.metrics import CONTENT_TYPE, Metrics
@@ -179,7 +179,13 @@ class Ingress:
             self._check_length(prompt, params.max_tokens, info["max_seq_len"])
         stream = self._dispatcher.submit(self._group(prompts, params, req.n, info))
         gen = Generation(
-            stream, self._tokenizer, params, arrival, self._metrics.observe_choice, n=req.n
+            stream,
+            self._tokenizer,
+            params,
+            arrival,
+            self._metrics.observe_choice,
+            n=req.n,
+            on_engine_metrics=self._metrics.observe_engine,
         )
         try:
             replica_id = await stream.accepted()
@@ -291,7 +297,7 @@ class Ingress:
             if self._info is None:
                 try:
                     async with asyncio.timeout(_INFO_TIMEOUT_S):
-                        self._info = await self._worker.info.remote(RouteHint())
+                        self._info = await in_own_context(self._ask_info())
                 except Exception as exc:
                     raise ApiError(
                         503,
@@ -300,6 +306,9 @@ class Ingress:
                     ) from None
         assert self._info is not None
         return self._info
+
+    async def _ask_info(self) -> dict[str, Any]:
+        return dict(await self._worker.info.remote(RouteHint()))
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_text_cache.get(token_id)

@@ -132,7 +132,13 @@ def _launched_run(
 
     from cluster.app import build_app, checkout_runtime_env
 
-    ray.init(runtime_env=checkout_runtime_env(), include_dashboard=False, log_to_driver=False)
+    # "local": a fresh Ray instance, never another process's cluster on this machine
+    ray.init(
+        address="local",
+        runtime_env=checkout_runtime_env(),
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
         serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)

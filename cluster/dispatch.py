@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from cluster.router import RouteHint
 from cluster.transport import Refused, WireRequest, decode_deltas, decode_first, encode_requests
@@ -28,6 +29,7 @@ from worker.outputs import RequestDelta
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 ErrorKind = Literal["full", "invalid", "internal", "unavailable"]
 
 
@@ -185,12 +187,18 @@ class _Call:
                 f"no worker accepted the request within {limits.accept_timeout_s:.0f} s",
             ) from None
         if isinstance(first, Refused):
+            await self._finish_stream()
             self._refused(first)
             return
         self.accepted = True
         for stream in self.streams:
             stream._on_accept(first.replica_id)
         await self._pump(limits.stall_timeout_s)
+
+    async def _finish_stream(self) -> None:
+        """Read a refused call to its end: Serve counts a call as ongoing until then."""
+        async for _ in self.response:
+            pass
 
     def _refused(self, refusal: Refused) -> None:
         if refusal.kind in ("invalid", "full") and len(self.streams) > 1:
@@ -227,6 +235,16 @@ class _Call:
     def _fail(self, error: CallError) -> None:
         for stream in self.streams:
             stream._on_error(error)
+
+
+def in_own_context(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    """Run a worker call outside the HTTP request's context.
+
+    A handle call made inside a request inherits that request's Serve request id
+    (a contextvar). Batched calls, retries and aborts would then share one id with other
+    calls in flight, and Serve's router matches a routing decision to its pending call by
+    that id. In an empty context every call gets an id of its own."""
+    return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
 
 
 class Dispatcher:
@@ -292,6 +310,6 @@ class Dispatcher:
                 await self._abort_handle.remote(RouteHint(replica_id=replica_id), request_ids)
 
     def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
+        task = in_own_context(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from cluster.dispatch import CallError, GroupStream
 from cluster.protocol import FinishReason
-from worker.outputs import RequestDelta, TokenLogprobs
+from worker.outputs import RequestDelta, RequestMetrics, TokenLogprobs
 from worker.sampling import SamplingParams
 from worker.tokenizer import TextStream, Tokenizer
 
@@ -54,6 +54,7 @@ class Generation:
     arrival: float
     on_latency: LatencySink
     n: int = 1  # samples per prompt: choice i belongs to prompt i // n
+    on_engine_metrics: Callable[[RequestMetrics], None] | None = None  # engine timings of a choice
     num_prompt_tokens: int = 0
     _choices: dict[str, _Choice] = field(default_factory=dict)
 
@@ -110,6 +111,8 @@ class Generation:
         if finish is not None:
             choice.finished = True
             self._record(choice, now)
+        if delta.metrics is not None and self.on_engine_metrics is not None:
+            self.on_engine_metrics(delta.metrics)
         return ChoiceDelta(choice.index, text, delta.new_token_ids, delta.logprobs, finish)
 
     def _record(self, choice: _Choice, now: float) -> None:

@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from worker.outputs import RequestMetrics
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (
@@ -166,6 +168,13 @@ class Metrics:
             [*labels, "status"],
             registry=self.registry,
         )
+        self.queue_time = Histogram(
+            "kvray:request_queue_time_seconds",
+            "Time a request waited in the engine before it was first scheduled.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
         self.call_size = Histogram(
             "kvray:request_batch_size",
             "Requests per worker call (request batching).",
@@ -183,6 +192,9 @@ class Metrics:
         if tpot_s is not None:
             self.tpot.labels(*self._labels).observe(tpot_s)
         self.e2e.labels(*self._labels).observe(e2e_s)
+
+    def observe_engine(self, metrics: RequestMetrics) -> None:
+        self.queue_time.labels(*self._labels).observe(metrics.queue_time)
 
     def observe_call(self, num_requests: int) -> None:
         self.call_size.labels(*self._labels).observe(num_requests)

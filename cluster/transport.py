@@ -9,12 +9,13 @@ anything the other sent, and a frame costs one small bytes object on the Serve s
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgpack
 
-from worker.outputs import RequestDelta, TokenLogprobs
+from worker.outputs import RequestDelta, RequestMetrics, TokenLogprobs
 from worker.sampling import SamplingParams
 
 RefusalKind = Literal["full", "invalid", "internal"]
@@ -94,6 +95,7 @@ def encode_deltas(deltas: list[RequestDelta]) -> bytes:
             d.error,
             d.num_prompt_tokens,
             d.num_cached_tokens,
+            None if d.metrics is None else dataclasses.astuple(d.metrics),
         ]
         for d in deltas
     ]
@@ -102,8 +104,17 @@ def encode_deltas(deltas: list[RequestDelta]) -> bytes:
 
 def decode_deltas(frame: bytes) -> list[RequestDelta]:
     return [
-        RequestDelta(rid, list(ids), _unpack_logprobs(lps), finish, error, n_prompt, n_cached)
-        for rid, ids, lps, finish, error, n_prompt, n_cached in msgpack.unpackb(
+        RequestDelta(
+            rid,
+            list(ids),
+            _unpack_logprobs(lps),
+            finish,
+            error,
+            n_prompt,
+            n_cached,
+            None if metrics is None else RequestMetrics(*metrics),
+        )
+        for rid, ids, lps, finish, error, n_prompt, n_cached, metrics in msgpack.unpackb(
             frame, strict_map_key=False
         )
     ]

@@ -108,7 +108,12 @@ class RayHarness:
     def local_app(self) -> Served:
         if self.local is None:
             self.stop()
-            ray.init(num_cpus=4, runtime_env=checkout_runtime_env(), include_dashboard=False)
+            ray.init(
+                address="local",  # never another process's cluster on this machine
+                num_cpus=4,
+                runtime_env=checkout_runtime_env(),
+                include_dashboard=False,
+            )
             config = ClusterConfig.model_validate(
                 {
                     "engine": ENGINE,

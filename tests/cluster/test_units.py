@@ -23,7 +23,7 @@ from cluster.transport import (
     encode_refused,
     encode_requests,
 )
-from worker.outputs import RequestDelta, TokenLogprobs
+from worker.outputs import RequestDelta, RequestMetrics, TokenLogprobs
 from worker.page_hash import page_hashes
 from worker.sampling import SamplingParams
 
@@ -84,7 +84,7 @@ def test_first_frame_is_accept_or_refusal() -> None:
 def test_deltas_round_trip_with_logprobs() -> None:
     deltas = [
         RequestDelta("a", [5], [TokenLogprobs(5, -0.25, {5: -0.25, 9: -2.0})], None, None, 12, 4),
-        RequestDelta("b", [], None, "abort", None, 3, 0),
+        RequestDelta("b", [], None, "abort", None, 3, 0, RequestMetrics(0.5, 1.0, 0.25, 3.0, 1)),
         RequestDelta("c", [7, 8], None, "error", "boom", 0, 0),
     ]
     assert decode_deltas(encode_deltas(deltas)) == deltas
