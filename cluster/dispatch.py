@@ -78,7 +78,8 @@ class GroupStream:
 
     async def _frames(self) -> AsyncIterator[list[RequestDelta]]:
         await self._accepted
-        while self._unfinished:
+        # Frames may be queued after the last request finished: read them all first.
+        while self._unfinished or not self._queue.empty():
             item = await self._queue.get()
             if isinstance(item, CallError):
                 raise item

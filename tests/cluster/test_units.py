@@ -3,12 +3,15 @@ autoscaling policy. No Ray runtime is started here."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from pydantic import ValidationError
 from ray.serve.config import AutoscalingContext
 
 from cluster.autoscaling import EngineLoadPolicy
 from cluster.config import API_KEYS_ENV, ClusterConfig
+from cluster.dispatch import CallError, Group, GroupStream
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.router import ReplicaView, RouteHint, matched_pages, rank_replicas
 from cluster.transport import (
@@ -263,3 +266,60 @@ def test_one_yaml_builds_the_app_for_kvray_serve_run_and_rayservice(tmp_path) ->
     path.write_text("engine: {model: demo, num_pages: 64}\nworker_replicas: 2\n")
     for source in (args, {"config": str(path)}, str(path), ClusterConfig.model_validate(args)):
         assert isinstance(build_app(source), Application)
+
+
+# -- the ingress side of a call ------------------------------------------------------------------
+
+
+class RecordingDispatcher:
+    """Stands in for Dispatcher where a GroupStream only needs `send_abort`."""
+
+    def __init__(self) -> None:
+        self.aborted: list[tuple[str, list[str]]] = []
+
+    def send_abort(self, replica_id: str, request_ids: list[str]) -> None:
+        self.aborted.append((replica_id, request_ids))
+
+
+def group_of(*request_ids: str) -> Group:
+    return Group([WireRequest(rid, [1, 2, 3], SamplingParams()) for rid in request_ids], ())
+
+
+def test_group_stream_delivers_frames_queued_after_the_last_finish() -> None:
+    async def scenario() -> list[list[RequestDelta]]:
+        stream = GroupStream(RecordingDispatcher(), group_of("a", "b"))  # type: ignore[arg-type]
+        stream._on_accept("replica-1")
+        stream._on_deltas([RequestDelta("a", [5]), RequestDelta("b", [6], finish_reason="length")])
+        stream._on_deltas([RequestDelta("a", [7], finish_reason="stop"), RequestDelta("x", [9])])
+        return [frame async for frame in stream]
+
+    frames = asyncio.run(scenario())
+    assert [[(d.request_id, d.new_token_ids) for d in f] for f in frames] == [
+        [("a", [5]), ("b", [6])],
+        [("a", [7])],
+    ]
+
+
+def test_group_stream_abort_reaches_the_replica_and_ends_the_stream() -> None:
+    async def scenario() -> tuple[list[list[RequestDelta]], RecordingDispatcher]:
+        dispatcher = RecordingDispatcher()
+        stream = GroupStream(dispatcher, group_of("a", "b"))  # type: ignore[arg-type]
+        stream._on_accept("replica-1")
+        stream._on_deltas([RequestDelta("a", [5], finish_reason="length")])
+        stream.abort(["b"])
+        stream._on_deltas([RequestDelta("b", [], finish_reason="abort")])  # arrives late: ignored
+        return [frame async for frame in stream], dispatcher
+
+    frames, dispatcher = asyncio.run(scenario())
+    assert [[d.request_id for d in f] for f in frames] == [["a"]]
+    assert dispatcher.aborted == [("replica-1", ["b"])]
+
+
+def test_group_stream_raises_the_call_error() -> None:
+    async def scenario() -> None:
+        stream = GroupStream(RecordingDispatcher(), group_of("a"))  # type: ignore[arg-type]
+        stream._on_error(CallError("full", "queue full"))
+        with pytest.raises(CallError, match="queue full"):
+            await stream.accepted()
+
+    asyncio.run(scenario())
