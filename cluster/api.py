@@ -176,7 +176,7 @@ class Ingress:
     ) -> Response:
         info = await self._engine_info()
         for prompt in prompts:
-            self._check_length(prompt, params.max_tokens, info["max_seq_len"])
+            self._check_length(prompt, params.max_tokens, info["max_seq_len"], chat)
         stream = self._dispatcher.submit(self._group(prompts, params, req.n, info))
         gen = Generation(
             stream,
@@ -192,6 +192,9 @@ class Ingress:
         except CallError as exc:
             stream.close()
             raise from_call(exc, self._config.limits.retry_after_s) from None
+        except asyncio.CancelledError:  # the client left while the call was being routed
+            stream.close()
+            raise
         rid, model = new_id("chatcmpl" if chat else "cmpl"), self._config.model_name
         headers = {REPLICA_HEADER: replica_id}
         if req.stream:
@@ -250,14 +253,17 @@ class Ingress:
             )
         return Group(requests, hashes)
 
-    def _check_length(self, prompt: list[int], max_tokens: int | None, max_seq_len: int) -> None:
+    def _check_length(
+        self, prompt: list[int], max_tokens: int | None, max_seq_len: int, chat: bool
+    ) -> None:
+        field = "messages" if chat else "prompt"
         if not prompt:
-            raise ApiError(400, "the prompt is empty", param="prompt")
+            raise ApiError(400, "the prompt is empty", param=field)
         if len(prompt) >= max_seq_len:
             raise ApiError(
                 400,
                 f"This model's maximum context length is {max_seq_len} tokens. However, your prompt is {len(prompt)} tokens.",
-                param="messages",
+                param=field,
                 code="context_length_exceeded",
             )
         if max_tokens is not None and len(prompt) + max_tokens > max_seq_len:
