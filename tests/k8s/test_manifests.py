@@ -180,6 +180,8 @@ def test_graceful_drain_outlasts_running_generations(overlay: Overlay) -> None:
     timeout = worker["graceful_shutdown_timeout_s"]
     assert worker["graceful_shutdown_wait_loop_s"] <= 5
     assert timeout >= 60
+    ingress = overlay.deployment_options(INGRESS_NAME)  # it streams the same responses
+    assert ingress["graceful_shutdown_timeout_s"] >= timeout
     assert overlay.worker_group["template"]["spec"]["terminationGracePeriodSeconds"] > timeout
     assert overlay.rayservice["spec"]["rayClusterDeletionDelaySeconds"] > timeout
     assert overlay.rayservice["spec"]["upgradeStrategy"]["type"] == "NewCluster"
