@@ -156,13 +156,16 @@ class RayHarness:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the multi-node module last, so the single-node app starts once per session."""
-    items.sort(
-        key=lambda item: item.module is not None and item.module.__name__.endswith("test_multinode")
-    )
+    """Run the multi-node module last among the cluster tests, so the single-node app starts
+    once. Items of other directories keep their places."""
+    here = [i for i, item in enumerate(items) if "tests/cluster/" in item.nodeid]
+    ours = [items[i] for i in here]
+    ours.sort(key=lambda item: "test_multinode" in item.nodeid)
+    for i, item in zip(here, ours, strict=True):
+        items[i] = item
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_harness() -> Iterator[RayHarness]:
     harness = RayHarness()
     yield harness
