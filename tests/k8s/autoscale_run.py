@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import os
 import socket
 import sys
@@ -189,8 +190,8 @@ class Run:
 
     def light_client(self) -> None:
         """One streaming request at a time, through both transitions."""
-        body = {"model": "demo", "prompt": "Count:", "max_tokens": 16, "stream": True}
-        body["ignore_eos"] = True
+        body = {"model": "demo", "prompt": "Count:", "max_tokens": 16, "ignore_eos": True}
+        body["stream"] = True
         with httpx.Client(base_url=self.base_url, timeout=180) as client:
             while not self.stop.is_set():
                 start = self.now()
@@ -212,6 +213,12 @@ class Run:
         with self.lock:
             return sum(1 for s in self.record.served if s[2] == replica)
 
+    def new_replica(self) -> str | None:
+        """A replica other than the first one that has answered a request, if any."""
+        with self.lock:
+            others = {s[2] for s in self.record.served} - {self.record.initial_replica}
+        return next(iter(others), None)
+
 
 def scale_up_and_down(run: Run) -> None:
     import ray
@@ -224,12 +231,11 @@ def scale_up_and_down(run: Run) -> None:
     if wait_for(lambda: run.replica_states().get("RUNNING", 0) == 2):
         record.two_running_s = run.now()
         record.fake_gpus_free_at_two = ray.available_resources().get("fake_gpu", 0.0)
-    if wait_for(lambda: _new_replica(record) is not None):
-        record.new_replica = _new_replica(record)
-        record.new_replica_serving_s = min(
-            s[1] for s in record.served if s[2] == record.new_replica
-        )
-        wait_for(lambda: run.served_by(record.new_replica or "") >= NEW_REPLICA_REQUESTS)
+    if wait_for(lambda: run.new_replica() is not None):
+        new = record.new_replica = run.new_replica() or ""
+        with run.lock:
+            record.new_replica_serving_s = min(s[1] for s in record.served if s[2] == new)
+        wait_for(lambda: run.served_by(new) >= NEW_REPLICA_REQUESTS)
     run.load_on.clear()
     for thread in load:
         thread.join()
@@ -239,11 +245,6 @@ def scale_up_and_down(run: Run) -> None:
         done = len(record.served)
         wait_for(lambda: len(record.served) >= done + 2, timeout_s=60)  # one replica still serves
     record.final_states = run.replica_states()
-
-
-def _new_replica(record: Record) -> str | None:
-    others = {s[2] for s in record.served} - {record.initial_replica}
-    return next(iter(others), None)
 
 
 def start_cluster() -> Any:
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cluster = start_cluster()
     try:
-        ray.init(address=cluster.address, logging_level="WARNING")
+        ray.init(address=cluster.address, logging_level=logging.WARNING)
         cluster.wait_for_nodes()
         deploy(f"http://{cluster.webui_url}", serve_config(port))
         base_url = f"http://127.0.0.1:{port}"
