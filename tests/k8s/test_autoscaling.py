@@ -22,6 +22,8 @@ import pytest
 from tests.k8s.autoscale_run import NEW_REPLICA_REQUESTS
 from tests.k8s.manifests import REPO
 
+pytestmark = pytest.mark.slow  # `-m "not slow"` leaves it out of a quick local run
+
 RUN_TIMEOUT_S = 900  # a generous bound for a loaded CI machine; ~100 s is typical
 
 
