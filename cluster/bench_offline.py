@@ -200,10 +200,10 @@ def _bench_engine(llm: LLM, workload: Workload, temperature: float) -> dict[str,
     params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
     before = llm.engine.stats()
     _sync(llm.engine.config.device)
-    start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, params)
-    _sync(llm.engine.config.device)
-    seconds = time.perf_counter() - start
+    with CpuWatch() as watch:
+        outputs = llm.generate(workload.prompts, params)
+        _sync(llm.engine.config.device)
+    seconds = watch.seconds
     after = llm.engine.stats()
     bad = [o for o, n in zip(outputs, workload.output_lens, strict=True) if o.finish_reason != "length" or len(o.token_ids) != n]
     if bad:
@@ -217,6 +217,7 @@ def _bench_engine(llm: LLM, workload: Workload, temperature: float) -> dict[str,
         "steps": after.num_steps - before.num_steps,
         "preemptions": after.num_preemptions - before.num_preemptions,
         "prefix_hit_tokens": after.prefix_hits - before.prefix_hits,
+        "others_cpu_cores": watch.others_cores,
         "token_ids": [o.token_ids for o in outputs],
     }
 
@@ -233,14 +234,14 @@ def bench_hf(path: Path, workload: Workload, dtype: torch.dtype, device: str, ba
     outputs: list[list[int]] = [[] for _ in workload.prompts]
     generated = 0
     _sync(device)
-    start = time.perf_counter()
-    for group in groups:
-        new = max(workload.output_lens[i] for i in group)
-        rows = _hf_generate(model, [workload.prompts[i] for i in group], new, pad, device)
-        generated += new * len(group)
-        for i, row in zip(group, rows, strict=True):
-            outputs[i] = row[: workload.output_lens[i]]
-    seconds = time.perf_counter() - start
+    with CpuWatch() as watch:
+        for group in groups:
+            new = max(workload.output_lens[i] for i in group)
+            rows = _hf_generate(model, [workload.prompts[i] for i in group], new, pad, device)
+            generated += new * len(group)
+            for i, row in zip(group, rows, strict=True):
+                outputs[i] = row[: workload.output_lens[i]]
+    seconds = watch.seconds
     useful = workload.output_tokens
     return {
         "transformers": transformers.__version__,
@@ -250,6 +251,7 @@ def bench_hf(path: Path, workload: Workload, dtype: torch.dtype, device: str, ba
         "generated_tokens": generated,
         "seconds": seconds,
         "output_tok_s": useful / seconds,
+        "others_cpu_cores": watch.others_cores,
         "token_ids": outputs,
     }
 
@@ -274,6 +276,40 @@ def _hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad: int
 
 
 # -- reporting ---------------------------------------------------------------------------
+
+
+class CpuWatch:
+    """Wall seconds of a timed section, and the CPU other processes used meanwhile.
+
+    On a shared machine a CPU figure is only as good as its quiet: one busy neighbour on a
+    2-core machine slows a 2-thread matmul several-fold. `others_cores` is the average
+    number of cores that processes other than this one kept busy (from /proc/stat and
+    /proc/self/stat; None where those do not exist).
+    """
+
+    def __enter__(self) -> CpuWatch:
+        self._ticks = _cpu_ticks()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self._start
+        end = _cpu_ticks()
+        self.others_cores: float | None = None
+        if self._ticks is not None and end is not None and self.seconds > 0:
+            busy, mine = end[0] - self._ticks[0], end[1] - self._ticks[1]
+            self.others_cores = round(max(0, busy - mine) / os.sysconf("SC_CLK_TCK") / self.seconds, 3)
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy ticks of all CPUs, ticks of this process) since boot."""
+    try:
+        cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        me = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = cpu[3] + cpu[4]  # idle + iowait
+    return sum(cpu[:8]) - idle, int(me[11]) + int(me[12])  # user..steal; utime + stime
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -327,11 +363,13 @@ def _model_info(path: Path, args: argparse.Namespace) -> dict[str, Any]:
 def _print_summary(r: dict[str, Any]) -> None:
     k, w = r["kvray"], r["workload"]
     print(f"requests {w['num_requests']}, input tokens {w['input_tokens']}, output tokens {k['output_tokens']}")
-    print(f"kvray:        {k['seconds']:8.2f} s  {k['output_tok_s']:10.1f} output tok/s  ({k['steps']} steps, {k['preemptions']} preemptions)")
+    print(f"kvray:        {k['seconds']:8.2f} s  {k['output_tok_s']:10.1f} output tok/s  ({k['steps']} steps, "
+          f"{k['preemptions']} preemptions, other processes used {k['others_cpu_cores']} cores)")
     hf = r["hf"]
     if hf is not None:
         print(f"transformers: {hf['seconds']:8.2f} s  {hf['output_tok_s']:10.1f} output tok/s  "
-              f"(groups of {hf['batch_size']}, {hf['generated_tokens']} tokens generated)")
+              f"(groups of {hf['batch_size']}, {hf['generated_tokens']} tokens generated, "
+              f"other processes used {hf['others_cpu_cores']} cores)")
         same = f", same tokens in {hf['same_tokens_as_kvray']}/{w['num_requests']} requests" if "same_tokens_as_kvray" in hf else ""
         print(f"ratio kvray / transformers: {r['ratio_vs_hf']:.2f}x{same}")
 

@@ -2,12 +2,14 @@
 
 import argparse
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from cluster.bench_offline import add_arguments, engine_options, make_workload, run
+from cluster.bench_offline import CpuWatch, add_arguments, engine_options, make_workload, run
 from worker.model.config import ModelConfig
 from worker.model.loader import weight_files
 from worker.model.random_model import (
@@ -68,6 +70,7 @@ def test_run_writes_json_with_machine_and_params(tiny_result):
         assert saved[key], key
     assert saved["params"]["random_shape"] == "tiny" and saved["model"]["random_shape"] == "tiny"
     assert "token_ids" not in saved["kvray"] and "token_ids" not in saved["hf"]
+    assert saved["kvray"]["others_cpu_cores"] >= 0 and saved["hf"]["others_cpu_cores"] >= 0
 
 
 def test_run_refuses_lengths_beyond_max_seq_len(tmp_path):
@@ -134,3 +137,12 @@ def test_big_shapes_match_their_published_configs():
     smol = ModelConfig.from_dict(hf_config(SHAPES["smollm2-135m"], "bfloat16"))
     assert (smol.num_layers, smol.hidden_size, smol.num_heads, smol.num_kv_heads, smol.vocab_size) == (30, 576, 9, 3, 49152)
     assert smol.tie_word_embeddings and 134e6 < SHAPES["smollm2-135m"].num_params < 135e6
+
+
+def test_cpu_watch_counts_other_processes_not_this_one():
+    spin = "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass"
+    with CpuWatch() as watch:
+        child = subprocess.Popen([sys.executable, "-c", spin])
+        child.wait()
+    assert watch.seconds >= 0.6
+    assert watch.others_cores is not None and watch.others_cores >= 0.5  # the spinning child is another process
