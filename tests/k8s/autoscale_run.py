@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import date
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -259,12 +260,25 @@ def start_cluster() -> Any:
     return cluster
 
 
+def _auth_headers() -> dict[str, str]:
+    """Ray 2.60 turns on token auth for a local `ray.init()` and exports RAY_AUTH_MODE=token to
+    child processes (this one, when pytest has run Ray before): then the dashboard wants the
+    token, as KubeRay sends it on an auth-enabled cluster."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return {}
+    token = (Path.home() / ".ray" / "auth_token").read_text().strip()
+    return {"authorization": f"Bearer {token}"}
+
+
 def deploy(dashboard: str, config: dict[str, Any]) -> None:
     """What KubeRay does with serveConfigV2: PUT it to the head's dashboard."""
+    headers = _auth_headers()
 
     def put() -> bool:
         try:
-            response = httpx.put(f"{dashboard}/api/serve/applications/", json=config, timeout=60)
+            response = httpx.put(
+                f"{dashboard}/api/serve/applications/", json=config, timeout=60, headers=headers
+            )
         except httpx.HTTPError:
             return False  # the dashboard is still starting
         response.raise_for_status()
