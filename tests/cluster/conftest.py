@@ -119,7 +119,8 @@ class RayHarness:
                     "engine": ENGINE,
                     "api_keys": [API_KEY],
                     "port": free_port(),
-                    "router": {"stats_period_s": 0.2},
+                    # a wide batch window: a burst must land in one window even on a loaded 2-core CI machine
+                    "router": {"stats_period_s": 0.2, "batch_window_ms": 25.0},
                     "limits": {"accept_timeout_s": 30, "stall_timeout_s": 60},
                 }
             )
