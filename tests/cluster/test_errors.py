@@ -121,7 +121,9 @@ def test_over_the_waiting_limit_is_429_with_retry_after(served: Served) -> None:
 
     responses = asyncio.run(burst())
     statuses = [r.status_code for r in responses]
-    assert set(statuses) <= {200, 429}, [r.text for r in responses if r.status_code not in (200, 429)]
+    assert set(statuses) <= {200, 429}, [
+        r.text for r in responses if r.status_code not in (200, 429)
+    ]
     refused = [r for r in responses if r.status_code == 429]
     assert refused, "24 concurrent requests must exceed max_running + max_waiting"
     assert all(r.headers.get("retry-after") for r in refused)
