@@ -93,7 +93,7 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "kv_usage": ("kvray:kv_cache_usage_perc", "Share of KV cache pages in use (0..1).", "gauge"),
     "prefix_hit_rate": (
         "kvray:prefix_cache_hit_rate",
-        "Share of prompt pages found in the prefix cache.",
+        "Share of prompt tokens found in the prefix cache.",
         "gauge",
     ),
     "prompt_tokens_total": (
