@@ -85,13 +85,14 @@ class Engine:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self.stats_snapshot = EngineStats(num_total_pages=self.executor.cache.num_total_pages)
+        self.stats_snapshot = EngineStats()
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._num_steps = 0
         self._summary: list[int] = []
         self._summary_time = 0.0
         self.fault_hook: object | None = None  # test hook: callable(tasks) run before each step's forward
+        self._snapshot()  # stats are complete before the first step
         log.info(
             "engine ready in %.1fs: %s, dtype %s, device %s, backend %s, cache %s, max_running %d, max_seq_len %d, token_budget %d",
             time.perf_counter() - start, path.name, self.config.dtype, self.config.device, self.config.backend,

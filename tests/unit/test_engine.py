@@ -99,6 +99,12 @@ def test_bad_input_is_refused_at_submit(engine_factory, prompt, message):
     assert not engine.has_work and engine.stats().num_waiting == 0
 
 
+def test_stats_are_complete_before_the_first_step(engine_factory):
+    engine = engine_factory()
+    s = engine.stats()
+    assert s.num_free_pages == s.num_total_pages == 95 and s.kv_usage == 0.0 and s.num_steps == 0
+
+
 def test_backpressure_over_max_waiting(engine_factory):
     engine = engine_factory(max_waiting=2)
     engine.submit(_reqs("w", 2))
