@@ -98,7 +98,8 @@ def _worker(config: ClusterConfig) -> Any:
         health_check_period_s=config.health_check_period_s,
         health_check_timeout_s=max(30.0, config.health_check_period_s),
         request_router_config=RequestRouterConfig(**router_options),
-        graceful_shutdown_timeout_s=5,
+        graceful_shutdown_timeout_s=config.drain_timeout_s,
+        graceful_shutdown_wait_loop_s=config.drain_poll_s,
         logging_config={"enable_access_log": False},  # one line per internal call is noise
     )(WorkerDeployment)
     return deployment.bind(
@@ -119,6 +120,8 @@ def build_app(
         num_replicas=cfg.ingress_replicas,
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
         max_ongoing_requests=max(1024, 2 * cfg.engine.max_waiting),
+        graceful_shutdown_timeout_s=cfg.drain_timeout_s,  # its streams end with the workers'
+        graceful_shutdown_wait_loop_s=cfg.drain_poll_s,
     )(Ingress)
     log.info(
         "kvray app: model %s, %s",

@@ -152,6 +152,14 @@ class ClusterConfig(BaseModel):
         gt=0,
         description="a replica whose engine has work but has not stepped this long is unhealthy",
     )
+    drain_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="on scale-down, upgrade or shutdown, how long a replica may finish its running requests (Serve graceful_shutdown_timeout_s)",
+    )
+    drain_poll_s: float = Field(
+        2.0, gt=0, description="how often a draining replica checks for work left (Serve graceful_shutdown_wait_loop_s)"
+    )
     router: RouterSettings = Field(default_factory=RouterSettings)
     limits: RequestLimits = Field(default_factory=RequestLimits)
     host: str = Field("127.0.0.1", description="HTTP host of the Serve proxy")
