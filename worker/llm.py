@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 from worker.config import EngineConfig
 from worker.engine import Engine, EngineRequest
@@ -31,7 +31,8 @@ class LLM:
         chat: bool = False,
     ) -> list[RequestOutput]:
         """One output per prompt and sample (n > 1 gives n outputs per prompt, in order)."""
-        prompts_list = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
+        single = isinstance(prompts, str) or _is_token_ids(prompts)
+        prompts_list = [cast(Prompt, prompts)] if single else list(cast(Sequence[Prompt], prompts))
         params_list = _per_prompt(params, len(prompts_list))
         jobs = []
         for prompt, p in zip(prompts_list, params_list, strict=True):

@@ -26,20 +26,26 @@ class InferenceWorkspace:
         split_kv: bool,
     ):
         self.max_tokens, self.max_running, self.device = max_tokens, max_running, device
-        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(max_tokens, **i64)
-        self.positions = torch.zeros(max_tokens, **i64)
-        self.out_cache_loc = torch.zeros(max_tokens, **i64)
-        self.req_pool_indices = torch.zeros(max_running, **i32)
-        self.seq_lens = torch.zeros(max_running, **i32)
-        self.qo_indptr = torch.zeros(max_running + 1, **i32)
-        self.kv_indptr = torch.zeros(max_running + 1, **i32)
-        self.logits_indices = torch.zeros(max_running, **i64)
-        self.next_token_ids = torch.zeros(max_running, **i64)
-        self.arange = torch.arange(max_running + 1, **i32)
-        self.row_base = torch.zeros(max_running, **i64)  # row * max_seq_len, for the steady slot lookup
-        self.flat_loc = torch.zeros(max_running, **i64)
-        self.loc_i32 = torch.zeros(max_running, **i32)
+
+        def i64(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int64, device=device)
+
+        def i32(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int32, device=device)
+
+        self.input_ids = i64(max_tokens)
+        self.positions = i64(max_tokens)
+        self.out_cache_loc = i64(max_tokens)
+        self.req_pool_indices = i32(max_running)
+        self.seq_lens = i32(max_running)
+        self.qo_indptr = i32(max_running + 1)
+        self.kv_indptr = i32(max_running + 1)
+        self.logits_indices = i64(max_running)
+        self.next_token_ids = i64(max_running)
+        self.arange = torch.arange(max_running + 1, dtype=torch.int32, device=device)
+        self.row_base = i64(max_running)  # row * max_seq_len, for the steady slot lookup
+        self.flat_loc = i64(max_running)
+        self.loc_i32 = i32(max_running)
         # Split-KV decode: the split count follows the longest possible sequence, never live lengths.
         self.num_kv_splits = recommended_max_splits(max_seq_len) if split_kv else 0
         s = self.num_kv_splits

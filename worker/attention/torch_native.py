@@ -61,11 +61,11 @@ class TorchNativeBackend(AttentionBackend):
         for i, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.seq_lens_host, strict=True)):
             if q_len > 1:
                 slots = view.req_to_token[rows[i], :kv_len].long()
-                mask = None
+                causal: torch.Tensor | None = None  # None: plain causal, kv_len == q_len
                 if kv_len != q_len:
                     q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
-                    mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
-                self._seqs.append(_PrefillSeq(start, q_len, slots, mask))
+                    causal = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
+                self._seqs.append(_PrefillSeq(start, q_len, slots, causal))
             start += q_len
 
     def fwd_decode(self, layer: int, q: torch.Tensor, view: CacheView) -> torch.Tensor:
