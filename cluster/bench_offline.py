@@ -63,7 +63,9 @@ class Workload:
         return sum(self.output_lens)
 
 
-def make_workload(n: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int) -> Workload:
+def make_workload(
+    n: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int
+) -> Workload:
     """Uniform lengths in the closed ranges, uniform token ids in [0, vocab)."""
     g = torch.Generator().manual_seed(seed)
     in_lens = torch.randint(input_range[0], input_range[1] + 1, (n,), generator=g).tolist()
@@ -78,17 +80,46 @@ def make_workload(n: int, input_range: tuple[int, int], output_range: tuple[int,
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model", help="HF model directory or 'demo' (the default)")
-    model.add_argument("--random-shape", choices=sorted(SHAPES), help="benchmark a random-weight model of this shape")
-    parser.add_argument("--random-dtype", default="bfloat16", help="dtype of the random weights on disk")
-    parser.add_argument("--random-dir", help="where random models are cached (default: the kvray model cache)")
+    model.add_argument(
+        "--random-shape",
+        choices=sorted(SHAPES),
+        help="benchmark a random-weight model of this shape",
+    )
+    parser.add_argument(
+        "--random-dtype", default="bfloat16", help="dtype of the random weights on disk"
+    )
+    parser.add_argument(
+        "--random-dir", help="where random models are cached (default: the kvray model cache)"
+    )
     parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--input-len-range", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len-range", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
-    parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the random lengths and prompts")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (as --compare-hf); nano-vllm uses 0.6")
-    parser.add_argument("--warmup-requests", type=int, default=4, help="untimed requests (other prompts) run first")
-    parser.add_argument("--compare-hf", action="store_true", help="also time transformers generate on the same prompts")
-    parser.add_argument("--hf-batch-size", type=int, help="transformers group size (default: the engine's max_running)")
+    parser.add_argument(
+        "--input-len-range", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX")
+    )
+    parser.add_argument(
+        "--output-len-range", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX")
+    )
+    parser.add_argument(
+        "--prompt-seed", type=int, default=0, help="seed of the random lengths and prompts"
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 = greedy (as --compare-hf); nano-vllm uses 0.6",
+    )
+    parser.add_argument(
+        "--warmup-requests", type=int, default=4, help="untimed requests (other prompts) run first"
+    )
+    parser.add_argument(
+        "--compare-hf",
+        action="store_true",
+        help="also time transformers generate on the same prompts",
+    )
+    parser.add_argument(
+        "--hf-batch-size",
+        type=int,
+        help="transformers group size (default: the engine's max_running)",
+    )
     parser.add_argument("--json", help="write the full result to this file")
     engine = parser.add_argument_group("engine options (EngineConfig; unset = its default)")
     for name, info in EngineConfig.model_fields.items():
@@ -99,37 +130,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_config_option(group: Any, name: str, annotation: Any, doc: str, default: Any) -> None:
     flag, helptext = "--" + name.replace("_", "-"), f"{doc} (default: {default})"
     if annotation is bool:
-        group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
+        group.add_argument(
+            flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=helptext
+        )
         return
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
     if typing.get_origin(annotation) is typing.Literal:
-        group.add_argument(flag, dest=name, choices=typing.get_args(annotation), default=None, help=helptext)
+        group.add_argument(
+            flag, dest=name, choices=typing.get_args(annotation), default=None, help=helptext
+        )
     else:
         group.add_argument(flag, dest=name, type=annotation, default=None, help=helptext)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig fields given on the command line."""
-    return {k: getattr(args, k) for k in EngineConfig.model_fields if k != "model" and getattr(args, k, None) is not None}
+    return {
+        k: getattr(args, k)
+        for k in EngineConfig.model_fields
+        if k != "model" and getattr(args, k, None) is not None
+    }
 
 
 # -- the run -----------------------------------------------------------------------------
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    _check_ranges(args)
+    _check_args(args)
     path = _model_path(args)
     vocab = ModelConfig.from_dir(path).vocab_size
-    workload = make_workload(args.num_requests, tuple(args.input_len_range), tuple(args.output_len_range), vocab, args.prompt_seed)
+    workload = make_workload(
+        args.num_requests,
+        tuple(args.input_len_range),
+        tuple(args.output_len_range),
+        vocab,
+        args.prompt_seed,
+    )
     load_before = os.getloadavg()
     llm = LLM(str(path), **engine_options(args))
     cfg = llm.engine.config
     assert cfg.max_seq_len is not None
     if args.input_len_range[1] + args.output_len_range[1] > cfg.max_seq_len:
-        raise ValueError(f"longest prompt + output exceeds max_seq_len={cfg.max_seq_len}; pass --max-seq-len")
-    print(f"kvray bench offline: {path} ({cfg.dtype}, {cfg.device}, backend {cfg.backend}, cache {cfg.cache}, "
-          f"max_running {cfg.max_running}, token_budget {cfg.token_budget})", flush=True)
+        raise ValueError(
+            f"longest prompt + output exceeds max_seq_len={cfg.max_seq_len}; pass --max-seq-len"
+        )
+    print(
+        f"kvray bench offline: {path} ({cfg.dtype}, {cfg.device}, backend {cfg.backend}, cache {cfg.cache}, "
+        f"max_running {cfg.max_running}, token_budget {cfg.token_budget})",
+        flush=True,
+    )
     num_pages = llm.engine.executor.cache.num_total_pages
     _warm_up(llm, args, vocab)
     kvray = _bench_engine(llm, workload, args.temperature)
@@ -159,7 +209,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hf = bench_hf(path, workload, cfg.torch_dtype, cfg.device, batch)
         hf_outputs = hf.pop("token_ids")
         if args.temperature == 0:
-            hf["same_tokens_as_kvray"] = sum(a == b for a, b in zip(outputs, hf_outputs, strict=True))
+            hf["same_tokens_as_kvray"] = sum(
+                a == b for a, b in zip(outputs, hf_outputs, strict=True)
+            )
         result["hf"] = hf
         result["ratio_vs_hf"] = kvray["output_tok_s"] / hf["output_tok_s"]
     result["load_avg_after"] = list(os.getloadavg())
@@ -170,7 +222,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _check_ranges(args: argparse.Namespace) -> None:
+def _check_args(args: argparse.Namespace) -> None:
+    if args.compare_hf and getattr(args, "load_format", None) == "random":
+        raise ValueError(
+            "--compare-hf needs the weights on disk: transformers cannot use --load-format random"
+        )
     for name in ("input_len_range", "output_len_range"):
         lo, hi = getattr(args, name)
         if not 1 <= lo <= hi:
@@ -183,8 +239,15 @@ def _model_path(args: argparse.Namespace) -> Path:
     if args.random_shape is None:
         return resolve_model_path(args.model or "demo")
     root = Path(args.random_dir) if args.random_dir else demo_model_dir().parent
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # drawing 8B numbers on the GPU takes seconds
-    return ensure_random_model(root, args.random_shape, args.random_dtype, device=device)
+    device = (
+        "cuda" if torch.cuda.is_available() else "cpu"
+    )  # drawing 8B numbers on the GPU takes seconds
+    weights = (
+        getattr(args, "load_format", None) != "random"
+    )  # that engine draws its own: config.json is enough
+    return ensure_random_model(
+        root, args.random_shape, args.random_dtype, device=device, weights=weights
+    )
 
 
 def _warm_up(llm: LLM, args: argparse.Namespace, vocab: int) -> None:
@@ -192,12 +255,22 @@ def _warm_up(llm: LLM, args: argparse.Namespace, vocab: int) -> None:
     if args.warmup_requests < 1:
         return
     out = (WARMUP_OUTPUT_TOKENS, WARMUP_OUTPUT_TOKENS)
-    warm = make_workload(args.warmup_requests, tuple(args.input_len_range), out, vocab, args.prompt_seed + 1_000_003)
-    llm.generate(warm.prompts, SamplingParams(temperature=args.temperature, max_tokens=WARMUP_OUTPUT_TOKENS, ignore_eos=True))
+    warm = make_workload(
+        args.warmup_requests, tuple(args.input_len_range), out, vocab, args.prompt_seed + 1_000_003
+    )
+    llm.generate(
+        warm.prompts,
+        SamplingParams(
+            temperature=args.temperature, max_tokens=WARMUP_OUTPUT_TOKENS, ignore_eos=True
+        ),
+    )
 
 
 def _bench_engine(llm: LLM, workload: Workload, temperature: float) -> dict[str, Any]:
-    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True)
+        for n in workload.output_lens
+    ]
     before = llm.engine.stats()
     _sync(llm.engine.config.device)
     with CpuWatch() as watch:
@@ -205,9 +278,15 @@ def _bench_engine(llm: LLM, workload: Workload, temperature: float) -> dict[str,
         _sync(llm.engine.config.device)
     seconds = watch.seconds
     after = llm.engine.stats()
-    bad = [o for o, n in zip(outputs, workload.output_lens, strict=True) if o.finish_reason != "length" or len(o.token_ids) != n]
+    bad = [
+        o
+        for o, n in zip(outputs, workload.output_lens, strict=True)
+        if o.finish_reason != "length" or len(o.token_ids) != n
+    ]
     if bad:
-        raise RuntimeError(f"{len(bad)} requests did not produce their requested length (first: {bad[0].finish_reason}, {bad[0].error})")
+        raise RuntimeError(
+            f"{len(bad)} requests did not produce their requested length (first: {bad[0].finish_reason}, {bad[0].error})"
+        )
     tokens = sum(len(o.token_ids) for o in outputs)
     return {
         "output_tokens": tokens,
@@ -222,11 +301,14 @@ def _bench_engine(llm: LLM, workload: Workload, temperature: float) -> dict[str,
     }
 
 
-def bench_hf(path: Path, workload: Workload, dtype: torch.dtype, device: str, batch_size: int) -> dict[str, Any]:
+def bench_hf(
+    path: Path, workload: Workload, dtype: torch.dtype, device: str, batch_size: int
+) -> dict[str, Any]:
     """transformers generate, greedy, static groups sorted by output length (see the module doc)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = model.to(device).eval()
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     order = sorted(range(len(workload.prompts)), key=lambda i: -workload.output_lens[i])
     groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
@@ -256,7 +338,9 @@ def bench_hf(path: Path, workload: Workload, dtype: torch.dtype, device: str, ba
     }
 
 
-def _hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad: int, device: str) -> list[list[int]]:
+def _hf_generate(
+    model: Any, prompts: list[list[int]], new_tokens: int, pad: int, device: str
+) -> list[list[int]]:
     """One left-padded greedy batch; exactly `new_tokens` new ids per row (no EOS stopping)."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -266,8 +350,12 @@ def _hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad: int
         mask[r, width - len(p) :] = 1
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
-            do_sample=False, eos_token_id=None, pad_token_id=pad,
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=pad,
         )
     new = out[:, width:].tolist()
     if any(len(row) != new_tokens for row in new):
@@ -298,7 +386,9 @@ class CpuWatch:
         self.others_cores: float | None = None
         if self._ticks is not None and end is not None and self.seconds > 0:
             busy, mine = end[0] - self._ticks[0], end[1] - self._ticks[1]
-            self.others_cores = round(max(0, busy - mine) / os.sysconf("SC_CLK_TCK") / self.seconds, 3)
+            self.others_cores = round(
+                max(0, busy - mine) / os.sysconf("SC_CLK_TCK") / self.seconds, 3
+            )
 
 
 def _cpu_ticks() -> tuple[int, int] | None:
@@ -320,7 +410,9 @@ def environment(device: str) -> dict[str, Any]:
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "gpu": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else None,
+        "gpu": torch.cuda.get_device_name(torch.device(device))
+        if device.startswith("cuda")
+        else None,
         "python": platform.python_version(),
         "torch": torch.__version__,
         **_git_state(),
@@ -342,9 +434,12 @@ def _cpu_model() -> str:
 
 def _git_state() -> dict[str, Any]:
     """The checkout's commit, and whether the tree had uncommitted changes (None: not a git checkout)."""
+
     def git(*cmd: str) -> str | None:
         try:
-            out = subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent)
+            out = subprocess.run(
+                ["git", *cmd], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+            )
         except (OSError, subprocess.TimeoutExpired):
             return None
         return out.stdout.strip() if out.returncode == 0 else None
@@ -356,21 +451,37 @@ def _git_state() -> dict[str, Any]:
 
 def _model_info(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     cfg = ModelConfig.from_dir(path)
-    return {"path": str(path), "random_shape": args.random_shape, "architecture": cfg.architecture,
-            "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
+    return {
+        "path": str(path),
+        "random_shape": args.random_shape,
+        "architecture": cfg.architecture,
+        "num_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+    }
 
 
 def _print_summary(r: dict[str, Any]) -> None:
     k, w = r["kvray"], r["workload"]
-    print(f"requests {w['num_requests']}, input tokens {w['input_tokens']}, output tokens {k['output_tokens']}")
-    print(f"kvray:        {k['seconds']:8.2f} s  {k['output_tok_s']:10.1f} output tok/s  ({k['steps']} steps, "
-          f"{k['preemptions']} preemptions, other processes used {k['others_cpu_cores']} cores)")
+    print(
+        f"requests {w['num_requests']}, input tokens {w['input_tokens']}, output tokens {k['output_tokens']}"
+    )
+    print(
+        f"kvray:        {k['seconds']:8.2f} s  {k['output_tok_s']:10.1f} output tok/s  ({k['steps']} steps, "
+        f"{k['preemptions']} preemptions, other processes used {k['others_cpu_cores']} cores)"
+    )
     hf = r["hf"]
     if hf is not None:
-        print(f"transformers: {hf['seconds']:8.2f} s  {hf['output_tok_s']:10.1f} output tok/s  "
-              f"(groups of {hf['batch_size']}, {hf['generated_tokens']} tokens generated, "
-              f"other processes used {hf['others_cpu_cores']} cores)")
-        same = f", same tokens in {hf['same_tokens_as_kvray']}/{w['num_requests']} requests" if "same_tokens_as_kvray" in hf else ""
+        print(
+            f"transformers: {hf['seconds']:8.2f} s  {hf['output_tok_s']:10.1f} output tok/s  "
+            f"(groups of {hf['batch_size']}, {hf['generated_tokens']} tokens generated, "
+            f"other processes used {hf['others_cpu_cores']} cores)"
+        )
+        same = (
+            f", same tokens in {hf['same_tokens_as_kvray']}/{w['num_requests']} requests"
+            if "same_tokens_as_kvray" in hf
+            else ""
+        )
         print(f"ratio kvray / transformers: {r['ratio_vs_hf']:.2f}x{same}")
 
 
@@ -387,7 +498,9 @@ def _sync(device: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="python -m cluster.bench_offline", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m cluster.bench_offline", description=__doc__.splitlines()[0]
+    )
     add_arguments(parser)
     run(parser.parse_args(argv))
     return 0

@@ -33,10 +33,25 @@ def _args(*argv: str) -> argparse.Namespace:
 def tiny_result(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     args = _args(
-        "--random-shape", "tiny", "--random-dir", str(tmp), "--num-requests", str(N),
-        "--input-len-range", *map(str, IN_RANGE), "--output-len-range", *map(str, OUT_RANGE),
-        "--warmup-requests", "2", "--compare-hf", "--json", str(tmp / "out.json"),
-        "--max-running", "4", "--page-size", "4",
+        "--random-shape",
+        "tiny",
+        "--random-dir",
+        str(tmp),
+        "--num-requests",
+        str(N),
+        "--input-len-range",
+        *map(str, IN_RANGE),
+        "--output-len-range",
+        *map(str, OUT_RANGE),
+        "--warmup-requests",
+        "2",
+        "--compare-hf",
+        "--json",
+        str(tmp / "out.json"),
+        "--max-running",
+        "4",
+        "--page-size",
+        "4",
     )
     return run(args), tmp / "out.json"
 
@@ -59,7 +74,9 @@ def test_run_compares_with_transformers_on_the_same_work(tiny_result):
     assert hf["batch_size"] == 4 and hf["num_groups"] == 2  # the engine's max_running by default
     assert hf["generated_tokens"] >= hf["output_tokens"]  # padding waste counted apart
     assert 0 <= hf["same_tokens_as_kvray"] <= N
-    assert result["ratio_vs_hf"] == pytest.approx(result["kvray"]["output_tok_s"] / hf["output_tok_s"])
+    assert result["ratio_vs_hf"] == pytest.approx(
+        result["kvray"]["output_tok_s"] / hf["output_tok_s"]
+    )
 
 
 def test_run_writes_json_with_machine_and_params(tiny_result):
@@ -74,15 +91,41 @@ def test_run_writes_json_with_machine_and_params(tiny_result):
 
 
 def test_run_refuses_lengths_beyond_max_seq_len(tmp_path):
-    args = _args("--random-shape", "tiny", "--random-dir", str(tmp_path), "--num-requests", "1",
-                 "--input-len-range", "60", "60", "--output-len-range", "10", "10", "--max-seq-len", "64")
+    args = _args(
+        "--random-shape",
+        "tiny",
+        "--random-dir",
+        str(tmp_path),
+        "--num-requests",
+        "1",
+        "--input-len-range",
+        "60",
+        "60",
+        "--output-len-range",
+        "10",
+        "10",
+        "--max-seq-len",
+        "64",
+    )
     with pytest.raises(ValueError, match="max_seq_len"):
         run(args)
 
 
 def test_engine_options_come_from_engine_config_fields():
-    args = _args("--max-running", "8", "--no-cuda-graphs", "--cache", "contiguous", "--num-pages", "100", "--dtype", "float32")
-    assert engine_options(args) == dict(max_running=8, cuda_graphs=False, cache="contiguous", num_pages=100, dtype="float32")
+    args = _args(
+        "--max-running",
+        "8",
+        "--no-cuda-graphs",
+        "--cache",
+        "contiguous",
+        "--num-pages",
+        "100",
+        "--dtype",
+        "float32",
+    )
+    assert engine_options(args) == dict(
+        max_running=8, cuda_graphs=False, cache="contiguous", num_pages=100, dtype="float32"
+    )
     assert engine_options(_args()) == {}
     with pytest.raises(SystemExit):
         _args("--cache", "ring")
@@ -98,7 +141,9 @@ def test_workload_lengths_are_uniform_in_closed_ranges_and_seeded():
 
 
 def test_random_model_is_an_hf_directory_with_every_tensor(tmp_path):
-    path = write_random_model(tmp_path / "m", "tiny", dtype="bfloat16", seed=3, max_shard_bytes=100_000)
+    path = write_random_model(
+        tmp_path / "m", "tiny", dtype="bfloat16", seed=3, max_shard_bytes=100_000
+    )
     files = weight_files(path)
     assert len(files) > 1 and (path / "model.safetensors.index.json").is_file()
     assert not (path / "tokenizer.json").exists()
@@ -130,12 +175,23 @@ def test_random_model_is_seeded_and_cached(tmp_path):
 def test_big_shapes_match_their_published_configs():
     llama = ModelConfig.from_dict(hf_config(SHAPES["llama3-8b"], "bfloat16"))
     assert (llama.num_layers, llama.hidden_size, llama.intermediate_size) == (32, 4096, 14336)
-    assert (llama.num_heads, llama.num_kv_heads, llama.head_dim, llama.vocab_size) == (32, 8, 128, 128256)
+    assert (llama.num_heads, llama.num_kv_heads, llama.head_dim, llama.vocab_size) == (
+        32,
+        8,
+        128,
+        128256,
+    )
     assert llama.rope_theta == 500000.0 and llama.rope_scaling["rope_type"] == "llama3"
     assert not llama.tie_word_embeddings
     assert 8.02e9 < SHAPES["llama3-8b"].num_params < 8.04e9  # Llama-3.1-8B: 8.03B
     smol = ModelConfig.from_dict(hf_config(SHAPES["smollm2-135m"], "bfloat16"))
-    assert (smol.num_layers, smol.hidden_size, smol.num_heads, smol.num_kv_heads, smol.vocab_size) == (30, 576, 9, 3, 49152)
+    assert (
+        smol.num_layers,
+        smol.hidden_size,
+        smol.num_heads,
+        smol.num_kv_heads,
+        smol.vocab_size,
+    ) == (30, 576, 9, 3, 49152)
     assert smol.tie_word_embeddings and 134e6 < SHAPES["smollm2-135m"].num_params < 135e6
 
 
@@ -145,4 +201,43 @@ def test_cpu_watch_counts_other_processes_not_this_one():
         child = subprocess.Popen([sys.executable, "-c", spin])
         child.wait()
     assert watch.seconds >= 0.6
-    assert watch.others_cores is not None and watch.others_cores >= 0.5  # the spinning child is another process
+    assert (
+        watch.others_cores is not None and watch.others_cores >= 0.5
+    )  # the spinning child is another process
+
+
+def test_random_load_format_needs_only_a_config(tmp_path):
+    args = _args(
+        "--random-shape",
+        "tiny",
+        "--random-dir",
+        str(tmp_path),
+        "--load-format",
+        "random",
+        "--num-requests",
+        "3",
+        "--input-len-range",
+        "5",
+        "9",
+        "--output-len-range",
+        "2",
+        "6",
+        "--warmup-requests",
+        "0",
+    )
+    result = run(args)
+    assert result["kvray"]["output_tokens"] == result["workload"]["output_tokens"]
+    (path,) = tmp_path.iterdir()
+    assert path.name.endswith("-config") and not list(path.glob("*.safetensors"))
+    with pytest.raises(ValueError, match="compare-hf"):
+        run(
+            _args(
+                "--random-shape",
+                "tiny",
+                "--random-dir",
+                str(tmp_path),
+                "--load-format",
+                "random",
+                "--compare-hf",
+            )
+        )

@@ -31,7 +31,11 @@ import torch
 
 STD = 0.02
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
-_DTYPES = {"bfloat16": (torch.bfloat16, "BF16"), "float16": (torch.float16, "F16"), "float32": (torch.float32, "F32")}
+_DTYPES = {
+    "bfloat16": (torch.bfloat16, "BF16"),
+    "float16": (torch.float16, "F16"),
+    "float32": (torch.float32, "F32"),
+}
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -68,21 +72,46 @@ class Shape:
 SHAPES: dict[str, Shape] = {
     # Meta-Llama-3.1-8B: GQA 32/8, llama3 RoPE scaling, untied 128k vocabulary.
     "llama3-8b": Shape(
-        num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
-        head_dim=128, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
-        max_position_embeddings=131072, rope_scaling=_LLAMA3_ROPE, bos_token_id=128000, eos_token_id=128001,
+        num_layers=32,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        rope_scaling=_LLAMA3_ROPE,
+        bos_token_id=128000,
+        eos_token_id=128001,
     ),
     # SmolLM2-135M: the demo model's shape (tied embeddings, head_dim 64, GQA 9/3).
     "smollm2-135m": Shape(
-        num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
-        head_dim=64, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
+        num_layers=30,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
         max_position_embeddings=8192,
     ),
     # For tests: every code path of the big shapes (GQA, untied head, llama3 RoPE) in ~0.2M params.
     "tiny": Shape(
-        num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
-        head_dim=16, vocab_size=512, tie_word_embeddings=False, rope_theta=10000.0,
-        max_position_embeddings=2048, rope_scaling={**_LLAMA3_ROPE, "original_max_position_embeddings": 256},
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        rope_scaling={**_LLAMA3_ROPE, "original_max_position_embeddings": 256},
     ),
 }
 
@@ -91,14 +120,23 @@ def get_shape(shape: str | Shape) -> Shape:
     if isinstance(shape, Shape):
         return shape
     if shape not in SHAPES:
-        raise ValueError(f"unknown random-model shape {shape!r}; known: {', '.join(sorted(SHAPES))}")
+        raise ValueError(
+            f"unknown random-model shape {shape!r}; known: {', '.join(sorted(SHAPES))}"
+        )
     return SHAPES[shape]
 
 
 def tensor_specs(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     """HF tensor names and shapes, in file order (embeddings, layer by layer, norm, head)."""
-    h, q, kv, i = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, shape.intermediate_size
-    specs: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (shape.vocab_size, h))]
+    h, q, kv, i = (
+        shape.hidden_size,
+        shape.num_heads * shape.head_dim,
+        shape.num_kv_heads * shape.head_dim,
+        shape.intermediate_size,
+    )
+    specs: list[tuple[str, tuple[int, ...]]] = [
+        ("model.embed_tokens.weight", (shape.vocab_size, h))
+    ]
     for n in range(shape.num_layers):
         p = f"model.layers.{n}."
         specs += [
@@ -154,12 +192,15 @@ def write_random_model(
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     device: str = "cpu",
+    weights: bool = True,
 ) -> Path:
     """Write a random model of `shape` into `out_dir` (created) and return it.
 
     config.json is written last, so an interrupted run leaves a directory the loader
     refuses ("no config.json") rather than one that looks complete. `device="cuda"` draws
     the numbers on the GPU (much faster for 8B; a different stream than on CPU).
+    `weights=False` writes only the JSON files, for an engine that draws its own weights
+    (`load_format="random"`).
     """
     spec = get_shape(shape)
     if dtype not in _DTYPES:
@@ -172,30 +213,54 @@ def write_random_model(
     def draw(name: str, size: tuple[int, ...]) -> torch.Tensor:
         if name.endswith("norm.weight"):
             return torch.ones(size, dtype=torch_dtype)
-        return torch.empty(size, dtype=torch_dtype, device=device).normal_(0.0, STD, generator=gen).cpu()
+        return (
+            torch.empty(size, dtype=torch_dtype, device=device)
+            .normal_(0.0, STD, generator=gen)
+            .cpu()
+        )
 
-    shards = _plan_shards(tensor_specs(spec), torch_dtype.itemsize, max_shard_bytes)
+    shards = (
+        _plan_shards(tensor_specs(spec), torch_dtype.itemsize, max_shard_bytes) if weights else []
+    )
     names = _shard_names(len(shards))
     for file, group in zip(names, shards, strict=True):
         _write_safetensors(out / file, group, dtype, draw)
     if len(shards) > 1:
-        weight_map = {name: file for file, group in zip(names, shards, strict=True) for name, _ in group}
+        weight_map = {
+            name: file for file, group in zip(names, shards, strict=True) for name, _ in group
+        }
         total = sum(_numel(s) for group in shards for _, s in group) * torch_dtype.itemsize
-        _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-    _write_json(out / "generation_config.json", {"bos_token_id": spec.bos_token_id, "eos_token_id": spec.eos_token_id})
+        _write_json(
+            out / "model.safetensors.index.json",
+            {"metadata": {"total_size": total}, "weight_map": weight_map},
+        )
+    _write_json(
+        out / "generation_config.json",
+        {"bos_token_id": spec.bos_token_id, "eos_token_id": spec.eos_token_id},
+    )
     name = shape if isinstance(shape, str) else "custom"
-    _write_json(out / "config.json", hf_config(spec, dtype, {"shape": name, "seed": seed, "std": STD}))
+    _write_json(
+        out / "config.json", hf_config(spec, dtype, {"shape": name, "seed": seed, "std": STD})
+    )
     return out
 
 
-def ensure_random_model(root: str | Path, shape: str, dtype: str = "bfloat16", seed: int = 0, *, device: str = "cpu") -> Path:
-    """`root/random-<shape>-<dtype>-s<seed>`, written once (into a temp dir, renamed when complete)."""
-    final = Path(root) / f"random-{shape}-{dtype}-s{seed}"
+def ensure_random_model(
+    root: str | Path,
+    shape: str,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    *,
+    device: str = "cpu",
+    weights: bool = True,
+) -> Path:
+    """`root/random-<shape>-<dtype>-s<seed>` (`-config` without weights), written once (into a temp dir, renamed when complete)."""
+    final = Path(root) / (f"random-{shape}-{dtype}-s{seed}" + ("" if weights else "-config"))
     if (final / "config.json").is_file():
         return final
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    write_random_model(tmp, shape, dtype, seed, device=device)
+    write_random_model(tmp, shape, dtype, seed, device=device, weights=weights)
     try:
         tmp.rename(final)
     except OSError:  # another process finished first: keep its copy
@@ -209,7 +274,10 @@ def ensure_random_model(root: str | Path, shape: str, dtype: str = "bfloat16", s
 
 
 def _write_safetensors(
-    path: Path, specs: list[tuple[str, tuple[int, ...]]], dtype: str, draw: Callable[[str, tuple[int, ...]], torch.Tensor]
+    path: Path,
+    specs: list[tuple[str, tuple[int, ...]]],
+    dtype: str,
+    draw: Callable[[str, tuple[int, ...]], torch.Tensor],
 ) -> None:
     """The safetensors layout: u64 header length, JSON header (offsets into the data), raw data."""
     torch_dtype, st_dtype = _DTYPES[dtype]
@@ -217,7 +285,11 @@ def _write_safetensors(
     offset = 0
     for name, size in specs:
         nbytes = _numel(size) * torch_dtype.itemsize
-        header[name] = {"dtype": st_dtype, "shape": list(size), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": st_dtype,
+            "shape": list(size),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the reference writer does
@@ -226,7 +298,7 @@ def _write_safetensors(
         f.write(raw)
         for name, size in specs:
             tensor = draw(name, size).contiguous()
-            f.write(memoryview(tensor.view(torch.uint8).numpy()))
+            f.write(tensor.view(torch.uint8).numpy().data)  # the bytes, no copy
             del tensor
 
 
@@ -270,18 +342,36 @@ def _iter_shape_lines() -> Iterator[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m worker.model.random_model", description="Write a random-weight HF Llama model directory.",
-        epilog="shapes:\n" + "\n".join(_iter_shape_lines()), formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m worker.model.random_model",
+        description="Write a random-weight HF Llama model directory.",
+        epilog="shapes:\n" + "\n".join(_iter_shape_lines()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("out_dir")
     parser.add_argument("--shape", required=True, choices=sorted(SHAPES))
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu", help="where to draw the numbers (cuda is much faster for 8B)")
+    parser.add_argument(
+        "--device", default="cpu", help="where to draw the numbers (cuda is much faster for 8B)"
+    )
+    parser.add_argument(
+        "--config-only",
+        action="store_true",
+        help="no weights (for an engine with load_format=random)",
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    path = write_random_model(args.out_dir, args.shape, args.dtype, args.seed, device=args.device)
-    print(f"{path}: {args.shape} ({SHAPES[args.shape].num_params / 1e9:.2f}B params, {args.dtype}) in {time.perf_counter() - start:.1f}s")
+    path = write_random_model(
+        args.out_dir,
+        args.shape,
+        args.dtype,
+        args.seed,
+        device=args.device,
+        weights=not args.config_only,
+    )
+    print(
+        f"{path}: {args.shape} ({SHAPES[args.shape].num_params / 1e9:.2f}B params, {args.dtype}) in {time.perf_counter() - start:.1f}s"
+    )
     return 0
 
 
