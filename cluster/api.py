@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.config import ClusterConfig
 from cluster.dispatch import CallError, Dispatcher, Group, in_own_context
 from cluster.errors import ApiError, from_call, from_validation
-from cluster.generation import Generation
+from cluster.generation import ClosingStreamingResponse, Generation
 from cluster.metrics import CONTENT_TYPE, Metrics
 from cluster.protocol import (
     ChatCompletionRequest,
@@ -200,7 +200,9 @@ class Ingress:
         if req.stream:
             writer = ChunkWriter(rid, now(), model, chat, self._token_text, req.include_usage)
             body = self._sse(gen, writer, len(stream.group.requests))
-            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+            return ClosingStreamingResponse(
+                body, gen.stream.close, media_type="text/event-stream", headers=headers
+            )
         collector = Collector(len(stream.group.requests), params.logprobs is not None)
         try:
             async for deltas in gen.deltas():

@@ -3,14 +3,20 @@
 Each choice (an engine request) has its own incremental detokenizer (`TextStream`), which
 also applies stop strings. When a stop string hits, the request is aborted on the worker at
 once so its KV pages go back; the engine itself stops on EOS, stop token ids and lengths.
-Timing of every choice feeds the latency histograms.
+Timing of every choice feeds the latency histograms. `ClosingStreamingResponse` makes
+sure a streaming request is aborted however its HTTP response ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from cluster.dispatch import CallError, GroupStream
 from cluster.protocol import FinishReason
@@ -120,3 +126,29 @@ class Generation:
         ttft = first - self.arrival
         tpot = (now - first) / (choice.num_tokens - 1) if choice.num_tokens > 1 else None
         self.on_latency(ttft, tpot, now - self.arrival, choice.num_tokens)
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that calls `on_close` however the response ends.
+
+    Starlette (ASGI spec < 2.4, which uvicorn and Serve's proxy speak) runs the body and a
+    disconnect listener side by side and cancels the body once the client is gone. When the
+    disconnect arrives before the body generator has started (the client left before the
+    first byte), the generator never runs, so no `finally` inside it ever runs either and
+    the request would keep generating to `max_tokens`. Closing here covers that case, a
+    cancellation of the whole handler, and the normal end alike; `on_close` must be
+    idempotent."""
+
+    def __init__(self, content: Any, on_close: Callable[[], None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(RuntimeError):  # a generator still running
+                    await aclose()  # a started, suspended generator runs its own cleanup now
