@@ -18,11 +18,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster import limits
 from cluster.config import ClusterConfig
 from cluster.dispatch import CallError, Dispatcher, Group, in_own_context
 from cluster.errors import ApiError, from_call, from_validation
@@ -35,6 +37,7 @@ from cluster.protocol import (
     ModelList,
     new_id,
     now,
+    openapi_components,
 )
 from cluster.responses import ChunkWriter, Collector, usage_of
 from cluster.router import RouteHint
@@ -50,6 +53,7 @@ REPLICA_HEADER = "x-kvray-replica"  # which worker replica served the request
 _INFO_TIMEOUT_S = 30.0
 _INLINE_TOKENIZE_CHARS = 16_384
 _STATS_TIMEOUT_S = 5.0
+_TEMPLATE_CHARS_PER_MESSAGE = 32  # what a chat template adds around each message, roughly
 
 ParsedRequest = ChatCompletionRequest | CompletionRequest
 
@@ -78,15 +82,45 @@ class Ingress:
         self._token_text_cache: dict[int, str] = {}
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        app = FastAPI(title="kvray", docs_url=None, redoc_url=None)
+        app = FastAPI(
+            title="kvray",
+            docs_url=None,
+            redoc_url=None,
+            openapi_url="/openapi.json",
+            redirect_slashes=False,  # a POST redirected to another path loses its body in some clients
+        )
         app.add_exception_handler(ApiError, self._on_api_error)  # type: ignore[arg-type]
         app.add_exception_handler(StarletteHTTPException, self._on_http_error)  # type: ignore[arg-type]
+        app.add_exception_handler(Exception, self._on_unexpected_error)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
-        app.add_api_route("/v1/models", self.models, methods=["GET"])
-        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
-        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route(
+            "/v1/models", self.models, methods=["GET"], openapi_extra=_openapi_op("ModelList")
+        )
+        app.add_api_route(
+            "/v1/completions",
+            self.completions,
+            methods=["POST"],
+            openapi_extra=_openapi_op("Completion", "CompletionRequest"),
+        )
+        app.add_api_route(
+            "/v1/chat/completions",
+            self.chat_completions,
+            methods=["POST"],
+            openapi_extra=_openapi_op("ChatCompletion", "ChatCompletionRequest"),
+        )
+        app.openapi = lambda: self._openapi(app)  # type: ignore[method-assign]
         return app
+
+    def _openapi(self, app: FastAPI) -> dict[str, Any]:
+        """FastAPI's document plus the body schemas the routes reference by name."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(
+                openapi_components()
+            )
+            app.openapi_schema = schema
+        return app.openapi_schema
 
     # -- routes ---------------------------------------------------------------------------
 
@@ -137,12 +171,12 @@ class Ingress:
     # -- request handling -----------------------------------------------------------------
 
     async def _parse(self, request: Request, model: type[ParsedRequest]) -> ParsedRequest:
+        """Authorize, read the body under its size limit, validate it and apply the limits."""
         self._authorize(request)
-        body = await request.body()
-        if len(body) > self._config.limits.max_request_bytes:
-            raise ApiError(
-                413, f"request body exceeds {self._config.limits.max_request_bytes} bytes"
-            )
+        cap = self._config.limits.max_request_bytes
+        limits.check_content_length(request.headers, cap)
+        limits.check_content_type(request.headers)
+        body = await limits.read_limited(request.stream(), cap)
         try:
             req = model.model_validate_json(body)
         except ValidationError as exc:
@@ -162,8 +196,12 @@ class Ingress:
                 param=refused,
                 code="unsupported",
             )
-        if req.n > self._config.limits.max_n:
-            raise ApiError(400, f"n must be at most {self._config.limits.max_n}", param="n")
+        limits.check_request(req, self._config.limits)
+        req = limits.with_default_max_tokens(req, self._config.limits.max_tokens)
+        try:  # what the protocol lets through must also make valid SamplingParams
+            req.sampling_params()
+        except ValidationError as exc:
+            raise from_validation(exc) from None
         return req
 
     async def _generate(
@@ -261,6 +299,8 @@ class Ingress:
         field = "messages" if chat else "prompt"
         if not prompt:
             raise ApiError(400, "the prompt is empty", param=field)
+        limits.check_prompt_tokens(prompt, self._config.limits.max_prompt_tokens, field)
+        limits.check_prompt_ids(prompt, self._tokenizer.vocab_size, field)
         if len(prompt) >= max_seq_len:
             raise ApiError(
                 400,
@@ -281,6 +321,8 @@ class Ingress:
 
     async def _tokenize(self, size: int, fn: Any, arg: Any) -> list[int]:
         """Tokenize inline, or in a thread for long inputs so other streams keep flowing."""
+        if isinstance(arg, list):  # chat messages: many empty ones still make a long template
+            size = max(size, len(arg) * _TEMPLATE_CHARS_PER_MESSAGE)
         try:
             if size > _INLINE_TOKENIZE_CHARS:
                 return list(await asyncio.to_thread(fn, arg))
@@ -334,3 +376,24 @@ class Ingress:
     def _on_api_error(self, request: Request, exc: ApiError) -> Response:
         self._metrics.count_failed(exc.status)
         return exc.response()
+
+    def _on_unexpected_error(self, request: Request, exc: Exception) -> Response:
+        """A bug still answers in OpenAI's error format (Starlette logs the traceback)."""
+        return self._on_api_error(request, ApiError(500, "internal server error"))
+
+
+def _openapi_op(response: str, body: str | None = None) -> dict[str, Any]:
+    """OpenAPI operation fields of a route taking a raw Request: its body and answers."""
+
+    def content(name: str) -> dict[str, Any]:
+        return {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}
+
+    error = {"description": "OpenAI error body", "content": content("ErrorResponse")}
+    ok: dict[str, Any] = {"description": "success", "content": content(response)}
+    op: dict[str, Any] = {"responses": {"200": ok, "401": error, "404": error, "503": error}}
+    if body is not None:
+        ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+        op["requestBody"] = {"required": True, "content": content(body)}
+        for status in ("400", "413", "415", "429", "500"):
+            op["responses"][status] = error
+    return op

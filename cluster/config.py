@@ -109,6 +109,18 @@ class RequestLimits(BaseModel):
 
 
 class ClusterConfig(BaseModel):
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="largest `max_tokens` accepted, and the default when a request sets none; None = up to the context length",
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="longest prompt in tokens; None = up to the context length"
+    )
+    max_prompts: int = Field(64, ge=1, description="most prompts in one /v1/completions request")
+    max_stop: int = Field(16, ge=0, description="most stop strings in one request")
+    max_stop_chars: int = Field(1024, ge=1, description="longest stop string, in characters")
+    max_stop_token_ids: int = Field(64, ge=0, description="most `stop_token_ids` in one request")
     """Everything `build_app` needs; loadable from YAML (`from_yaml`) or a plain dict."""
 
     model_config = _FROZEN

@@ -14,9 +14,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
-    413: "invalid_request_error",
     429: "rate_limit_error",
-    500: "server_error",
     503: "service_unavailable_error",
 }
 
@@ -46,7 +44,7 @@ class ApiError(Exception):
         return {
             "error": {
                 "message": self.message,
-                "type": _TYPES.get(self.status, "server_error"),
+                "type": error_type(self.status),
                 "param": self.param,
                 "code": self.code,
             }
@@ -60,10 +58,23 @@ class ApiError(Exception):
         return f"data: {json.dumps(self.body())}\n\n"
 
 
+def error_type(status: int) -> str:
+    """OpenAI's error `type` of a status: any other 4xx is the client's invalid request."""
+    return _TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
+
+
 def from_validation(exc: ValidationError) -> ApiError:
-    """The first validation problem, naming its field (`messages.0.role`)."""
-    first = exc.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    """The first validation problem, naming its field (`messages.0.role`).
+
+    Of the problems of the first field, the deepest wins: for a union (`content` is a
+    string or a list of parts) that is the member the input came closest to matching.
+    """
+    errors = exc.errors()
+    field = errors[0].get("loc", ())[:1]
+    first = max(
+        (e for e in errors if e.get("loc", ())[:1] == field), key=lambda e: len(e.get("loc", ()))
+    )
+    loc = [str(p) for p in first.get("loc", ()) if not _is_type_tag(p)]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return ApiError(
@@ -71,6 +82,16 @@ def from_validation(exc: ValidationError) -> ApiError:
         )
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     return ApiError(400, message, param=param, code="invalid_value")
+
+
+def _is_type_tag(part: str | int) -> bool:
+    """Union members in an error's location (`prompt.list[int].2`) are no part of the field."""
+    if isinstance(part, int):
+        return False
+    return part in _TYPE_TAGS or "[" in part or "(" in part
+
+
+_TYPE_TAGS = frozenset({"body", "str", "int", "float", "bool", "list", "dict", "none"})
 
 
 def from_call(error: CallError, retry_after: int) -> ApiError:

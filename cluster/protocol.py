@@ -1,30 +1,37 @@
 """OpenAI protocol: request and response models of /v1/completions and /v1/chat/completions.
 
 Requests are validated here, so a bad field is a 400 naming that field before anything
-reaches a worker. Unknown fields are ignored (clients send fields of newer API versions);
-fields that ask for a feature kvray lacks (tools, echo, logit_bias, ...) are refused.
+reaches a worker. Types are strict, as OpenAI's are (`"n": "2"` or `"n": true` is an
+error, not a 2 or a 1); integers that reach a worker are bounded so they fit its wire
+format. Unknown fields are ignored (clients send fields of newer API versions); fields
+that ask for a feature kvray lacks (tools, echo, logit_bias, ...) are refused. Limits an
+operator sets (stop list size, prompt count, ...) are checked by `cluster.limits`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.json_schema import models_json_schema
 
 from worker.sampling import MAX_LOGPROBS, SamplingParams
 
 FinishReason = Literal["stop", "length"]
+_INT32 = 2**31  # token ids, top_k and min_tokens stay below this (int32 on the worker)
+TokenId = Annotated[int, Field(ge=0, lt=_INT32)]
+_STRICT = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -39,12 +46,12 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extensions (vLLM names)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, lt=_INT32)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0, lt=_INT32)
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -52,8 +59,6 @@ class _Request(BaseModel):
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
         stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop sequences")
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must be non-empty")
         return v
@@ -67,7 +72,13 @@ class _Request(BaseModel):
         return None
 
     def _refused_extras(self) -> dict[str, Any]:
-        return {"logit_bias": {}, "tools": [], "functions": [], "response_format": {"type": "text"}}
+        return {
+            "logit_bias": {},
+            "tools": [],
+            "functions": [],
+            "function_call": "none",
+            "response_format": {"type": "text"},
+        }
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -99,13 +110,13 @@ class _Request(BaseModel):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -125,6 +136,14 @@ class ChatCompletionRequest(_Request):
     def _refused_extras(self) -> dict[str, Any]:
         return {**super()._refused_extras(), "tool_choice": "none"}
 
+    def refused_field(self) -> str | None:
+        """Tool calls replayed in the history are refused too: the template would drop them."""
+        for i, message in enumerate(self.messages):
+            for name in ("tool_calls", "function_call"):
+                if (message.model_extra or {}).get(name) not in (None, []):
+                    return f"messages.{i}.{name}"
+        return super().refused_field()
+
     def template_messages(self) -> list[dict[str, str]]:
         return [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -138,7 +157,9 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="text, texts, token ids, or lists of token ids"
+    )
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -269,6 +290,37 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(BaseModel):
+    """Every non-2xx answer of the API has this body."""
+
+    error: ErrorDetail
+
+
+def openapi_components() -> dict[str, Any]:
+    """JSON schemas of the request, response and error bodies, for the OpenAPI document.
+
+    The routes take a raw Request (the body is read under a size limit, then validated
+    here), so FastAPI cannot derive these; the ingress references them by name.
+    """
+    models: list[tuple[type[BaseModel], Literal["validation", "serialization"]]] = [
+        (ChatCompletionRequest, "validation"),
+        (CompletionRequest, "validation"),
+        (ChatCompletion, "serialization"),
+        (Completion, "serialization"),
+        (ModelList, "serialization"),
+        (ErrorResponse, "serialization"),
+    ]
+    _, top = models_json_schema(models, ref_template="#/components/schemas/{model}")
+    return dict(top["$defs"])
 
 
 def new_id(prefix: str) -> str:

@@ -1,0 +1,135 @@
+"""Per-request limits, checked by the ingress before a request is tokenized or queued.
+
+Each check raises an ApiError (413, 415 or 400 naming the field), so an oversized or
+hostile request costs the ingress a header read or a bounded body read, and never
+reaches a worker. The body is read under its size limit: a declared Content-Length over
+the limit is refused before reading, and a chunked body stops being read as soon as it
+passes the limit, so a 10 MB body never sits in the ingress's memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+
+from cluster.config import RequestLimits
+from cluster.errors import ApiError
+from cluster.protocol import ChatCompletionRequest, CompletionRequest
+
+_JSON_SUBTYPE = "json"
+
+
+def too_large(max_bytes: int) -> ApiError:
+    return ApiError(413, f"request body exceeds {max_bytes} bytes", code="request_too_large")
+
+
+def check_content_length(headers: Mapping[str, str], max_bytes: int) -> None:
+    """Refuse by the declared length alone; a body without one is bounded while read."""
+    declared = headers.get("content-length")
+    if declared is None:
+        return
+    if not declared.strip().isdigit():
+        raise ApiError(400, "Content-Length is not a number", code="invalid_header")
+    if int(declared) > max_bytes:
+        raise too_large(max_bytes)
+
+
+async def read_limited(chunks: AsyncIterator[bytes], max_bytes: int) -> bytes:
+    """The whole body, or a 413 as soon as more than `max_bytes` have arrived."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large(max_bytes)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def check_content_type(headers: Mapping[str, str]) -> None:
+    """JSON, or no Content-Type at all (read as JSON, like FastAPI); anything else is 415."""
+    value = headers.get("content-type")
+    if value is None:
+        return
+    media = value.split(";", 1)[0].strip().lower()
+    kind, _, subtype = media.partition("/")
+    if kind == "application" and (subtype == _JSON_SUBTYPE or subtype.endswith("+json")):
+        return
+    raise ApiError(
+        415,
+        f"Content-Type must be application/json, not {media or 'empty'!r}",
+        code="unsupported_media_type",
+    )
+
+
+def check_request(req: ChatCompletionRequest | CompletionRequest, limits: RequestLimits) -> None:
+    """The operator's limits on one parsed request (those that need no tokenizer)."""
+    if req.n > limits.max_n:
+        raise ApiError(400, f"n must be at most {limits.max_n}", param="n")
+    _check_max_tokens(req, limits.max_tokens)
+    _check_stops(req.stop_list, limits)
+    stop_ids = req.stop_token_ids or []
+    if len(stop_ids) > limits.max_stop_token_ids:
+        raise ApiError(
+            400,
+            f"at most {limits.max_stop_token_ids} stop_token_ids are accepted",
+            param="stop_token_ids",
+        )
+    if isinstance(req, CompletionRequest):
+        count = len(req.prompts())
+        if count > limits.max_prompts:
+            raise ApiError(
+                400,
+                f"at most {limits.max_prompts} prompts per request ({count} sent)",
+                param="prompt",
+            )
+
+
+def _check_max_tokens(req: ChatCompletionRequest | CompletionRequest, cap: int | None) -> None:
+    if cap is None:
+        return
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(req, name, None)
+        if value is not None and value > cap:
+            raise ApiError(400, f"{name} must be at most {cap}", param=name)
+
+
+def _check_stops(stops: Sequence[str], limits: RequestLimits) -> None:
+    if len(stops) > limits.max_stop:
+        raise ApiError(400, f"at most {limits.max_stop} stop sequences are accepted", param="stop")
+    if any(len(s) > limits.max_stop_chars for s in stops):
+        raise ApiError(
+            400, f"stop sequences must be at most {limits.max_stop_chars} characters", param="stop"
+        )
+
+
+def with_default_max_tokens(
+    req: ChatCompletionRequest | CompletionRequest, cap: int | None
+) -> ChatCompletionRequest | CompletionRequest:
+    """A request that sets no max_tokens gets the operator's cap, so the cap always holds."""
+    if cap is None or req.max_tokens is not None:
+        return req
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req
+    return req.model_copy(update={"max_tokens": cap})
+
+
+def check_prompt_ids(prompt: Sequence[int], vocab_size: int, field: str) -> None:
+    """Token ids a client sent must name tokens of the vocabulary."""
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ApiError(
+            400,
+            f"token id {bad} is outside the vocabulary [0, {vocab_size})",
+            param=field,
+            code="invalid_token_id",
+        )
+
+
+def check_prompt_tokens(prompt: Sequence[int], cap: int | None, field: str) -> None:
+    if cap is not None and len(prompt) > cap:
+        raise ApiError(
+            400,
+            f"the prompt has {len(prompt)} tokens; this server accepts at most {cap}",
+            param=field,
+            code="context_length_exceeded",
+        )
