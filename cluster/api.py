@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import limits
 from cluster.config import ClusterConfig
-from cluster.dispatch import CallError, Dispatcher, Group, in_own_context
+from cluster.dispatch import CallError, Dispatcher, Group, in_own_context, rss_bytes
 from cluster.errors import ApiError, from_call, from_validation
 from cluster.generation import ClosingStreamingResponse, Generation
 from cluster.metrics import CONTENT_TYPE, Metrics
@@ -125,6 +125,8 @@ class Ingress:
     # -- routes ---------------------------------------------------------------------------
 
     async def health(self) -> Response:
+        if self._dispatcher.draining:  # load balancers take a draining ingress out
+            return self._draining_error().response()
         await self._engine_info()
         return JSONResponse({"status": "ok"})
 
@@ -212,6 +214,8 @@ class Ingress:
         arrival: float,
         chat: bool,
     ) -> Response:
+        if self._dispatcher.draining:
+            raise self._draining_error()
         info = await self._engine_info()
         for prompt in prompts:
             self._check_length(prompt, params.max_tokens, info["max_seq_len"], chat)
@@ -316,6 +320,31 @@ class Ingress:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+
+    # -- draining (shutdown) --------------------------------------------------------------
+
+    async def start_draining(self) -> int:
+        """From now on refuse new requests (503 + Retry-After) and fail /health; running
+        requests go on. Called by `kvray serve` on SIGTERM before Serve shuts down, since
+        Serve tells a replica nothing before its own drain. Returns the requests in flight."""
+        self._dispatcher.draining = True
+        return self._dispatcher.num_open
+
+    async def drain_status(self) -> dict[str, Any]:
+        """Whether this replica drains, how many requests it still serves, its RSS."""
+        return {
+            "draining": self._dispatcher.draining,
+            "in_flight": self._dispatcher.num_open,
+            "rss_bytes": rss_bytes(),
+        }
+
+    def _draining_error(self) -> ApiError:
+        return ApiError(
+            503,
+            "the server is shutting down; retry on another replica",
+            code="draining",
+            retry_after=self._config.limits.retry_after_s,
+        )
 
     # -- helpers --------------------------------------------------------------------------
 

@@ -107,6 +107,7 @@ def _worker(config: ClusterConfig) -> Any:
         config.router.summary_pages,
         config.stall_threshold_s,
         config.worker_cpu_threads,
+        config.fault_injection,
     )
 
 

@@ -95,6 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvray: ready in {time.perf_counter() - start:.0f} s\n", flush=True)
         print(_examples(config), flush=True)
         _wait_for_interrupt()
+        _drain(config)
     except KeyboardInterrupt:
         pass
     finally:
@@ -121,6 +122,35 @@ def _examples(config: Any) -> str:
         "  EOF\n\n"
         f"Metrics: {base}/metrics   Stop: Ctrl-C"
     )
+
+
+def _drain(config: Any) -> None:
+    """Before Serve shuts down: every ingress replica refuses new requests (503 with
+    Retry-After) while the running ones finish, for at most `drain_timeout_s`. Serve's own
+    shutdown then stops the replicas, which by then have nothing left to cut."""
+    from ray import serve
+
+    from cluster.app import INGRESS_NAME
+
+    handle = serve.get_deployment_handle(INGRESS_NAME, app_name=config.app_name)
+    deadline = time.monotonic() + config.drain_timeout_s
+    in_flight = _in_flight(handle.broadcast("start_draining"))
+    print(f"\nkvray: draining {in_flight} running request(s) ...", flush=True)
+    while in_flight and time.monotonic() < deadline:
+        time.sleep(config.drain_poll_s)
+        in_flight = _in_flight(handle.broadcast("drain_status"), key="in_flight")
+    if in_flight:
+        print(f"kvray: {in_flight} request(s) still running after the drain timeout", flush=True)
+
+
+def _in_flight(response: Any, key: str | None = None) -> int:
+    """Sum a broadcast's counts; replicas that do not answer within 10 s count as done."""
+    try:
+        results = response.results(timeout_s=10, return_exceptions=True)
+    except TimeoutError:
+        return 0
+    counts = [r[key] if key else r for r in results if not isinstance(r, BaseException)]
+    return int(sum(counts))
 
 
 def _wait_for_interrupt() -> None:

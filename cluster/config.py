@@ -182,6 +182,10 @@ class ClusterConfig(BaseModel):
         (),
         description=f"accepted bearer tokens; empty = no auth; also read from ${API_KEYS_ENV} (comma separated)",
     )
+    fault_injection: bool = Field(
+        False,
+        description="tests only: worker replicas take inject_fault calls that make engine steps raise or stall",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -4,7 +4,8 @@ A replica answers `generate` calls with a stream of msgpack frames (see transpor
 accept or refuse, then one frame per engine step. It reports its load and prefix-cache
 keys to routers (`record_routing_stats`), its queue depth and KV usage to the autoscaler
 (`record_autoscaling_stats`), and counts as unhealthy when the engine loop died or has
-work but stopped stepping.
+work but stopped stepping. With `ClusterConfig.fault_injection` on (tests only), it also
+takes `inject_fault` calls that make its next engine steps raise or stall.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,10 +21,12 @@ from typing import Any
 import torch
 from ray import serve
 
+from cluster.dispatch import rss_bytes
 from cluster.router import RouteHint
 from cluster.transport import decode_requests, encode_accepted, encode_deltas, encode_refused
 from worker.config import EngineConfig
 from worker.engine import Engine, EngineFull, EngineRequest
+from worker.request import ScheduledTask
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,45 @@ def _set_cpu_threads(config: EngineConfig, threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+class InjectedFault(RuntimeError):
+    """The failure a FaultInjector raises inside an engine step."""
+
+
+class FaultInjector:
+    """Test-only engine fault, installed as `Engine.fault_hook` (runs on the engine thread
+    before each step's forward): the next `steps` steps with work raise, or stall first.
+
+    Off unless the config enables it, so a production replica can never be told to fail."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self._steps = 0
+        self._stall_s = 0.0
+        self.injected = 0  # steps failed or stalled so far
+
+    def arm(self, steps: int, stall_s: float = 0.0) -> None:
+        """Fail the next `steps` steps (raise), or with `stall_s` > 0 sleep that long in each."""
+        if not self.enabled:
+            raise PermissionError("fault injection is off (ClusterConfig.fault_injection)")
+        if steps < 0 or stall_s < 0:
+            raise ValueError("steps and stall_s must not be negative")
+        with self._lock:
+            self._steps, self._stall_s = steps, stall_s
+
+    def __call__(self, tasks: list[ScheduledTask]) -> None:
+        with self._lock:
+            if self._steps <= 0:
+                return
+            self._steps -= 1
+            self.injected += 1
+            stall_s = self._stall_s
+        if stall_s > 0:
+            time.sleep(stall_s)
+            return
+        raise InjectedFault(f"injected fault in a step of {len(tasks)} request(s)")
+
+
 class WorkerDeployment:
     """The body of the worker deployment; `app.build_app` wraps it with `serve.deployment`."""
 
@@ -45,9 +88,13 @@ class WorkerDeployment:
         summary_pages: int = 4096,
         stall_threshold_s: float = 60.0,
         cpu_threads: int | None = None,
+        fault_injection: bool = False,
     ):
         _set_cpu_threads(engine_config, cpu_threads)
         self._engine = Engine(engine_config)
+        self._faults = FaultInjector(fault_injection)
+        if fault_injection:
+            self._engine.fault_hook = self._faults
         self._engine.start()
         self._summary_pages = summary_pages
         self._stall_threshold_s = stall_threshold_s
@@ -79,6 +126,13 @@ class WorkerDeployment:
         for request_id in request_ids:
             self._engine.abort(request_id)
 
+    async def inject_fault(self, hint: RouteHint, steps: int = 1, stall_s: float = 0.0) -> str:
+        """Tests: make this replica's next `steps` steps raise (or stall `stall_s` seconds
+        each). Refused (PermissionError) unless the config enables fault injection. Route it
+        with `RouteHint(replica_id=...)`; returns the replica id that took it."""
+        self._faults.arm(steps, stall_s)
+        return self._replica_id
+
     async def info(self, hint: RouteHint | None = None) -> dict[str, Any]:
         """The resolved engine config the ingress validates prompts against."""
         config = self._engine.config
@@ -91,7 +145,12 @@ class WorkerDeployment:
 
     async def stats(self) -> dict[str, Any]:
         """Engine stats for /metrics, tagged with this replica's id."""
-        return {"replica_id": self._replica_id, **dataclasses.asdict(self._engine.stats())}
+        return {
+            "replica_id": self._replica_id,
+            "faults_injected": self._faults.injected,
+            "rss_bytes": rss_bytes(),
+            **dataclasses.asdict(self._engine.stats()),
+        }
 
     def record_routing_stats(self) -> dict[str, Any]:
         stats = self._engine.stats()

@@ -9,7 +9,8 @@ deltas of its own requests.
 
 Failures never hang a client: a refused call, a replica that dies, a call that is not
 accepted within `accept_timeout_s` or goes silent for `stall_timeout_s` ends every group of
-the call with a `CallError`.
+the call with a `CallError`. While the ingress drains (shutdown), `draining` is set and
+`num_open` counts the groups still being served.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -101,6 +103,7 @@ class GroupStream:
         if self.closed:
             return
         self.closed = True
+        self._dispatcher.open_streams.discard(self)
         self.abort(list(self._unfinished))
         if self._call is not None:
             self._call.group_closed()
@@ -198,8 +201,9 @@ class _Call:
 
     async def _finish_stream(self) -> None:
         """Read a refused call to its end: Serve counts a call as ongoing until then."""
-        async for _ in self.response:
-            pass
+        async with asyncio.timeout(self.dispatcher.limits.accept_timeout_s):
+            async for _ in self.response:
+                pass
 
     def _refused(self, refusal: Refused) -> None:
         if refusal.kind in ("invalid", "full") and len(self.streams) > 1:
@@ -271,9 +275,17 @@ class Dispatcher:
         self._flush_timer: asyncio.TimerHandle | None = None
         self._last_send = -1e9
         self._tasks: set[asyncio.Task[None]] = set()
+        self.open_streams: set[GroupStream] = set()  # submitted and not yet closed
+        self.draining = False  # set once at shutdown: the ingress refuses new requests
+
+    @property
+    def num_open(self) -> int:
+        """Requests this ingress still serves (a drain waits for this to reach 0)."""
+        return len(self.open_streams)
 
     def submit(self, group: Group) -> GroupStream:
         stream = GroupStream(self, group)
+        self.open_streams.add(stream)
         now = time.monotonic()
         idle = not self._pending and now - self._last_send > self._window_s
         if self._window_s <= 0 or idle:
@@ -314,3 +326,12 @@ class Dispatcher:
         task = in_own_context(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process (Linux /proc; 0 elsewhere): what the soak watches."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -1,0 +1,115 @@
+"""Reliability pieces that need no Ray: the fault injector, retry before accept, draining."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from cluster.config import RequestLimits
+from cluster.deployment import FaultInjector, InjectedFault
+from cluster.dispatch import Dispatcher, Group
+from cluster.transport import WireRequest, encode_accepted, encode_deltas
+from worker.outputs import RequestDelta
+from worker.sampling import SamplingParams
+
+
+def test_fault_injection_is_refused_unless_the_config_enables_it() -> None:
+    with pytest.raises(PermissionError):
+        FaultInjector(enabled=False).arm(steps=1)
+
+
+def test_armed_injector_fails_exactly_the_armed_steps() -> None:
+    faults = FaultInjector(enabled=True)
+    faults([])  # not armed: nothing happens
+    faults.arm(steps=2)
+    for _ in range(2):
+        with pytest.raises(InjectedFault):
+            faults([])
+    faults([])
+    assert faults.injected == 2
+
+
+def test_stalling_injector_sleeps_instead_of_raising() -> None:
+    faults = FaultInjector(enabled=True)
+    faults.arm(steps=1, stall_s=0.01)
+    faults([])
+    assert faults.injected == 1
+
+
+class _DeadReplica(Exception):
+    """What a call to a killed replica raises (stands in for Ray's ActorDiedError)."""
+
+
+class _Response:
+    """A fake streaming Serve response: raises at once, or yields the given frames."""
+
+    def __init__(self, frames: list[bytes] | None):
+        self._frames = frames
+
+    def __aiter__(self) -> _Response:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._frames is None:
+            raise _DeadReplica("the replica died")
+        if not self._frames:
+            raise StopAsyncIteration
+        return self._frames.pop(0)
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Handle:
+    """A fake worker handle whose first `generate` call hits a dead replica."""
+
+    def __init__(self, request_id: str):
+        self.calls = 0
+        self._request_id = request_id
+
+    def options(self, method_name: str, stream: bool = False) -> _Handle:
+        return self
+
+    def remote(self, *args: Any) -> _Response:
+        self.calls += 1
+        if self.calls == 1:
+            return _Response(None)
+        done = RequestDelta(self._request_id, [7], None, "length", None, 1, 0, None)
+        return _Response([encode_accepted("live"), encode_deltas([done])])
+
+
+def _group(request_id: str) -> Group:
+    return Group([WireRequest(request_id, [1, 2, 3], SamplingParams(max_tokens=1))], ())
+
+
+def test_a_call_that_fails_before_it_is_accepted_is_retried_once() -> None:
+    async def run() -> tuple[str, list[RequestDelta], int]:
+        handle = _Handle("r-1")
+        dispatcher = Dispatcher(handle, 0.0, 8, RequestLimits())
+        stream = dispatcher.submit(_group("r-1"))
+        replica = await stream.accepted()
+        frames: list[RequestDelta] = []
+        async for frame in stream:
+            frames.extend(frame)
+        stream.close()
+        return replica, frames, handle.calls
+
+    replica, frames, calls = asyncio.run(run())
+    assert (replica, calls) == ("live", 2)
+    assert [d.finish_reason for d in frames] == ["length"]
+
+
+def test_draining_dispatcher_counts_open_requests_until_closed() -> None:
+    async def run() -> list[int]:
+        dispatcher = Dispatcher(_Handle("r-2"), 0.0, 8, RequestLimits())
+        counts = [dispatcher.num_open]
+        stream = dispatcher.submit(_group("r-2"))
+        counts.append(dispatcher.num_open)
+        await stream.accepted()  # the retry reaches the live replica
+        stream.close()
+        counts.append(dispatcher.num_open)
+        return counts
+
+    assert asyncio.run(run()) == [0, 1, 0]
