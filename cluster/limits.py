@@ -85,11 +85,12 @@ def check_request(req: ChatCompletionRequest | CompletionRequest, limits: Reques
 
 
 def _check_max_tokens(req: ChatCompletionRequest | CompletionRequest, cap: int | None) -> None:
+    """Only what the client set: a default (16 for completions) is lowered, not refused."""
     if cap is None:
         return
     for name in ("max_tokens", "max_completion_tokens"):
         value = getattr(req, name, None)
-        if value is not None and value > cap:
+        if name in req.model_fields_set and value is not None and value > cap:
             raise ApiError(400, f"{name} must be at most {cap}", param=name)
 
 
@@ -105,12 +106,16 @@ def _check_stops(stops: Sequence[str], limits: RequestLimits) -> None:
 def with_default_max_tokens(
     req: ChatCompletionRequest | CompletionRequest, cap: int | None
 ) -> ChatCompletionRequest | CompletionRequest:
-    """A request that sets no max_tokens gets the operator's cap, so the cap always holds."""
-    if cap is None or req.max_tokens is not None:
+    """A request that sets no max_tokens gets the operator's cap (or the protocol's default,
+    if lower), so the cap always holds."""
+    if cap is None:
         return req
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         return req
-    return req.model_copy(update={"max_tokens": cap})
+    if req.max_tokens is not None and "max_tokens" in req.model_fields_set:
+        return req
+    default = req.max_tokens
+    return req.model_copy(update={"max_tokens": cap if default is None else min(default, cap)})
 
 
 def check_prompt_ids(prompt: Sequence[int], vocab_size: int, field: str) -> None:
