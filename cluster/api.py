@@ -333,6 +333,7 @@ class Ingress:
     async def drain_status(self) -> dict[str, Any]:
         """Whether this replica drains, how many requests it still serves, its RSS."""
         return {
+            "replica_id": serve.get_replica_context().replica_id.unique_id,
             "draining": self._dispatcher.draining,
             "in_flight": self._dispatcher.num_open,
             "rss_bytes": rss_bytes(),
