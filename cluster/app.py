@@ -108,6 +108,8 @@ def _worker(config: ClusterConfig) -> Any:
         config.stall_threshold_s,
         config.worker_cpu_threads,
         config.fault_injection,
+        # a queued request hears from its worker well within the ingress's stall timeout
+        min(5.0, config.limits.stall_timeout_s / 4),
     )
 
 

@@ -9,14 +9,26 @@ run prints throughput and TTFT / TPOT / ITL / E2E mean, p50, p99.
 The same requests, on the same arrival schedule, then go straight into an in-process
 Engine built from the same EngineConfig. The difference between the two runs is what the
 ingress, the router and Serve add.
+
+Reliability options: `--cancel-fraction` makes some clients leave early (before the first
+byte or after a few chunks) and `--stop-fraction` gives some requests stop strings; every
+request ends in one outcome (completed, stopped, cancelled, rejected, error, lost), where
+"lost" means it neither completed nor got an error and must stay 0. `--soak` (launched
+server only) warms up, runs the load, then checks that every worker replica is idle with
+every KV page free and how much every replica's memory (RSS) grew; `--overload-requests`
+then sends one burst past the waiting limit (429 + Retry-After) and checks the recovery.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import platform
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +36,17 @@ import numpy as np
 
 from cluster.bench_stats import (
     BenchSample,
+    RequestPlan,
     RequestResult,
     make_arrivals,
+    make_plans,
     make_samples,
     print_report,
     summarize,
+    tally,
 )
+
+NO_PLAN = RequestPlan()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +82,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--skip-engine", action="store_true", help="do not run the in-process engine baseline"
     )
     parser.add_argument("--result-json", help="write both summaries to this file")
+    parser.add_argument(
+        "--cancel-fraction", type=float, default=0.0, help="share of clients that leave early"
+    )
+    parser.add_argument(
+        "--stop-fraction", type=float, default=0.0, help="share of requests with stop strings"
+    )
+    parser.add_argument(
+        "--stop", nargs="+", default=["e", "\n"], help="the stop strings of those requests"
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, default=600.0, help="a request still open then is lost"
+    )
+    parser.add_argument(
+        "--soak",
+        action="store_true",
+        help="launched server: check idle replicas, free pages and RSS growth after the run",
+    )
+    parser.add_argument(
+        "--warmup-prompts", type=int, default=100, help="soak: requests before RSS is measured"
+    )
+    parser.add_argument(
+        "--overload-requests", type=int, default=0, help="soak: then a burst this large at once"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,31 +126,46 @@ def run(args: argparse.Namespace) -> int:
         args.seed,
     )
     arrivals = make_arrivals(args.num_prompts, args.request_rate, args.burstiness, args.seed)
+    plans = _plans(args, samples)
+    if args.soak:
+        report = soak_launched(config, args, samples, plans, arrivals, vocab)
+        _write(args, report)
+        return 0 if report["passed"] else 1
     summaries: dict[str, dict[str, Any]] = {}
     label = f"serve ({config.worker_replicas} worker replica(s), batch window {config.router.batch_window_ms} ms)"
     if args.base_url:
         summaries[label] = asyncio.run(
-            _http_run(
-                args.base_url,
-                args.api_key,
-                config.model_name,
-                samples,
-                arrivals,
-                args.max_concurrency,
-            )
+            http_run(args.base_url, args.api_key, config.model_name, samples, plans, arrivals, args)
         )
     else:
-        summaries[label] = _launched_run(config, samples, arrivals, args.max_concurrency)
+        with local_app(config) as base_url:
+            key = config.api_keys[0] if config.api_keys else "unused"
+            summaries[label] = asyncio.run(
+                http_run(base_url, key, config.model_name, samples, plans, arrivals, args)
+            )
     if not args.skip_engine:
         summaries["in-process engine"] = asyncio.run(
             _engine_run(config.engine, samples, arrivals, args.max_concurrency)
         )
     print_report(summaries, vars(args))
-    if args.result_json:
-        Path(args.result_json).write_text(
-            json.dumps({"args": vars(args), "results": summaries}, indent=2, default=str)
-        )
+    _write(args, {"args": vars(args), "results": summaries})
     return 0
+
+
+def _plans(args: argparse.Namespace, samples: list[BenchSample]) -> list[RequestPlan]:
+    return make_plans(
+        len(samples),
+        args.cancel_fraction,
+        args.stop_fraction,
+        [s.output_len for s in samples],
+        tuple(args.stop),
+        args.seed,
+    )
+
+
+def _write(args: argparse.Namespace, data: dict[str, Any]) -> None:
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps(data, indent=2, default=str))
 
 
 def _vocab_size(model: str) -> int:
@@ -123,10 +178,9 @@ def _vocab_size(model: str) -> int:
 # -- the server ----------------------------------------------------------------------------------
 
 
-def _launched_run(
-    config: Any, samples: list[BenchSample], arrivals: np.ndarray, concurrency: int
-) -> dict[str, Any]:
-    """Start local Ray and the app, run the load over HTTP, stop everything again."""
+@contextlib.contextmanager
+def local_app(config: Any) -> Iterator[str]:
+    """Start local Ray and the app; yield its base URL; stop everything again."""
     import ray
     from ray import serve
 
@@ -142,75 +196,132 @@ def _launched_run(
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
         serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
-        base_url = f"http://{config.host}:{config.port}"
-        key = config.api_keys[0] if config.api_keys else "unused"
-        return asyncio.run(
-            _http_run(base_url, key, config.model_name, samples, arrivals, concurrency)
-        )
+        yield f"http://{config.host}:{config.port}"
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
-async def _http_run(
+async def http_run(
     base_url: str,
     api_key: str,
     model: str,
     samples: list[BenchSample],
+    plans: list[RequestPlan],
     arrivals: np.ndarray,
-    concurrency: int,
+    args: argparse.Namespace,
+    warm_up: bool = True,
 ) -> dict[str, Any]:
+    """Send every sample with its plan over HTTP; the latency summary and the outcomes."""
     import httpx
 
+    concurrency = args.max_concurrency
     limits = httpx.Limits(
         max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
     )
     headers = {"Authorization": f"Bearer {api_key}"}
+    plan_of = {id(s): p for s, p in zip(samples, plans, strict=True)}
     async with httpx.AsyncClient(
-        base_url=base_url, headers=headers, timeout=600, limits=limits
+        base_url=base_url, headers=headers, timeout=args.request_timeout, limits=limits
     ) as client:
 
         async def one(sample: BenchSample) -> RequestResult:
-            return await _http_request(client, model, sample)
+            plan = plan_of.get(id(sample), NO_PLAN)
+            return await http_request(client, model, sample, plan, args.request_timeout)
 
-        await asyncio.gather(*(one(s) for s in samples[:2]))  # warm-up, not measured
-        return await _drive(samples, arrivals, concurrency, one)
+        if warm_up:
+            await asyncio.gather(*(http_request(client, model, s) for s in samples[:2]))
+        summary, results = await _drive(samples, arrivals, concurrency, one)
+    return {**summary, "outcomes": tally(results, plans)}
 
 
-async def _http_request(client: Any, model: str, sample: BenchSample) -> RequestResult:
-    body = {
+async def http_request(
+    client: Any,
+    model: str,
+    sample: BenchSample,
+    plan: RequestPlan = NO_PLAN,
+    timeout_s: float = 600.0,
+) -> RequestResult:
+    """One streaming completion that follows `plan`; its timings and outcome."""
+    import httpx
+
+    body: dict[str, Any] = {
         "model": model,
         "prompt": sample.prompt,
         "max_tokens": sample.output_len,
-        "ignore_eos": True,
+        "ignore_eos": True,  # so "stop" can only mean a stop string hit
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if plan.stop:
+        body["stop"] = list(plan.stop)
     result = RequestResult(prompt_tokens=len(sample.prompt))
     start = time.perf_counter()
-    last = start
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-            return result
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                result.error = chunk["error"]["message"]
-            elif chunk.get("usage"):
-                result.output_tokens = chunk["usage"]["completion_tokens"]
-            elif chunk.get("choices"):
-                now = time.perf_counter()
-                if result.ttft is None:
-                    result.ttft = now - start
-                else:
-                    result.itls.append(now - last)
-                last = now
+    leave = plan.leave_after_s is not None
+    try:
+        async with asyncio.timeout(plan.leave_after_s if leave else timeout_s):
+            await _stream(client, body, plan, result, start)
+    except TimeoutError:
+        if leave:
+            result.outcome = "cancelled"  # left before the first byte
+        else:
+            result.outcome, result.error = "lost", f"no answer within {timeout_s:.0f} s"
+    except httpx.HTTPError as exc:
+        result.outcome, result.error = "lost", f"{type(exc).__name__}: {exc}"
     result.e2e = time.perf_counter() - start
     return result
+
+
+async def _stream(
+    client: Any, body: dict[str, Any], plan: RequestPlan, result: RequestResult, start: float
+) -> None:
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if plan.leave_after_s is not None:
+            result.outcome = "cancelled"  # the headers beat the client's leaving: leave now
+            return
+        if response.status_code != 200:
+            result.status = response.status_code
+            result.retry_after = response.headers.get("retry-after")
+            result.outcome = "rejected" if response.status_code == 429 else "error"
+            result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+            return
+        await _read_events(response, plan, result, start)
+
+
+async def _read_events(
+    response: Any, plan: RequestPlan, result: RequestResult, start: float
+) -> None:
+    last, chunks, done = start, 0, False
+    finish: str | None = None
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            done = True
+            break
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            result.outcome, result.error = "error", chunk["error"]["message"]
+        elif chunk.get("usage"):
+            result.output_tokens = chunk["usage"]["completion_tokens"]
+        elif chunk.get("choices"):
+            now = time.perf_counter()
+            if result.ttft is None:
+                result.ttft = now - start
+            else:
+                result.itls.append(now - last)
+            last, chunks = now, chunks + 1
+            finish = chunk["choices"][0].get("finish_reason") or finish
+            if plan.cancel_after_chunks is not None and chunks >= plan.cancel_after_chunks:
+                result.outcome = "cancelled"
+                return
+    if result.outcome == "error":
+        return
+    if not done or finish is None:
+        result.outcome, result.error = "lost", "the stream ended without a finish and [DONE]"
+    else:
+        result.outcome = "stopped" if finish == "stop" else "completed"
 
 
 # -- the in-process engine -------------------------------------------------------------------
@@ -244,7 +355,8 @@ async def _engine_run(
 
     try:
         await asyncio.gather(*(one(s) for s in samples[:2]))
-        return await _drive(samples, arrivals, concurrency, one)
+        summary, _ = await _drive(samples, arrivals, concurrency, one)
+        return summary
     finally:
         engine.shutdown()
 
@@ -254,7 +366,7 @@ async def _engine_run(
 
 async def _drive(
     samples: list[BenchSample], arrivals: np.ndarray, concurrency: int, one: Any
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], list[RequestResult]]:
     """Send every sample at its arrival time (at most `concurrency` in flight); summarize."""
     gate = asyncio.Semaphore(concurrency)
     start = time.perf_counter()
@@ -265,9 +377,171 @@ async def _drive(
             try:
                 return await one(sample)
             except Exception as exc:  # a failed request is counted, not fatal
-                return RequestResult(prompt_tokens=len(sample.prompt), error=repr(exc))
+                return RequestResult(
+                    prompt_tokens=len(sample.prompt), error=repr(exc), outcome="lost"
+                )
 
     results = await asyncio.gather(
         *(scheduled(s, float(t)) for s, t in zip(samples, arrivals, strict=True))
     )
-    return summarize(results, time.perf_counter() - start)
+    return summarize(results, time.perf_counter() - start), results
+
+
+# -- soak: leak checks on a launched server --------------------------------------------------
+
+
+def soak_launched(
+    config: Any,
+    args: argparse.Namespace,
+    samples: list[BenchSample],
+    plans: list[RequestPlan],
+    arrivals: np.ndarray,
+    vocab: int,
+) -> dict[str, Any]:
+    """Warm up, snapshot the replicas, run the load, snapshot again (and the overload burst)."""
+    model, key = config.model_name, config.api_keys[0] if config.api_keys else "unused"
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, CPU",
+        "args": vars(args),
+        "config": config.model_dump(mode="json"),
+    }
+    with local_app(config) as base_url:
+        warm = make_samples(
+            args.warmup_prompts, args.input_len, args.output_len, args.range_ratio,
+            args.prefix_len, vocab, args.seed + 100,
+        )  # fmt: skip
+        warm_run = http_run(
+            base_url, key, model, warm, _plans(args, warm), np.zeros(len(warm)), args
+        )
+        report["warmup"] = asyncio.run(warm_run)["outcomes"]
+        before = replica_snapshot(config.app_name)
+        run = http_run(base_url, key, model, samples, plans, arrivals, args, warm_up=False)
+        report["run"] = asyncio.run(run)
+        report["leaks"] = leak_report(before, replica_snapshot(config.app_name))
+        if args.overload_requests:
+            report["overload"] = asyncio.run(
+                overload(base_url, key, model, args.overload_requests, vocab, args)
+            )
+            report["after_overload"] = leak_report(before, replica_snapshot(config.app_name))
+    report["passed"] = soak_passed(report)
+    print(json.dumps({k: report[k] for k in report if k not in ("args", "config")}, indent=2))
+    return report
+
+
+def soak_passed(report: dict[str, Any]) -> bool:
+    """Nothing lost, no page leaked, nothing stuck, RSS growth under 5 %, recovered."""
+    leaks = [report["leaks"], *([report["after_overload"]] if "after_overload" in report else [])]
+    lost = report["run"]["outcomes"]["lost"]
+    if "overload" in report:
+        over = report["overload"]
+        lost += over["burst"]["lost"]
+        if over["recovery"]["completed"] != over["recovery"]["sent"]:
+            return False
+    return lost == 0 and all(
+        leak["pages_leaked"] == 0 and leak["stuck_requests"] == 0 and leak["max_rss_growth_pct"] < 5
+        for leak in leaks
+    )
+
+
+def replica_snapshot(app_name: str, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Once every worker replica is idle (or after `timeout_s`): each replica's engine
+    stats and RSS, and every ingress replica's RSS."""
+    from ray import serve
+
+    from cluster.app import INGRESS_NAME, WORKER_NAME
+
+    worker = serve.get_deployment_handle(WORKER_NAME, app_name=app_name)
+    ingress = serve.get_deployment_handle(INGRESS_NAME, app_name=app_name)
+    start = time.monotonic()
+    while True:
+        stats = [s for s in worker.broadcast("stats").results(timeout_s=30) if isinstance(s, dict)]
+        idle = all(
+            s["num_running"] == 0
+            and s["num_waiting"] == 0
+            and s["num_free_pages"] == s["num_total_pages"]
+            for s in stats
+        )
+        if idle or time.monotonic() - start > timeout_s:
+            break
+        time.sleep(0.5)
+    return {
+        "idle": idle,
+        "idle_wait_s": round(time.monotonic() - start, 1),
+        "workers": {s["replica_id"]: s for s in stats},
+        "ingress": {
+            s["replica_id"]: s for s in ingress.broadcast("drain_status").results(timeout_s=30)
+        },
+    }
+
+
+def _growth_pct(before: dict[str, Any], after: dict[str, Any]) -> float:
+    return round(
+        100.0 * (after["rss_bytes"] - before["rss_bytes"]) / max(1, before["rss_bytes"]), 2
+    )
+
+
+def _rss_row(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    mib = 1024 * 1024
+    return {
+        "rss_before_mib": round(before["rss_bytes"] / mib, 1),
+        "rss_after_mib": round(after["rss_bytes"] / mib, 1),
+        "rss_growth_pct": _growth_pct(before, after),
+    }
+
+
+def leak_report(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Pages not free, requests still in an engine, and RSS growth, per replica."""
+    workers = {
+        rid: {
+            "free_pages": s["num_free_pages"],
+            "total_pages": s["num_total_pages"],
+            "pages_leaked": s["num_total_pages"] - s["num_free_pages"],
+            "stuck_requests": s["num_running"] + s["num_waiting"],
+            "faults_injected": s.get("faults_injected", 0),
+            **(_rss_row(before["workers"][rid], s) if rid in before["workers"] else {}),
+        }
+        for rid, s in after["workers"].items()
+    }
+    ingress = {
+        rid: _rss_row(before["ingress"][rid], s)
+        for rid, s in after["ingress"].items()
+        if rid in before["ingress"]
+    }
+    growth = [
+        row["rss_growth_pct"]
+        for row in [*workers.values(), *ingress.values()]
+        if "rss_growth_pct" in row
+    ]
+    return {
+        "idle_wait_s": after["idle_wait_s"],
+        "pages_leaked": sum(w["pages_leaked"] for w in workers.values()),
+        "stuck_requests": sum(w["stuck_requests"] for w in workers.values()),
+        "max_rss_growth_pct": max(growth, default=0.0),
+        "replicas_replaced": sorted(set(before["workers"]) - set(after["workers"])),
+        "workers": workers,
+        "ingress": ingress,
+    }
+
+
+async def overload(
+    base_url: str, api_key: str, model: str, num: int, vocab: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """`num` requests at once (past the waiting limit: some get 429 + Retry-After; the
+    accepted ones must complete within `--request-timeout`), then, once the burst is over,
+    a few plain requests that must all succeed (recovery)."""
+    import httpx
+
+    burst = make_samples(num, 32, 32, 0.0, 0, vocab, args.seed + 200)
+    burst_args = argparse.Namespace(**{**vars(args), "max_concurrency": num})
+    result = await http_run(
+        base_url, api_key, model, burst, [NO_PLAN] * num, np.zeros(num), burst_args, warm_up=False
+    )
+    recovery = make_samples(8, 32, 16, 0.0, 0, vocab, args.seed + 300)
+    headers = {"Authorization": f"Bearer {api_key}"}
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120) as client:
+        outcomes = [(await http_request(client, model, s)).outcome for s in recovery]
+    return {
+        "burst": {**result["outcomes"], "accepted_e2e_ms": result["e2e_ms"]},
+        "recovery": {"sent": len(recovery), "completed": outcomes.count("completed")},
+    }

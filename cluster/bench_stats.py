@@ -15,6 +15,26 @@ class BenchSample:
     output_len: int
 
 
+@dataclass(frozen=True, slots=True)
+class RequestPlan:
+    """What the soak client does with one request: leave before the first byte (after
+    `leave_after_s`), leave after `cancel_after_chunks` chunks, and/or send `stop` strings."""
+
+    leave_after_s: float | None = None
+    cancel_after_chunks: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @property
+    def cancels(self) -> bool:
+        return self.leave_after_s is not None or self.cancel_after_chunks is not None
+
+
+# How a request ended, seen from the client. "lost": it neither completed nor got an error
+# (the stream broke off, the connection failed, or it outlived its timeout) — must be 0.
+Outcome = str
+OUTCOMES = ("completed", "stopped", "cancelled", "rejected", "error", "lost")
+
+
 @dataclass(slots=True)
 class RequestResult:
     prompt_tokens: int = 0
@@ -23,10 +43,14 @@ class RequestResult:
     itls: list[float] = field(default_factory=list)
     e2e: float = 0.0
     error: str | None = None
+    outcome: Outcome = "completed"
+    status: int = 200
+    retry_after: str | None = None
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.ttft is not None
+        finished = self.outcome in ("completed", "stopped")
+        return finished and self.error is None and self.ttft is not None
 
 
 def make_samples(
@@ -52,6 +76,50 @@ def make_samples(
         BenchSample(prefix + rng.integers(low, high, size=int(n_in)).tolist(), int(n_out))
         for n_in, n_out in zip(lengths(input_len), lengths(output_len), strict=True)
     ]
+
+
+def make_plans(
+    num: int,
+    cancel_fraction: float,
+    stop_fraction: float,
+    output_lens: list[int],
+    stop: tuple[str, ...],
+    seed: int,
+) -> list[RequestPlan]:
+    """A plan per request: `cancel_fraction` of them leave early (half before the first
+    byte, after 0-50 ms; half after a random number of chunks), `stop_fraction` send `stop`."""
+    rng = np.random.default_rng(seed + 2)
+    plans = []
+    for n_out in output_lens:
+        leave_after_s, cancel_after = None, None
+        if rng.random() < cancel_fraction:
+            if rng.random() < 0.5:
+                leave_after_s = float(rng.uniform(0.0, 0.05))
+            else:
+                cancel_after = int(rng.integers(1, max(2, n_out)))
+        stops = stop if rng.random() < stop_fraction else ()
+        plans.append(RequestPlan(leave_after_s, cancel_after, stops))
+    return plans
+
+
+def tally(results: list[RequestResult], plans: list[RequestPlan]) -> dict[str, Any]:
+    """Outcome counts of a soak run; `lost` and `unexpected_cancel` must both be 0."""
+    counts = {name: sum(r.outcome == name for r in results) for name in OUTCOMES}
+    return {
+        "requests": len(results),
+        **counts,
+        "planned_cancellations": sum(p.cancels for p in plans),
+        "planned_before_first_byte": sum(p.leave_after_s is not None for p in plans),
+        "with_stop_strings": sum(bool(p.stop) for p in plans),
+        "rejected_with_retry_after": sum(
+            r.outcome == "rejected" and r.retry_after is not None for r in results
+        ),
+        "statuses": {
+            str(code): sum(r.status == code for r in results)
+            for code in sorted({r.status for r in results})
+        },
+        "errors_seen": sorted({r.error for r in results if r.error})[:5],
+    }
 
 
 def make_arrivals(num: int, rate: float, burstiness: float, seed: int) -> np.ndarray:

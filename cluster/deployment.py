@@ -10,6 +10,7 @@ takes `inject_fault` calls that make its next engine steps raise or stall.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -27,6 +28,9 @@ from cluster.transport import decode_requests, encode_accepted, encode_deltas, e
 from worker.config import EngineConfig
 from worker.engine import Engine, EngineFull, EngineRequest
 from worker.request import ScheduledTask
+from worker.streams import OutputStream
+
+HEARTBEAT = encode_deltas([])  # an empty step frame: "still queued, the engine is stepping"
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +93,7 @@ class WorkerDeployment:
         stall_threshold_s: float = 60.0,
         cpu_threads: int | None = None,
         fault_injection: bool = False,
+        heartbeat_s: float = 5.0,
     ):
         _set_cpu_threads(engine_config, cpu_threads)
         self._engine = Engine(engine_config)
@@ -97,6 +102,7 @@ class WorkerDeployment:
             self._engine.fault_hook = self._faults
         self._engine.start()
         self._summary_pages = summary_pages
+        self._heartbeat_s = heartbeat_s
         self._stall_threshold_s = stall_threshold_s
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         log.info("worker replica %s ready: %s", self._replica_id, self._engine.config)
@@ -117,10 +123,44 @@ class WorkerDeployment:
             return
         yield encode_accepted(self._replica_id)
         try:
-            async for deltas in stream:
-                yield encode_deltas(deltas)
+            async for frame in self._frames(stream):
+                yield frame
         finally:
             stream.close()  # a cancelled call (client gone) aborts what is unfinished
+
+    async def _frames(self, stream: OutputStream) -> AsyncIterator[bytes]:
+        """The stream's frames, plus an empty frame after every `heartbeat_s` of silence in
+        which the engine stepped: a request waiting in a long queue is not a stalled
+        worker. An engine that stopped stepping sends nothing, so the ingress's
+        `stall_timeout_s` still fires."""
+        queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for deltas in stream:
+                    queue.put_nowait(encode_deltas(deltas))
+                queue.put_nowait(None)
+            except Exception as exc:
+                queue.put_nowait(exc)
+
+        task = asyncio.get_running_loop().create_task(pump())
+        steps = self._engine.stats_snapshot.num_steps
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), self._heartbeat_s)
+                except TimeoutError:
+                    if self._engine.stats_snapshot.num_steps != steps:
+                        steps = self._engine.stats_snapshot.num_steps
+                        yield HEARTBEAT
+                    continue
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            task.cancel()
 
     async def abort(self, hint: RouteHint, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -3,7 +3,8 @@
 A call carries a batch of engine requests (one or more OpenAI requests bound for the same
 replica). The worker answers with a stream of frames: first an *accept* frame (its replica
 id) or a *refuse* frame (queue full, invalid input), then one frame per engine step that
-advanced any request of the call. Every frame is plain msgpack so neither side unpickles
+advanced any request of the call, and an empty frame (heartbeat) now and then while the
+call's requests wait in a queue that keeps moving. Every frame is plain msgpack so neither side unpickles
 anything the other sent, and a frame costs one small bytes object on the Serve stream.
 """
 

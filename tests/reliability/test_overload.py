@@ -1,0 +1,26 @@
+"""Past the waiting limit requests get 429 with Retry-After; the accepted ones complete;
+once the burst is over the server serves normally again."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from cluster.bench_serve import overload
+from tests.cluster.conftest import ENGINE, Served
+from tests.reliability.conftest import wait_all_idle
+
+# 2 replicas x (max_running + max_waiting) can be held at once; send twice that
+BURST = 4 * (ENGINE["max_running"] + ENGINE["max_waiting"])
+
+
+def test_overload_rejects_with_retry_after_and_recovers(app: Served) -> None:
+    wait_all_idle(app)
+    args = argparse.Namespace(max_concurrency=BURST, request_timeout=300.0, seed=0)
+    report = asyncio.run(overload(app.base_url, "unused", "demo", BURST, 49152, args))
+    burst = report["burst"]
+    assert burst["lost"] == 0 and burst["error"] == 0, burst
+    assert burst["rejected"] > 0 and burst["rejected_with_retry_after"] == burst["rejected"]
+    assert burst["completed"] + burst["rejected"] == BURST
+    assert report["recovery"]["completed"] == report["recovery"]["sent"]
+    wait_all_idle(app)
