@@ -92,8 +92,8 @@ class Ingress:
         app.add_exception_handler(ApiError, self._on_api_error)  # type: ignore[arg-type]
         app.add_exception_handler(StarletteHTTPException, self._on_http_error)  # type: ignore[arg-type]
         app.add_exception_handler(Exception, self._on_unexpected_error)
-        app.add_api_route("/health", self.health, methods=["GET"])
-        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"], openapi_extra=_HEALTH_OP)
+        app.add_api_route("/metrics", self.metrics, methods=["GET"], openapi_extra=_METRICS_OP)
         app.add_api_route(
             "/v1/models", self.models, methods=["GET"], openapi_extra=_openapi_op("ModelList")
         )
@@ -412,17 +412,42 @@ class Ingress:
         return self._on_api_error(request, ApiError(500, "internal server error"))
 
 
+_ERROR_CONTENT = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+_HEALTH_OP = {
+    "responses": {
+        "200": {
+            "description": "ready",
+            "content": {"application/json": {"schema": {"type": "object"}}},
+        },
+        "503": {"description": "no worker replica, or draining", "content": _ERROR_CONTENT},
+    }
+}
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
+_METRICS_OP = {
+    "responses": {
+        "200": {
+            "description": "Prometheus text format",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        }
+    }
+}
+
+
 def _openapi_op(response: str, body: str | None = None) -> dict[str, Any]:
     """OpenAPI operation fields of a route taking a raw Request: its body and answers."""
 
     def content(name: str) -> dict[str, Any]:
         return {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}
 
-    error = {"description": "OpenAI error body", "content": content("ErrorResponse")}
+    error = {"description": "OpenAI error body", "content": _ERROR_CONTENT}
     ok: dict[str, Any] = {"description": "success", "content": content(response)}
     op: dict[str, Any] = {"responses": {"200": ok, "401": error, "404": error, "503": error}}
     if body is not None:
-        ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+        ok["content"]["text/event-stream"] = {"schema": _SSE_EVENT}  # 3.1: one event
         op["requestBody"] = {"required": True, "content": content(body)}
         for status in ("400", "413", "415", "429", "500"):
             op["responses"][status] = error

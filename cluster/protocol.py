@@ -14,14 +14,31 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 from pydantic.json_schema import models_json_schema
 
 from worker.sampling import MAX_LOGPROBS, SamplingParams
 
 FinishReason = Literal["stop", "length"]
 _INT32 = 2**31  # token ids, top_k and min_tokens stay below this (int32 on the worker)
-TokenId = Annotated[int, Field(ge=0, lt=_INT32)]
+
+
+def _whole_float(value: Any) -> Any:
+    """JSON Schema counts 2.0 as an integer, so strict parsing takes it as 2 (not 2.5, not true)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# Bounds go inside the validator, so the JSON schema shows them as minimum / maximum.
+_WHOLE = BeforeValidator(_whole_float)
+Int = Annotated[int, _WHOLE]
+PositiveInt = Annotated[int, Field(ge=1), _WHOLE]
+Int32 = Annotated[int, Field(ge=0, lt=_INT32), _WHOLE]  # token ids, min_tokens
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**63), _WHOLE]
+TopK = Annotated[int, Field(ge=-1, lt=_INT32), _WHOLE]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _WHOLE]
+NumChoices = Annotated[int, Field(ge=1, le=16), _WHOLE]
+# checked by `_Request._stop` (one error naming `stop`); the schema still says non-empty
+StopString = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1})]
 _STRICT = ConfigDict(extra="allow", strict=True)
 
 
@@ -34,24 +51,24 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: PositiveInt | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    n: NumChoices = 1
+    stop: StopString | list[StopString] | None = None
+    seed: Seed | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extensions (vLLM names)
-    top_k: int = Field(0, ge=-1, lt=_INT32)
+    top_k: TopK = 0
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, lt=_INT32)
-    stop_token_ids: list[TokenId] | None = None
+    min_tokens: Int32 = 0
+    stop_token_ids: list[Int32] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -129,9 +146,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: NumLogprobs | None = None
 
     def _refused_extras(self) -> dict[str, Any]:
         return {**super()._refused_extras(), "tool_choice": "none"}
@@ -157,11 +174,11 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: str | list[str] | list[Int] | list[list[Int]] = Field(
         description="text, texts, token ids, or lists of token ids"
     )
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: PositiveInt | None = 16
+    logprobs: NumLogprobs | None = None
     echo: bool = False
 
     @field_validator("prompt")

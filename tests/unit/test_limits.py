@@ -218,8 +218,10 @@ def test_types_are_strict_and_errors_name_the_field(fields: dict[str, Any], para
     assert error_of(ChatCompletionRequest, body).param == param
 
 
-def test_integers_are_numbers_too() -> None:
+def test_integers_are_numbers_too_and_whole_floats_integers() -> None:
     assert chat(temperature=1, top_p=1).temperature == 1.0
+    req = CompletionRequest.model_validate_json(b'{"model": "d", "prompt": [1.0, 2], "n": 2.0}')
+    assert (req.prompt, req.n) == ([1, 2], 2) and isinstance(req.n, int)
 
 
 def test_union_errors_name_the_closest_member() -> None:
