@@ -21,7 +21,7 @@ import contextvars
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -305,10 +305,9 @@ class Dispatcher:
             self._flush_timer.cancel()
             self._flush_timer = None
         batch, self._pending, self._pending_requests = self._pending, [], 0
-        live = [s for s in batch if not s.closed]
         self._last_send = time.monotonic()
-        if live:
-            self.send(live)
+        for calls in _by_leading_page(s for s in batch if not s.closed):
+            self.send(calls)
 
     def send(self, streams: list[GroupStream], attempt: int = 0) -> None:
         self._on_call(sum(len(s.group.requests) for s in streams))
@@ -326,6 +325,21 @@ class Dispatcher:
         task = in_own_context(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _by_leading_page(streams: Iterable[GroupStream]) -> list[list[GroupStream]]:
+    """Split a window's batch so that one call never mixes prompts that open differently.
+
+    A call is routed as a whole, so a batch of unrelated prompts would drag every prompt to
+    the replica that suits the first; grouping by the first page's hash keeps each call
+    bound for the replica its prefix is cached on. Prompts without hashes (shorter than a
+    page, or prefix affinity off) travel together."""
+    calls: dict[int | None, list[GroupStream]] = {}
+    for stream in streams:
+        hashes = stream.group.page_hashes
+        key = hashes[0][0] if hashes and hashes[0] else None
+        calls.setdefault(key, []).append(stream)
+    return list(calls.values())
 
 
 def rss_bytes() -> int:

@@ -323,3 +323,17 @@ def test_group_stream_raises_the_call_error() -> None:
             await stream.accepted()
 
     asyncio.run(scenario())
+
+
+def test_a_window_batch_is_split_by_leading_page_so_each_call_keeps_its_affinity() -> None:
+    from types import SimpleNamespace
+
+    from cluster.dispatch import _by_leading_page
+
+    def stream(*first_pages: int) -> SimpleNamespace:
+        hashes = tuple((p, 99) for p in first_pages)
+        return SimpleNamespace(group=SimpleNamespace(page_hashes=hashes))
+
+    a1, b, a2, short1, short2 = stream(1), stream(2), stream(1), stream(), stream()
+    calls = _by_leading_page([a1, b, a2, short1, short2])
+    assert calls == [[a1, a2], [b], [short1, short2]]
