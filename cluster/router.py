@@ -11,10 +11,11 @@ Replicas report `routing_stats` (load and their prefix-cache keys) every
 it sent since the report, so a burst of calls does not all land on the replica that looked
 idle half a second ago, and a prefix it just sent somewhere counts as cached there.
 
-Ranking (`rank_replicas`): replicas whose load is within `imbalance_threshold` of the least
-loaded one are ordered by matched prefix pages, then load; the rest follow by load. So
-affinity decides while the cluster is balanced, and one hot prefix cannot pile onto one
-replica beyond the threshold.
+Ranking (`rank_replicas`): a replica is overloaded when its load exceeds the least loaded
+one's by more than `imbalance_threshold` requests *and* by more than `imbalance_ratio` times.
+The others are ordered by matched prefix pages, then load; the overloaded follow by load.
+So affinity decides while the cluster is roughly balanced (at 60 vs 70 running requests a
+prefix still goes where it is cached), and one hot prefix cannot pile onto one replica.
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def matched_pages(page_hashes: Sequence[int], keys: frozenset[int] | set[int]) -
 
 
 def rank_replicas(
-    hint: RouteHint | None, views: Sequence[ReplicaView], imbalance_threshold: float
+    hint: RouteHint | None,
+    views: Sequence[ReplicaView],
+    imbalance_threshold: float,
+    imbalance_ratio: float = 1.0,
 ) -> list[str]:
     """Replica ids, best first (see the module docstring)."""
     if not views:
@@ -75,8 +79,11 @@ def rank_replicas(
     def affinity(v: ReplicaView) -> int:
         return sum(matched_pages(p, v.keys) for p in prompts)
 
-    balanced = [v for v in order if v.load <= least + imbalance_threshold]
-    overloaded = [v for v in order if v.load > least + imbalance_threshold]
+    def overloaded_(v: ReplicaView) -> bool:
+        return v.load > least + imbalance_threshold and v.load > least * imbalance_ratio
+
+    balanced = [v for v in order if not overloaded_(v)]
+    overloaded = [v for v in order if overloaded_(v)]
     balanced.sort(key=lambda v: (-affinity(v), v.load, v.kv_usage))
     overloaded.sort(key=lambda v: (v.load, v.kv_usage))
     return [v.replica_id for v in balanced + overloaded]
@@ -111,10 +118,15 @@ class PrefixLoadRouter(RequestRouter):
     """Serve request router for WorkerDeployment: affinity + load (see module docstring)."""
 
     def initialize_state(
-        self, imbalance_threshold: float = 8.0, memory_s: float = 10.0, **kwargs: Any
+        self,
+        imbalance_threshold: float = 8.0,
+        imbalance_ratio: float = 1.0,
+        memory_s: float = 10.0,
+        **kwargs: Any,
     ) -> None:
         """`memory_s`: forget a sent call after this long even if its replica never reports."""
         self._imbalance_threshold = imbalance_threshold
+        self._imbalance_ratio = imbalance_ratio
         self._memory_s = memory_s
         self._memory: dict[ReplicaID, _ReplicaMemory] = {}
         self._recorded: deque[Any] = deque(maxlen=1024)
@@ -132,7 +144,7 @@ class PrefixLoadRouter(RequestRouter):
         self._forget_gone(candidate_replicas)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self._view(r) for r in candidate_replicas]
-        ranked = rank_replicas(hint, views, self._imbalance_threshold)
+        ranked = rank_replicas(hint, views, self._imbalance_threshold, self._imbalance_ratio)
         if ranked and hint is not None and hint.num_requests and pending_request is not None:
             self._remember(pending_request, by_id[ranked[0]], hint)
         return [[by_id[rid]] for rid in ranked]

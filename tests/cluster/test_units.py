@@ -337,3 +337,16 @@ def test_a_window_batch_is_split_by_leading_page_so_each_call_keeps_its_affinity
     a1, b, a2, short1, short2 = stream(1), stream(2), stream(1), stream(), stream()
     calls = _by_leading_page([a1, b, a2, short1, short2])
     assert calls == [[a1, a2], [b], [short1, short2]]
+
+
+def test_affinity_holds_while_load_is_within_the_ratio_and_yields_past_it() -> None:
+    hint = RouteHint(page_hashes=((7, 8),), num_requests=1)
+    cached = ReplicaView("cached", load=70.0, keys=frozenset({7, 8}))
+    idle = ReplicaView("other", load=60.0)
+    # 10 more requests is past the absolute threshold but within 1.25x: affinity decides
+    assert rank_replicas(hint, [idle, cached], 8.0, 1.25)[0] == "cached"
+    # past both (80 > 60 + 8 and 80 > 1.25 x 60): load decides
+    busy = ReplicaView("cached", load=80.0, keys=frozenset({7, 8}))
+    assert rank_replicas(hint, [idle, busy], 8.0, 1.25)[0] == "other"
+    # ratio 1.0 is the absolute threshold alone
+    assert rank_replicas(hint, [idle, cached], 8.0, 1.0)[0] == "other"
