@@ -290,7 +290,7 @@ class Ingress:
                 one = params.model_copy(update={"seed": seed}) if seed != params.seed else params
                 requests.append(WireRequest(f"{base}-{p}-{i}", prompt, one))
         hashes: tuple[tuple[int, ...], ...] = ()
-        if info.get("prefix_cache"):
+        if info.get("prefix_cache") and self._config.router.prefix_affinity:
             pages = self._config.router.prompt_pages
             hashes = tuple(
                 tuple(page_hashes(prompt, info["page_size"], max_pages=pages)) for prompt in prompts

@@ -80,7 +80,10 @@ def _autoscaling(config: ClusterConfig) -> AutoscalingConfig | None:
 def _worker(config: ClusterConfig) -> Any:
     router_options: dict[str, Any] = {
         "request_router_class": ROUTER_CLASS_PATH,
-        "request_router_kwargs": {"imbalance_threshold": config.router.imbalance_threshold},
+        "request_router_kwargs": {
+            "imbalance_threshold": config.router.imbalance_threshold,
+            "imbalance_ratio": config.router.imbalance_ratio,
+        },
         "request_routing_stats_period_s": config.router.stats_period_s,
         "request_routing_stats_timeout_s": max(5.0, 4 * config.router.stats_period_s),
     }

@@ -81,6 +81,11 @@ class RouterSettings(BaseModel):
         ge=0,
         description="load (running + waiting requests) a replica may exceed the least loaded by and still win on prefix affinity",
     )
+    imbalance_ratio: float = Field(
+        1.25,
+        ge=1.0,
+        description="...and by this factor; both must be exceeded before load overrides affinity",
+    )
     stats_period_s: float = Field(
         0.5, gt=0, description="how often replicas report load and prefix summary to routers"
     )
@@ -88,6 +93,9 @@ class RouterSettings(BaseModel):
         256, ge=1, description="leading pages of a prompt hashed for affinity"
     )
     summary_pages: int = Field(4096, ge=1, description="most prefix-cache keys a replica reports")
+    prefix_affinity: bool = Field(
+        True, description="send prompts where their prefix is cached; False = route on load alone"
+    )
 
 
 class RequestLimits(BaseModel):
