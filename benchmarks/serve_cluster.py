@@ -1,0 +1,500 @@
+"""The whole cluster, measured (#8): Ray Serve with 1 and 2 worker replicas, the in-process
+engine on the same device, and prefix affinity on vs off.
+
+One run, one model, in this order (each phase prints its table as it ends):
+1. 1 worker replica: a latency load (Poisson arrivals) and a saturation load (everything at
+   once), streamed as `vllm bench serve` does, then the saturation load without streaming.
+2. 2 worker replicas (one per GPU): the same saturation loads; one `openai` client stream.
+3. (--phases affinity) 2 replicas with a KV cache too small to hold every shared system prompt on
+   each replica: many requests sharing a few long system prompts, prefix affinity on, then
+   off (a fresh set of system prompts, so the first phase's cache does not help the second).
+4. Serve stopped; the latency and saturation loads against an in-process Engine built from
+   the same EngineConfig on the same device. Serve - engine is what ingress, router and
+   Serve add.
+Per-process CPU use of the Serve proxy, ingress and worker replicas is recorded for each
+load (it shows where a host-bound run spends its time).
+
+    python benchmarks/serve_cluster.py --model DIR|demo [--load-format random] --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from cluster.bench_serve import _drive, _engine_run, http_run
+from cluster.bench_stats import (
+    BenchSample,
+    RequestPlan,
+    RequestResult,
+    make_arrivals,
+    make_samples,
+)
+from cluster.config import ClusterConfig
+
+APP = "kvray"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", required=True, help="model directory or 'demo'")
+    p.add_argument("--name", default=None, help="label of the model in the results")
+    p.add_argument("--load-format", default="safetensors", choices=["safetensors", "random"])
+    p.add_argument("--tokenizer-from", help="copy tokenizer files from this model dir (or 'demo')")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--token-budget", type=int, default=8192)
+    p.add_argument("--ingress-replicas", type=int, default=4)
+    p.add_argument("--replicas", type=int, default=2, help="the scaled-out replica count")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--sat-prompts", type=int, default=512)
+    p.add_argument("--sat-concurrency", type=int, default=512)
+    p.add_argument("--lat-prompts", type=int, default=160)
+    p.add_argument("--lat-rate", type=float, default=8.0)
+    p.add_argument("--lat-output-len", type=int, default=128)
+    p.add_argument("--lat-concurrency", type=int, default=64)
+    p.add_argument(
+        "--phases",
+        default="scaling,engine",
+        help="comma-separated: scaling (1 and N replicas), affinity, engine (in-process)",
+    )
+    p.add_argument("--prefix-groups", type=int, default=24, help="distinct system prompts")
+    p.add_argument("--prefix-len", type=int, default=2048)
+    p.add_argument("--prefix-prompts", type=int, default=768)
+    p.add_argument("--prefix-suffix-len", type=int, default=128)
+    p.add_argument("--prefix-output-len", type=int, default=64)
+    p.add_argument("--prefix-concurrency", type=int, default=128)
+    p.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=49152,
+        help="KV capacity per replica in phase 3 (tokens); below groups x prefix-len",
+    )
+    p.add_argument("--skip-nonstream", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ray-num-cpus", type=int, help="CPUs Ray may hand out (default: all)")
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+# -- processes ----------------------------------------------------------------------------------
+
+
+def _cpu_seconds() -> dict[tuple[int, str], float]:
+    """CPU seconds used so far by each Serve process, keyed (pid, kind)."""
+    kinds = {
+        "ProxyActor": "proxy",
+        "KvrayIngress": "ingress",
+        "KvrayWorker": "worker",
+        "ServeController": "controller",
+    }
+    tick = os.sysconf("SC_CLK_TCK")
+    used: dict[tuple[int, str], float] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        kind = next((k for key, k in kinds.items() if key in cmdline), None)
+        if kind is None and int(pid) == os.getpid():
+            kind = "bench client"
+        if kind:
+            used[(int(pid), kind)] = (int(fields[11]) + int(fields[12])) / tick
+    return used
+
+
+async def _measured(coro: Any) -> dict[str, Any]:
+    before, start = _cpu_seconds(), time.perf_counter()
+    summary = await coro
+    wall = time.perf_counter() - start
+    after = _cpu_seconds()
+    busy: dict[str, float] = {}
+    for key in after.keys() & before.keys():  # processes alive through the whole load
+        busy[key[1]] = busy.get(key[1], 0.0) + (after[key] - before[key]) / wall
+    summary["cpu_cores_busy"] = {k: round(v, 2) for k, v in sorted(busy.items())}
+    return summary
+
+
+# -- loads --------------------------------------------------------------------------------------
+
+
+async def _http_run(
+    url: str, model: str, samples: list[BenchSample], arrivals: np.ndarray, concurrency: int
+) -> dict[str, Any]:
+    """`kvray bench serve`'s streaming client: every request runs to its planned length."""
+    plans = [RequestPlan()] * len(samples)
+    options = argparse.Namespace(max_concurrency=concurrency, request_timeout=900.0)
+    return await http_run(url, "unused", model, samples, plans, arrivals, options)
+
+
+async def _nonstream_run(
+    base_url: str, model: str, samples: list[BenchSample], concurrency: int
+) -> dict[str, Any]:
+    """The saturation load without streaming: one response per request, no per-token SSE."""
+    limits = httpx.Limits(
+        max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
+    )
+    async with httpx.AsyncClient(base_url=base_url, timeout=900, limits=limits) as client:
+
+        async def one(sample: BenchSample) -> RequestResult:
+            body = {
+                "model": model,
+                "prompt": sample.prompt,
+                "max_tokens": sample.output_len,
+                "ignore_eos": True,
+                "temperature": 0.0,
+            }
+            result = RequestResult(prompt_tokens=len(sample.prompt))
+            start = time.perf_counter()
+            response = await client.post("/v1/completions", json=body)
+            result.e2e = time.perf_counter() - start
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {response.text[:200]}"
+                return result
+            result.ttft = result.e2e  # no stream: the whole answer is the first byte
+            result.output_tokens = response.json()["usage"]["completion_tokens"]
+            return result
+
+        summary, _ = await _drive(samples, np.zeros(len(samples)), concurrency, one)
+        return summary
+
+
+def _prefix_samples(args: argparse.Namespace, vocab: int, seed: int) -> list[BenchSample]:
+    """`prefix-prompts` requests, each a random one of `prefix-groups` system prompts plus
+    its own suffix, shuffled so the groups interleave."""
+    rng = np.random.default_rng(seed)
+    low, high = min(1000, vocab // 4), vocab - 1
+    systems = [
+        rng.integers(low, high, size=args.prefix_len).tolist() for _ in range(args.prefix_groups)
+    ]
+    groups = rng.integers(0, args.prefix_groups, size=args.prefix_prompts)
+    return [
+        BenchSample(
+            systems[g] + rng.integers(low, high, size=args.prefix_suffix_len).tolist(),
+            args.prefix_output_len,
+        )
+        for g in groups
+    ]
+
+
+# -- Serve --------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _deploy(config: ClusterConfig) -> float:
+    from ray import serve
+
+    from cluster.app import build_app
+
+    start = time.perf_counter()
+    serve.run(build_app(config), name=APP, route_prefix="/")
+    base = f"http://{config.host}:{config.port}"
+    body = {"model": config.model_name, "prompt": [1, 2, 3], "max_tokens": 2}
+    for _ in range(4 * config.worker_replicas):  # every replica has stepped once
+        httpx.post(f"{base}/v1/completions", json=body, timeout=300).raise_for_status()
+    return time.perf_counter() - start
+
+
+def _worker_stats() -> list[dict[str, Any]]:
+    from ray import serve
+
+    from cluster.app import WORKER_NAME
+
+    handle = serve.get_deployment_handle(WORKER_NAME, app_name=APP)
+    stats = handle.broadcast("stats").results(timeout_s=60, return_exceptions=True)
+    return sorted((s for s in stats if isinstance(s, dict)), key=lambda s: s["replica_id"])
+
+
+def _openai_stream(base_url: str, model: str) -> dict[str, Any]:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
+    start = time.perf_counter()
+    stream = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=32, stream=True, temperature=0
+    )
+    chunks = [c.choices[0].text for c in stream if c.choices]
+    return {"chunks": len(chunks), "text": "".join(chunks), "seconds": time.perf_counter() - start}
+
+
+def _hit_rate(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, Any]:
+    hits = [a["prefix_hits"] - b["prefix_hits"] for a, b in zip(after, before, strict=True)]
+    queries = [
+        a["prefix_queries"] - b["prefix_queries"] for a, b in zip(after, before, strict=True)
+    ]
+    return {
+        "prefix_hit_rate": sum(hits) / max(1, sum(queries)),
+        "per_replica_hit_rate": [h / max(1, q) for h, q in zip(hits, queries, strict=True)],
+        "per_replica_queries": queries,
+        "preemptions": sum(
+            a["num_preemptions"] - b["num_preemptions"] for a, b in zip(after, before, strict=True)
+        ),
+    }
+
+
+def _show(title: str, summary: dict[str, Any]) -> None:
+    t, i, p = summary["ttft_ms"], summary["itl_ms"], summary["tpot_ms"]
+    print(
+        f"  {title:34} {summary['completed']:4d} ok {summary['failed']:3d} failed  "
+        f"out {summary['output_throughput']:9.1f} tok/s  TTFT p50 {t['p50']:8.2f} p99 {t['p99']:8.2f}  "
+        f"TPOT p50 {p['p50']:6.2f}  ITL p50 {i['p50']:6.2f} p99 {i['p99']:7.2f} ms  "
+        f"cpu {summary.get('cpu_cores_busy', {})}",
+        flush=True,
+    )
+    for error in summary["errors"]:
+        print(f"    error: {error}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import ray
+    import torch
+    from ray import serve
+
+    from cluster.app import checkout_runtime_env
+    from worker.config import EngineConfig
+    from worker.model.demo import resolve_model_path
+    from worker.tokenizer import Tokenizer
+
+    model_dir = resolve_model_path(args.model)
+    if args.tokenizer_from:
+        _copy_tokenizer(resolve_model_path(args.tokenizer_from), model_dir)
+    name = args.name or ("demo" if args.model == "demo" else model_dir.name)
+    vocab = Tokenizer.from_dir(model_dir).vocab_size
+    engine = EngineConfig(
+        model=str(model_dir),
+        load_format=args.load_format,
+        device=args.device,
+        max_running=args.max_running,
+        max_waiting=4096,
+        token_budget=args.token_budget,
+    )
+    base = {
+        "engine": engine.model_dump(),
+        "served_model_name": name,
+        "ingress_replicas": args.ingress_replicas,
+        "router": {"batch_window_ms": 2.0},
+        "limits": {"accept_timeout_s": 600, "stall_timeout_s": 600},
+    }
+    lat_samples = make_samples(
+        args.lat_prompts, args.input_len, args.lat_output_len, 0.5, 0, vocab, args.seed
+    )
+    lat_arrivals = make_arrivals(args.lat_prompts, args.lat_rate, 1.0, args.seed)
+    sat_samples = make_samples(
+        args.sat_prompts, args.input_len, args.output_len, 0.5, 0, vocab, args.seed + 7
+    )
+    sat_arrivals = np.zeros(args.sat_prompts)
+    results: dict[str, Any] = {
+        "date": dt.date.today().isoformat(),
+        "host": platform.node(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "cpu_count": os.cpu_count(),
+        "model": name,
+        "load_format": args.load_format,
+        "args": vars(args),
+        "engine": engine.model_dump(),
+    }
+    out = Path(args.out)
+
+    def save() -> None:
+        out.write_text(json.dumps(results, indent=2, default=str))
+
+    phases = set(args.phases.split(","))
+    if phases & {"scaling", "affinity"}:
+        ray.init(
+            address="local",
+            num_cpus=args.ray_num_cpus,
+            runtime_env=checkout_runtime_env(),
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+        try:
+            port = _free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            url = f"http://127.0.0.1:{port}"
+            if "scaling" in phases:
+                loads = {"lat": (lat_samples, lat_arrivals), "sat": (sat_samples, sat_arrivals)}
+                _scaling_phase(args, base, port, url, name, loads, results, save)
+            if "affinity" in phases:
+                results["affinity"] = _affinity_phase(args, base, port, url, name, vocab)
+                save()
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    if "engine" in phases:
+        _release_device()
+        results["engine_inprocess"] = {
+            "latency": asyncio.run(
+                _measured(_engine_run(engine, lat_samples, lat_arrivals, args.lat_concurrency))
+            ),
+        }
+        _show("in-process engine, latency", results["engine_inprocess"]["latency"])
+        _release_device()
+        results["engine_inprocess"]["saturation"] = asyncio.run(
+            _measured(_engine_run(engine, sat_samples, sat_arrivals, args.sat_concurrency))
+        )
+        _show("in-process engine, saturation", results["engine_inprocess"]["saturation"])
+    if "serve_1" in results and "engine_inprocess" in results:
+        _overhead(results)
+    save()
+    print(json.dumps({k: results[k] for k in ("scaling", "overhead") if k in results}, indent=2))
+    return 0
+
+
+def _scaling_phase(
+    args: argparse.Namespace,
+    base: dict[str, Any],
+    port: int,
+    url: str,
+    name: str,
+    loads: dict[str, tuple[list[BenchSample], np.ndarray]],
+    results: dict[str, Any],
+    save: Any,
+) -> None:
+    """1 worker replica, then `args.replicas`: latency (1 only) and saturation loads."""
+    (lat_samples, lat_arrivals), (sat_samples, sat_arrivals) = loads["lat"], loads["sat"]
+    for replicas in (1, args.replicas):
+        config = ClusterConfig.model_validate({**base, "worker_replicas": replicas, "port": port})
+        key = f"serve_{replicas}"
+        results[key] = {"deploy_s": _deploy(config)}
+        print(
+            f"[{name}] {replicas} worker replica(s) up in {results[key]['deploy_s']:.1f} s",
+            flush=True,
+        )
+        if replicas == 1:
+            results[key]["latency"] = asyncio.run(
+                _measured(_http_run(url, name, lat_samples, lat_arrivals, args.lat_concurrency))
+            )
+            _show("latency (stream)", results[key]["latency"])
+        else:
+            results[key]["openai_stream"] = _openai_stream(url, name)
+            print(f"  openai stream: {results[key]['openai_stream']}", flush=True)
+        results[key]["saturation"] = asyncio.run(
+            _measured(_http_run(url, name, sat_samples, sat_arrivals, args.sat_concurrency))
+        )
+        _show("saturation (stream)", results[key]["saturation"])
+        if not args.skip_nonstream:
+            results[key]["saturation_nonstream"] = asyncio.run(
+                _measured(_nonstream_run(url, name, sat_samples, args.sat_concurrency))
+            )
+            _show("saturation (no stream)", results[key]["saturation_nonstream"])
+        results[key]["worker_stats"] = _worker_stats()
+        save()
+    _scaling(results, args.replicas)
+
+
+def _affinity_phase(
+    args: argparse.Namespace, base: dict[str, Any], port: int, url: str, name: str, vocab: int
+) -> dict[str, Any]:
+    engine = {**base["engine"], "num_pages": args.prefix_cache_tokens // 16, "page_size": 16}
+    phase: dict[str, Any] = {
+        "kv_tokens_per_replica": args.prefix_cache_tokens,
+        "shared_prompt_tokens": args.prefix_groups * args.prefix_len,
+    }
+    for i, affinity in enumerate((True, False)):
+        config = ClusterConfig.model_validate(
+            {
+                **base,
+                "engine": engine,
+                "worker_replicas": args.replicas,
+                "port": port,
+                "router": {**base["router"], "prefix_affinity": affinity},
+            }
+        )
+        deploy_s = _deploy(config)
+        samples = _prefix_samples(args, vocab, args.seed + 100 + i)
+        before = _worker_stats()
+        summary = asyncio.run(
+            _measured(
+                _http_run(url, name, samples, np.zeros(len(samples)), args.prefix_concurrency)
+            )
+        )
+        summary.update(_hit_rate(before, _worker_stats()), deploy_s=deploy_s)
+        key = "affinity_on" if affinity else "affinity_off"
+        phase[key] = summary
+        _show(f"shared prompts, {key}", summary)
+        print(
+            f"    prefix hit rate {summary['prefix_hit_rate']:.3f} per replica {summary['per_replica_hit_rate']}",
+            flush=True,
+        )
+    on, off = phase["affinity_on"], phase["affinity_off"]
+    phase["throughput_ratio_on_off"] = on["output_throughput"] / max(1e-9, off["output_throughput"])
+    return phase
+
+
+def _scaling(results: dict[str, Any], replicas: int) -> None:
+    one, many = results["serve_1"], results[f"serve_{replicas}"]
+    scaling = {}
+    for load in ("saturation", "saturation_nonstream"):
+        if load in one and load in many:
+            scaling[load] = many[load]["output_throughput"] / max(
+                1e-9, one[load]["output_throughput"]
+            )
+    results["scaling"] = scaling
+    print(f"  throughput scaling 1 -> {replicas} replicas: {scaling}", flush=True)
+
+
+def _overhead(results: dict[str, Any]) -> None:
+    served, engine = results["serve_1"]["latency"], results["engine_inprocess"]["latency"]
+    results["overhead"] = {
+        "ttft_p50_added_ms": served["ttft_ms"]["p50"] - engine["ttft_ms"]["p50"],
+        "itl_p50_added_ms": served["itl_ms"]["p50"] - engine["itl_ms"]["p50"],
+        "serve_itl_p99_over_p50": served["itl_ms"]["p99"] / served["itl_ms"]["p50"],
+        "engine_itl_p99_over_p50": engine["itl_ms"]["p99"] / engine["itl_ms"]["p50"],
+    }
+
+
+def _release_device(timeout_s: float = 60.0) -> None:
+    """Before an in-process engine sizes its KV cache from free memory: drop the previous
+    engine's cached blocks and wait for the Serve workers' memory to be given back."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.empty_cache()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        free, total = torch.cuda.mem_get_info()
+        if free > 0.9 * total:
+            return
+        time.sleep(1.0)
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    """A random-weights model directory has no tokenizer; the ingress needs one. Ids beyond
+    the borrowed vocabulary decode to nothing, which is fine for token-id benchmarks."""
+    for fname in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+    ):
+        if (src / fname).is_file() and not (dst / fname).is_file():
+            (dst / fname).write_bytes((src / fname).read_bytes())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
