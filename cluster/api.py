@@ -11,6 +11,7 @@ waits for the worker to accept it before answering 200, so 429 and 400 stay stat
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import time
@@ -199,6 +200,7 @@ class Ingress:
                 code="unsupported",
             )
         limits.check_request(req, self._config.limits)
+        await self._check_fan_out(req)
         req = limits.with_default_max_tokens(req, self._config.limits.max_tokens)
         try:  # what the protocol lets through must also make valid SamplingParams
             req.sampling_params()
@@ -350,8 +352,15 @@ class Ingress:
     # -- helpers --------------------------------------------------------------------------
 
     async def _tokenize(self, size: int, fn: Any, arg: Any) -> list[int]:
-        """Tokenize inline, or in a thread for long inputs so other streams keep flowing."""
-        if isinstance(arg, list):  # chat messages: many empty ones still make a long template
+        """Tokenize inline, or in a thread for long inputs so other streams keep flowing.
+
+        A text too long for the context whatever its tokens is refused untokenized: a 4 MB
+        prompt would cost seconds of ingress CPU to learn what its length already says.
+        """
+        chat = isinstance(arg, list)
+        texts = [m["content"] for m in arg] if chat else [arg]
+        await self._check_text_size(sum(len(t) for t in texts), "messages" if chat else "prompt")
+        if chat:  # many empty messages still make a long template
             size = max(size, len(arg) * _TEMPLATE_CHARS_PER_MESSAGE)
         try:
             if size > _INLINE_TOKENIZE_CHARS:
@@ -359,6 +368,25 @@ class Ingress:
             return list(fn(arg))
         except (ValueError, TypeError) as exc:  # e.g. a model without a chat template
             raise ApiError(400, f"cannot tokenize the input: {exc}", code="invalid_input") from None
+
+    async def _check_fan_out(self, req: ParsedRequest) -> None:
+        """A request of more sequences than a worker ever queues would get 429 forever."""
+        info = await self._engine_info()
+        max_waiting = info.get("engine", {}).get("max_waiting")
+        if max_waiting is not None:
+            prompts = len(req.prompts()) if isinstance(req, CompletionRequest) else 1
+            limits.check_fan_out(prompts, req.n, int(max_waiting))
+
+    async def _check_text_size(self, num_chars: int, field: str) -> None:
+        info = await self._engine_info()
+        most = info["max_seq_len"] - 1
+        if self._config.limits.max_prompt_tokens is not None:
+            most = min(most, self._config.limits.max_prompt_tokens)
+        limits.check_text_size(num_chars, self._token_chars, most, field)
+
+    @functools.cached_property
+    def _token_chars(self) -> int:
+        return limits.longest_token_chars(self._tokenizer.decode, self._tokenizer.vocab_size)
 
     def _authorize(self, request: Request) -> None:
         keys = self._config.api_keys

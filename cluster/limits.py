@@ -9,7 +9,7 @@ passes the limit, so a 10 MB body never sits in the ingress's memory.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from cluster.config import RequestLimits
 from cluster.errors import ApiError
@@ -137,4 +137,39 @@ def check_prompt_tokens(prompt: Sequence[int], cap: int | None, field: str) -> N
             f"the prompt has {len(prompt)} tokens; this server accepts at most {cap}",
             param=field,
             code="context_length_exceeded",
+        )
+
+
+# what one token's text may lose when decoded alone (a leading space, a split character)
+_DECODE_MARGIN_CHARS = 4
+
+
+def longest_token_chars(decode: Callable[..., str], vocab_size: int) -> int:
+    """An upper bound of the characters one token stands for: the longest decoded token,
+    special tokens included (a client can type them), plus a margin."""
+    longest = max(len(decode([i], skip_special_tokens=False)) for i in range(vocab_size))
+    return longest + _DECODE_MARGIN_CHARS
+
+
+def check_text_size(num_chars: int, token_chars: int, max_tokens: int, field: str) -> None:
+    """Refuse, untokenized, a text that needs more than `max_tokens` tokens whatever they are."""
+    if num_chars > token_chars * max_tokens:
+        raise ApiError(
+            400,
+            f"the input ({num_chars} characters) is longer than this model's context of "
+            f"{max_tokens} prompt tokens can hold",
+            param=field,
+            code="context_length_exceeded",
+        )
+
+
+def check_fan_out(num_prompts: int, n: int, max_waiting: int) -> None:
+    """Every prompt x n sequences of one request must fit a worker's waiting queue at once."""
+    total = num_prompts * n
+    if total > max_waiting:
+        raise ApiError(
+            400,
+            f"this request asks for {total} sequences ({num_prompts} prompts x n={n}); "
+            f"a worker queues at most {max_waiting}",
+            param="n" if num_prompts == 1 else "prompt",
         )

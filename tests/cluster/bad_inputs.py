@@ -36,6 +36,7 @@ class Target:
     max_stop_token_ids: int = 64
     max_prompts: int = 64
     max_n: int = 16
+    max_waiting: int = 1024  # the engine's waiting queue: one request's sequences must fit it
 
 
 @dataclass
@@ -428,6 +429,29 @@ def context(b: _Builder) -> None:
     )
 
 
+def fan_out(b: _Builder) -> None:
+    """More sequences (prompts x n) than a worker ever queues: 400, not a 429 forever."""
+    t, w = b.t, b.t.max_waiting
+    if w < t.max_n:
+        b.add(f"chat-n={w + 1}", b.chat(n=w + 1), param="n")
+        b.add(f"completion-n={w + 1}", b.completion(n=w + 1), param="n", path=COMPLETIONS)
+    if w < t.max_prompts:
+        b.add(
+            f"{w + 1}-prompts",
+            b.completion(prompt=["Hi"] * (w + 1)),
+            param="prompt",
+            path=COMPLETIONS,
+        )
+    n = w // 2 + 1
+    if 2 <= n <= t.max_n and t.max_prompts >= 2:
+        b.add(
+            f"2-prompts-n={n}",
+            b.completion(prompt=["Hi", "Yo"], n=n),
+            param="prompt",
+            path=COMPLETIONS,
+        )
+
+
 def _completion_context_cases(ctx: int, vocab: int) -> Iterator[tuple[str, Any, str | None]]:
     yield "string-over-context", "word " * (ctx + 10), "prompt"
     yield "ids-at-context", [1] * ctx, "prompt"
@@ -462,6 +486,38 @@ def big_bodies(b: _Builder) -> None:
         chunked=True,
     )
     b.add("10MB-without-key", big_json, 401, headers={"Authorization": NO_HEADER})
+    under = b.t.max_request_bytes - 1024  # inside the body limit, far past the context
+    b.add(
+        "body-limit-prompt",
+        b.completion(prompt="word " * (under // 5)),
+        param="prompt",
+        path=COMPLETIONS,
+    )
+    b.add(
+        "body-limit-chat-content",
+        b.chat(messages=[{"role": "user", "content": "z" * under}]),
+        param="messages",
+    )
+
+
+def streaming(b: _Builder) -> None:
+    """A streaming request refused before it starts is a plain JSON error, not an SSE body."""
+    over = "word " * (b.t.max_seq_len + 10)
+    for name, body, status, param in [
+        ("unknown-model", b.chat(model="nope"), 404, "model"),
+        ("n-too-big", b.chat(n=b.t.max_n + 1), 400, "n"),
+        ("context", b.chat(messages=[{"role": "user", "content": over}]), 400, "messages"),
+        ("max_tokens-over-context", b.chat(max_tokens=b.t.max_seq_len), 400, "max_tokens"),
+        ("tools", b.chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+        ("stream-options-bad", b.chat(stream_options={"include_usage": 1}), 400, ANY),
+    ]:
+        b.add(name, {**body, "stream": True}, status, param)
+    b.add(
+        "completion-token-id",
+        b.completion(prompt=[1, b.t.vocab_size], stream=True),
+        param="prompt",
+        path=COMPLETIONS,
+    )
 
 
 _BAD_ROLES: list[Any] = [
@@ -730,7 +786,9 @@ FAMILIES: list[Callable[[_Builder], None]] = [
     stops,
     invalid_utf8,
     context,
+    fan_out,
     big_bodies,
+    streaming,
     roles,
     unsupported,
     content_types,

@@ -36,6 +36,7 @@ def target_of(served: Served) -> Target:
         max_stop_token_ids=limits.max_stop_token_ids,
         max_prompts=limits.max_prompts,
         max_n=limits.max_n,
+        max_waiting=int(ENGINE["max_waiting"]),
     )
 
 

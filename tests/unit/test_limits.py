@@ -179,6 +179,21 @@ def test_token_ids_must_lie_in_the_vocabulary() -> None:
         assert (error.param, error.code) == ("prompt", "invalid_token_id")
 
 
+def test_text_too_long_for_any_tokenization_is_refused_untokenized() -> None:
+    vocab = ["a", "bcd", "<|special|>"]
+    longest = limits.longest_token_chars(lambda ids, **_: vocab[ids[0]], len(vocab))
+    assert longest == len("<|special|>") + 4  # special tokens count: clients can type them
+    limits.check_text_size(longest * 10, longest, 10, "prompt")  # might still fit
+    error = refused(limits.check_text_size, longest * 10 + 1, longest, 10, "prompt")
+    assert (error.param, error.code) == ("prompt", "context_length_exceeded")
+
+
+def test_more_sequences_than_a_worker_queues_is_400_not_an_endless_429() -> None:
+    limits.check_fan_out(2, 3, 6)
+    assert refused(limits.check_fan_out, 1, 7, 6).param == "n"
+    assert refused(limits.check_fan_out, 4, 2, 6).param == "prompt"
+
+
 def test_prompt_token_cap() -> None:
     limits.check_prompt_tokens([1] * 4, 4, "messages")
     limits.check_prompt_tokens([1] * 400, None, "messages")
