@@ -307,21 +307,8 @@ class Ingress:
             raise ApiError(400, "the prompt is empty", param=field)
         limits.check_prompt_tokens(prompt, self._config.limits.max_prompt_tokens, field)
         limits.check_prompt_ids(prompt, self._tokenizer.vocab_size, field)
-        if len(prompt) >= max_seq_len:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {max_seq_len} tokens. However, your prompt is {len(prompt)} tokens.",
-                param=field,
-                code="context_length_exceeded",
-            )
-        if max_tokens is not None and len(prompt) + max_tokens > max_seq_len:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
-                f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} for the completion).",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+        cap = self._config.limits.max_tokens
+        limits.check_context(len(prompt), max_tokens, max_seq_len, cap, field)
 
     # -- draining (shutdown) --------------------------------------------------------------
 

@@ -173,3 +173,31 @@ def check_fan_out(num_prompts: int, n: int, max_waiting: int) -> None:
             f"a worker queues at most {max_waiting}",
             param="n" if num_prompts == 1 else "prompt",
         )
+
+
+def check_context(
+    prompt_len: int, max_tokens: int | None, max_seq_len: int, cap: int | None, field: str
+) -> None:
+    """The prompt, and the prompt plus the tokens asked for, must fit the model's context.
+
+    The operator's max_tokens cap is also the default of requests that set none; such a
+    request stops where the context ends (the engine does), as one without any cap would.
+    """
+    if prompt_len >= max_seq_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_seq_len} tokens. "
+            f"However, your prompt is {prompt_len} tokens.",
+            param=field,
+            code="context_length_exceeded",
+        )
+    if max_tokens is None or max_tokens == cap or prompt_len + max_tokens <= max_seq_len:
+        return
+    raise ApiError(
+        400,
+        f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
+        f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+        "completion).",
+        param="max_tokens",
+        code="context_length_exceeded",
+    )

@@ -194,6 +194,15 @@ def test_more_sequences_than_a_worker_queues_is_400_not_an_endless_429() -> None
     assert refused(limits.check_fan_out, 4, 2, 6).param == "prompt"
 
 
+def test_context_check() -> None:
+    limits.check_context(500, 12, 512, None, "prompt")
+    limits.check_context(500, None, 512, None, "prompt")  # up to the context
+    assert refused(limits.check_context, 512, None, 512, None, "prompt").param == "prompt"
+    error = refused(limits.check_context, 500, 13, 512, None, "messages")
+    assert (error.param, error.code) == ("max_tokens", "context_length_exceeded")
+    limits.check_context(500, 64, 512, 64, "prompt")  # the cap as a default runs to the end
+
+
 def test_prompt_token_cap() -> None:
     limits.check_prompt_tokens([1] * 4, 4, "messages")
     limits.check_prompt_tokens([1] * 400, None, "messages")
