@@ -159,6 +159,9 @@ class KVCache(CacheView):
     def commit(self, request: Request) -> None:
         """Called after a step advanced `num_computed`: publish newly full pages (prefix cache)."""
 
+    def admitted(self, request: Request) -> None:
+        """The scheduler kept an admission (it may roll one back and retry it next step)."""
+
     def prefix_summary(self, max_pages: int) -> list[int]:
         return []
 
@@ -322,7 +325,7 @@ class PageCache(KVCache):
             _extend_keys(request, self.page_size, request.num_tokens - 1)
             first = request.num_preemptions == 0
             keys = request.page_keys[: (request.num_tokens - 1) // self.page_size]
-            hits = self.prefix.match(keys, request.num_tokens if first else None)
+            hits = self.prefix.match(keys)
             for page in hits:
                 self._ref[page] += 1
             if hits:
@@ -334,6 +337,10 @@ class PageCache(KVCache):
             if first:
                 request.num_cached = request.num_computed
         return True
+
+    def admitted(self, request: Request) -> None:
+        if self.prefix is not None and request.num_preemptions == 0:
+            self.prefix.record(request.num_tokens, request.num_cached)
 
     def reserve(self, request: Request, num_new: int) -> bool:
         need = self.pages_needed(request, num_new)

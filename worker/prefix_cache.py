@@ -28,11 +28,8 @@ class PrefixCache:
     def num_pages(self) -> int:
         return len(self._page_of)
 
-    def match(self, keys: list[int], num_tokens: int | None) -> list[int]:
-        """Pages of the longest cached prefix of `keys`; un-parks them (the caller takes a reference).
-
-        `num_tokens` counts the lookup in the hit-rate statistics (None: a re-admission, not counted).
-        """
+    def match(self, keys: list[int]) -> list[int]:
+        """Pages of the longest cached prefix of `keys`; un-parks them (the caller takes a reference)."""
         pages: list[int] = []
         for key in keys:
             page = self._page_of.get(key)
@@ -41,10 +38,13 @@ class PrefixCache:
             pages.append(page)
             self._parked.pop(page, None)
             self._recent.move_to_end(key)
-        if num_tokens is not None:
-            self.query_tokens += num_tokens
-            self.hit_tokens += len(pages) * self.page_size
         return pages
+
+    def record(self, num_tokens: int, hit_tokens: int) -> None:
+        """Count one request's first admission in the hit-rate statistics. Not done in
+        `match`: an admission the scheduler rolls back (no pages) is retried next step."""
+        self.query_tokens += num_tokens
+        self.hit_tokens += hit_tokens
 
     def publish(self, key: int, page: int) -> None:
         """Make a just-computed full page findable (no-op if that prefix is already cached)."""

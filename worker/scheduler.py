@@ -92,6 +92,7 @@ class Scheduler:
                 request.num_computed = 0
                 break
             self.waiting.popleft()
+            self.cache.admitted(request)
             request.status = Status.RUNNING
             self.running.append(request)
             tasks.append(ScheduledTask(request, num_new))

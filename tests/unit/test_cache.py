@@ -73,6 +73,7 @@ def test_pages_return_and_prefix_pages_are_reused():
     total = cache.num_free_pages
     a = _request("a", 13)
     assert cache.admit(a) and cache.reserve(a, 13)
+    cache.admitted(a)
     assert cache.num_free_pages == total - 4
     a.num_computed = 13
     cache.release(a)  # 3 full pages stay cached (evictable), the partial one is freed
@@ -80,7 +81,9 @@ def test_pages_return_and_prefix_pages_are_reused():
     b = _request("b", 13)  # same tokens
     assert cache.admit(b)
     assert b.num_computed == 12 and b.num_cached == 12  # 3 pages of hits; the last token recomputes
-    assert cache.prefix_stats == (12, 26)  # a counted its 13 queried tokens too (no hits)
+    assert cache.prefix_stats == (0, 13)  # only kept admissions count: a's (no hits) so far
+    cache.admitted(b)
+    assert cache.prefix_stats == (12, 26)
 
 
 def test_eviction_takes_the_deepest_unreferenced_page_first():
@@ -94,3 +97,16 @@ def test_eviction_takes_the_deepest_unreferenced_page_first():
     assert cache.prefix.num_evictable == 2
     c = _request("c", 8)  # a's first two pages must still be there
     assert cache.admit(c) and c.num_computed == 4  # (8 - 1) // 4 = 1 page can hit; it is still cached
+
+
+def test_an_admission_rolled_back_for_lack_of_pages_is_counted_once_when_it_sticks():
+    cache = _cache(num_pages=16)
+    a = _request("a", 13)
+    for _ in range(3):  # admitted, then rolled back (as the scheduler does without pages)
+        assert cache.admit(a)
+        cache.release(a)
+        a.num_computed = 0
+    assert cache.prefix_stats == (0, 0)
+    assert cache.admit(a) and cache.reserve(a, 13)
+    cache.admitted(a)
+    assert cache.prefix_stats == (0, 13)
