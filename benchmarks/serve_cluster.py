@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer-from", help="copy tokenizer files from this model dir (or 'demo')")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-running", type=int, default=256)
-    p.add_argument("--token-budget", type=int, default=8192)
+    p.add_argument("--token-budget", type=int, default=2048)
     p.add_argument("--ingress-replicas", type=int, default=4)
     p.add_argument("--replicas", type=int, default=2, help="the scaled-out replica count")
     p.add_argument("--input-len", type=int, default=512)
