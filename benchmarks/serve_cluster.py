@@ -82,6 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=49152,
         help="KV capacity per replica in phase 3 (tokens); below groups x prefix-len",
     )
+    p.add_argument(
+        "--affinity-gpus-per-replica",
+        type=float,
+        default=1.0,
+        help="phase 3 on one GPU: 0.5 puts both replicas on it (hit rates still compare)",
+    )
     p.add_argument("--skip-nonstream", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ray-num-cpus", type=int, help="CPUs Ray may hand out (default: all)")
@@ -373,7 +379,8 @@ def _scaling_phase(
 ) -> None:
     """1 worker replica, then `args.replicas`: latency (1 only) and saturation loads."""
     (lat_samples, lat_arrivals), (sat_samples, sat_arrivals) = loads["lat"], loads["sat"]
-    for replicas in (1, args.replicas):
+    counts = list(dict.fromkeys((1, args.replicas)))  # one GPU: --replicas 1 runs once
+    for replicas in counts:
         config = ClusterConfig.model_validate({**base, "worker_replicas": replicas, "port": port})
         key = f"serve_{replicas}"
         results[key] = {"deploy_s": _deploy(config)}
@@ -386,7 +393,7 @@ def _scaling_phase(
                 _measured(_http_run(url, name, lat_samples, lat_arrivals, args.lat_concurrency))
             )
             _show("latency (stream)", results[key]["latency"])
-        else:
+        if replicas == counts[-1]:
             results[key]["openai_stream"] = _openai_stream(url, name)
             print(f"  openai stream: {results[key]['openai_stream']}", flush=True)
         results[key]["saturation"] = asyncio.run(
@@ -400,7 +407,8 @@ def _scaling_phase(
             _show("saturation (no stream)", results[key]["saturation_nonstream"])
         results[key]["worker_stats"] = _worker_stats()
         save()
-    _scaling(results, args.replicas)
+    if len(counts) > 1:
+        _scaling(results, args.replicas)
 
 
 def _affinity_phase(
@@ -417,6 +425,7 @@ def _affinity_phase(
                 **base,
                 "engine": engine,
                 "worker_replicas": args.replicas,
+                "worker_resources": {"num_gpus": args.affinity_gpus_per_replica},
                 "port": port,
                 "router": {**base["router"], "prefix_affinity": affinity},
             }
