@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from cluster import limits
 from cluster.config import ClusterConfig
@@ -179,7 +180,12 @@ class Ingress:
         cap = self._config.limits.max_request_bytes
         limits.check_content_length(request.headers, cap)
         limits.check_content_type(request.headers)
-        body = await limits.read_limited(request.stream(), cap)
+        try:
+            body = await limits.read_limited(request.stream(), cap)
+        except ClientDisconnect:  # no one to answer; not a server error in the metrics
+            raise ApiError(
+                400, "the client left while sending the body", code="disconnected"
+            ) from None
         try:
             req = model.model_validate_json(body)
         except ValidationError as exc:
