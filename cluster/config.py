@@ -114,9 +114,6 @@ class RequestLimits(BaseModel):
         300.0, gt=0, description="longest silence of a running call before it counts as failed"
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with 429 and 503")
-
-
-class ClusterConfig(BaseModel):
     max_tokens: int | None = Field(
         None,
         ge=1,
@@ -129,6 +126,9 @@ class ClusterConfig(BaseModel):
     max_stop: int = Field(16, ge=0, description="most stop strings in one request")
     max_stop_chars: int = Field(1024, ge=1, description="longest stop string, in characters")
     max_stop_token_ids: int = Field(64, ge=0, description="most `stop_token_ids` in one request")
+
+
+class ClusterConfig(BaseModel):
     """Everything `build_app` needs; loadable from YAML (`from_yaml`) or a plain dict."""
 
     model_config = _FROZEN
