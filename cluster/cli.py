@@ -95,7 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvray: ready in {time.perf_counter() - start:.0f} s\n", flush=True)
         print(_examples(config), flush=True)
         _wait_for_interrupt()
-        _drain(config)
+        drain_ingress(config)
     except KeyboardInterrupt:
         pass
     finally:
@@ -124,7 +124,7 @@ def _examples(config: Any) -> str:
     )
 
 
-def _drain(config: Any) -> None:
+def drain_ingress(config: Any) -> None:
     """Before Serve shuts down: every ingress replica refuses new requests (503 with
     Retry-After) while the running ones finish, for at most `drain_timeout_s`. Serve's own
     shutdown then stops the replicas, which by then have nothing left to cut."""

@@ -13,6 +13,7 @@ from ray import serve
 
 from cluster.api import REPLICA_HEADER
 from cluster.app import build_app
+from cluster.cli import drain_ingress
 from tests.cluster.conftest import Served, wait_healthy
 from tests.reliability.conftest import completion_body, ingress_handle, post, wait_all_idle
 
@@ -60,21 +61,30 @@ def test_scaling_workers_down_lets_running_streams_finish(app: Served) -> None:
 
 
 def test_draining_ingress_refuses_new_requests_and_finishes_running_ones(app: Served) -> None:
-    async def scenario() -> tuple[str, httpx.Response, httpx.Response, list[int]]:
+    """`kvray serve`'s SIGTERM path: drain_ingress returns once the running stream ended."""
+
+    def draining() -> bool:
+        status = ingress_handle().broadcast("drain_status").results(timeout_s=30)
+        return all(s["draining"] for s in status)
+
+    async def scenario() -> tuple[str, httpx.Response, httpx.Response, bool]:
         started: asyncio.Queue[str] = asyncio.Queue()
         async with httpx.AsyncClient(base_url=app.base_url, timeout=300) as client:
             running = asyncio.create_task(one_stream(client, 0, started))
             await started.get()
-            in_flight = await asyncio.to_thread(
-                lambda: ingress_handle().broadcast("start_draining").results(timeout_s=30)
-            )
+            drain = asyncio.create_task(asyncio.to_thread(drain_ingress, app.config))
+            while not await asyncio.to_thread(draining):
+                await asyncio.sleep(0.2)
             refused = await client.post("/v1/completions", json=completion_body("Too late:"))
             health = await client.get("/health")
-            return await running, refused, health, in_flight
+            outcome = await running
+            drain_waited = not drain.done()  # it waits for the stream's end, then polls
+            async with asyncio.timeout(120):
+                await drain
+            return outcome, refused, health, drain_waited
 
-    outcome, refused, health, in_flight = asyncio.run(scenario())
-    assert sum(in_flight) == 1  # the running stream, on whichever ingress replica took it
-    assert outcome == "length"
+    outcome, refused, health, drain_waited = asyncio.run(scenario())
+    assert outcome == "length" and drain_waited
     assert refused.status_code == 503 and refused.headers["Retry-After"]
     assert refused.json()["error"]["code"] == "draining"
     assert health.status_code == 503
