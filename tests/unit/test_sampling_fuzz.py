@@ -27,7 +27,7 @@ from worker.sampling import (
 )
 
 FUZZ = settings(
-    max_examples=400,
+    max_examples=250,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     derandomize=True,  # CI runs the same examples every time; a failure reproduces
