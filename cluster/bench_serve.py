@@ -532,14 +532,20 @@ def leak_report(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
 
 
 async def overload(
-    base_url: str, api_key: str, model: str, num: int, vocab: int, args: argparse.Namespace
+    base_url: str,
+    api_key: str,
+    model: str,
+    num: int,
+    vocab: int,
+    args: argparse.Namespace,
+    output_len: int = 32,
 ) -> dict[str, Any]:
     """`num` requests at once (past the waiting limit: some get 429 + Retry-After; the
     accepted ones must complete within `--request-timeout`), then, once the burst is over,
     a few plain requests that must all succeed (recovery)."""
     import httpx
 
-    burst = make_samples(num, 32, 32, 0.0, 0, vocab, args.seed + 200)
+    burst = make_samples(num, 32, output_len, 0.0, 0, vocab, args.seed + 200)
     burst_args = argparse.Namespace(**{**vars(args), "max_concurrency": num})
     result = await http_run(
         base_url, api_key, model, burst, [NO_PLAN] * num, np.zeros(num), burst_args, warm_up=False

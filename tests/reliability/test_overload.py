@@ -17,7 +17,9 @@ BURST = 4 * (ENGINE["max_running"] + ENGINE["max_waiting"])
 def test_overload_rejects_with_retry_after_and_recovers(app: Served) -> None:
     wait_all_idle(app)
     args = argparse.Namespace(max_concurrency=BURST, request_timeout=300.0, seed=0)
-    report = asyncio.run(overload(app.base_url, "unused", "demo", BURST, 49152, args))
+    report = asyncio.run(
+        overload(app.base_url, "unused", "demo", BURST, 49152, args, output_len=12)
+    )
     burst = report["burst"]
     assert burst["lost"] == 0 and burst["error"] == 0, burst
     assert burst["rejected"] > 0 and burst["rejected_with_retry_after"] == burst["rejected"]

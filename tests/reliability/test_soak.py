@@ -25,7 +25,7 @@ def soak_args(**extra: object) -> argparse.Namespace:
 def test_short_soak_with_cancellations_and_stop_strings_leaks_nothing(app: Served) -> None:
     wait_all_idle(app)
     vocab = 49152
-    samples = make_samples(NUM, 24, 10, 0.5, 0, vocab, seed=7)
+    samples = make_samples(NUM, 16, 8, 0.5, 0, vocab, seed=7)
     plans = make_plans(NUM, 0.3, 0.3, [s.output_len for s in samples], ("e", "\n"), seed=7)
     before = replica_snapshot("kvray")
     run = http_run(app.base_url, "unused", "demo", samples, plans, np.zeros(NUM), soak_args())
