@@ -215,7 +215,9 @@ class WorkerDeployment:
         stats = self._engine.stats()
         if not stats.loop_alive:
             raise RuntimeError("engine loop is not running")
-        busy = stats.num_running + stats.num_waiting > 0
+        # the snapshot is taken at the end of a step, so during a step that hangs it still
+        # shows the idle state before it: ask the engine whether it holds work right now
+        busy = stats.num_running + stats.num_waiting > 0 or self._engine.has_work
         silent_s = time.monotonic() - stats.last_step_time
         if busy and silent_s > self._stall_threshold_s:
             raise RuntimeError(f"engine has work but has not stepped for {silent_s:.0f} s")

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
 
 from cluster.config import RequestLimits
-from cluster.deployment import FaultInjector, InjectedFault
+from cluster.deployment import FaultInjector, InjectedFault, WorkerDeployment
 from cluster.dispatch import Dispatcher, Group
 from cluster.transport import WireRequest, encode_accepted, encode_deltas
+from worker.engine import EngineStats
 from worker.outputs import RequestDelta
 from worker.sampling import SamplingParams
 
@@ -113,3 +115,24 @@ def test_draining_dispatcher_counts_open_requests_until_closed() -> None:
         return counts
 
     assert asyncio.run(run()) == [0, 1, 0]
+
+
+class _HungEngine:
+    """An engine whose current step hangs: its last snapshot (taken before the step) shows
+    it idle, but it holds work."""
+
+    has_work = True
+
+    def stats(self) -> EngineStats:
+        return EngineStats(loop_alive=True, last_step_time=time.monotonic() - 120)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_health_fails_when_a_step_hangs_although_the_last_snapshot_shows_idle() -> None:
+    replica = object.__new__(WorkerDeployment)  # no Serve replica context: only the check
+    replica._engine = _HungEngine()  # type: ignore[assignment]
+    replica._stall_threshold_s = 60.0
+    with pytest.raises(RuntimeError, match="has not stepped"):
+        replica.check_health()
