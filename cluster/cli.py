@@ -106,15 +106,19 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _examples(config: Any) -> str:
+    """How to call the server. A configured key is never printed: the examples read it from
+    $KVRAY_API_KEY, which the user sets to one of their keys."""
     base = f"http://{config.host}:{config.port}"
-    key = config.api_keys[0] if config.api_keys else "unused"
-    auth = f' -H "Authorization: Bearer {key}"' if config.api_keys else ""
+    keyed = bool(config.api_keys)
+    auth = ' -H "Authorization: Bearer $KVRAY_API_KEY"' if keyed else ""
+    client_key = 'os.environ["KVRAY_API_KEY"]' if keyed else '"unused"'
     return (
         f"Try it:\n\n  curl {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\\n"
         f'    -d \'{{"model": "{config.model_name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}\'\n\n'
         "  python - <<'EOF'\n"
+        "  import os\n"
         "  from openai import OpenAI\n"
-        f'  client = OpenAI(base_url="{base}/v1", api_key="{key}")\n'
+        f'  client = OpenAI(base_url="{base}/v1", api_key={client_key})\n'
         f'  stream = client.chat.completions.create(model="{config.model_name}", stream=True,\n'
         '      messages=[{"role": "user", "content": "Tell me a story"}])\n'
         "  for chunk in stream:\n"

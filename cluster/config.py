@@ -188,6 +188,7 @@ class ClusterConfig(BaseModel):
     app_name: str = Field("kvray", description="Serve application name")
     api_keys: tuple[str, ...] = Field(
         (),
+        repr=False,  # keys never reach a log line through a printed config
         description=f"accepted bearer tokens; empty = no auth; also read from ${API_KEYS_ENV} (comma separated)",
     )
     fault_injection: bool = Field(

@@ -350,3 +350,13 @@ def test_affinity_holds_while_load_is_within_the_ratio_and_yields_past_it() -> N
     assert rank_replicas(hint, [idle, busy], 8.0, 1.25)[0] == "other"
     # ratio 1.0 is the absolute threshold alone
     assert rank_replicas(hint, [idle, cached], 8.0, 1.0)[0] == "other"
+
+
+def test_api_keys_never_reach_a_printed_config_or_the_serve_banner() -> None:
+    from cluster.cli import _examples
+
+    config = ClusterConfig.model_validate({"api_keys": ["sekrit-123"]})
+    assert "sekrit-123" not in repr(config) and "sekrit-123" not in str(config)
+    banner = _examples(config)
+    assert "sekrit-123" not in banner and "$KVRAY_API_KEY" in banner
+    assert 'api_key="unused"' in _examples(ClusterConfig())
