@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--token-budget", type=int, default=2048)
     p.add_argument("--ingress-replicas", type=int, default=4)
+    p.add_argument("--batch-window-ms", type=float, default=2.0)
+    p.add_argument("--max-batch-requests", type=int, default=8)
     p.add_argument("--replicas", type=int, default=2, help="the scaled-out replica count")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
@@ -277,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from ray import serve
 
-    from cluster.app import checkout_runtime_env
+    from cluster.app import checkout_runtime_env, set_serve_env
     from worker.config import EngineConfig
     from worker.model.demo import resolve_model_path
     from worker.tokenizer import Tokenizer
@@ -299,7 +301,10 @@ def main(argv: list[str] | None = None) -> int:
         "engine": engine.model_dump(),
         "served_model_name": name,
         "ingress_replicas": args.ingress_replicas,
-        "router": {"batch_window_ms": 2.0},
+        "router": {
+            "batch_window_ms": args.batch_window_ms,
+            "max_batch_requests": args.max_batch_requests,
+        },
         "limits": {"accept_timeout_s": 600, "stall_timeout_s": 600},
     }
     lat_samples = make_samples(
@@ -327,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
 
     phases = set(args.phases.split(","))
     if phases & {"scaling", "affinity"}:
+        set_serve_env()
         ray.init(
             address="local",
             num_cpus=args.ray_num_cpus,

@@ -184,8 +184,9 @@ def local_app(config: Any) -> Iterator[str]:
     import ray
     from ray import serve
 
-    from cluster.app import build_app, checkout_runtime_env
+    from cluster.app import build_app, checkout_runtime_env, set_serve_env
 
+    set_serve_env()
     # "local": a fresh Ray instance, never another process's cluster on this machine
     ray.init(
         address="local",

@@ -83,9 +83,10 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import build_app, checkout_runtime_env
+    from cluster.app import build_app, checkout_runtime_env, set_serve_env
 
     config = _serve_config(args)
+    set_serve_env()
     ray.init(address=args.address or "local", runtime_env=checkout_runtime_env())
     try:
         serve.start(http_options={"host": config.host, "port": config.port})

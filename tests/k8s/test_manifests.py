@@ -17,7 +17,7 @@ import yaml
 from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.app import INGRESS_NAME, WORKER_NAME
+from cluster.app import INGRESS_NAME, SERVE_ENV, WORKER_NAME
 from cluster.config import ClusterConfig
 from tests.k8s import crd_structure
 from tests.k8s.kustomize import KustomizeError, build
@@ -230,3 +230,11 @@ def test_image_ray_version_is_the_clusters_and_the_tested_one(overlay: Overlay) 
     flavor = "cpu" if overlay.cluster_config.engine.device == "cpu" else "gpu"
     for container in (overlay.head_container, overlay.worker_container):
         assert container["image"].endswith(f"-{flavor}"), container["image"]
+
+
+def test_every_pod_runs_with_kvrays_serve_settings(overlay: Overlay) -> None:
+    """Serve reads its data-plane settings when a process starts: every pod must set them."""
+    for container in (overlay.head_container, overlay.worker_container):
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        for key, value in SERVE_ENV.items():
+            assert env.get(key) == value, (container["name"], key)

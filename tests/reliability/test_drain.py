@@ -39,8 +39,12 @@ def test_scaling_workers_down_lets_running_streams_finish(app: Served) -> None:
     async def scenario() -> tuple[set[str], list[str]]:
         started: asyncio.Queue[str] = asyncio.Queue()
         async with httpx.AsyncClient(base_url=app.base_url, timeout=300) as client:
-            tasks = [asyncio.create_task(one_stream(client, i, started)) for i in range(4)]
-            replicas = {await started.get() for _ in range(4)}
+            # one at a time, each once the previous is accepted: four requests inside one
+            # batching window would travel in one call to one replica
+            tasks, replicas = [], set()
+            for i in range(4):
+                tasks.append(asyncio.create_task(one_stream(client, i, started)))
+                replicas.add(await started.get())
             redeploy = threading.Thread(
                 target=serve.run,
                 args=(build_app(smaller),),
