@@ -98,6 +98,7 @@ def _worker(config: ClusterConfig) -> Any:
         "request_router_kwargs": {
             "imbalance_threshold": config.router.imbalance_threshold,
             "imbalance_ratio": config.router.imbalance_ratio,
+            "stalled_after_s": config.router.stalled_after_s,
         },
         "request_routing_stats_period_s": config.router.stats_period_s,
         "request_routing_stats_timeout_s": max(5.0, 4 * config.router.stats_period_s),

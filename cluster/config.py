@@ -96,6 +96,11 @@ class RouterSettings(BaseModel):
     prefix_affinity: bool = Field(
         True, description="send prompts where their prefix is cached; False = route on load alone"
     )
+    stalled_after_s: float = Field(
+        5.0,
+        gt=0,
+        description="a replica whose engine holds work but has not finished a step this long gets no new calls while it reports so",
+    )
 
 
 class RequestLimits(BaseModel):

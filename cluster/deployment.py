@@ -26,7 +26,7 @@ from cluster.dispatch import rss_bytes
 from cluster.router import RouteHint
 from cluster.transport import decode_requests, encode_accepted, encode_deltas, encode_refused
 from worker.config import EngineConfig
-from worker.engine import Engine, EngineFull, EngineRequest
+from worker.engine import Engine, EngineFull, EngineRequest, EngineStats
 from worker.request import ScheduledTask
 from worker.streams import OutputStream
 
@@ -202,6 +202,7 @@ class WorkerDeployment:
             "num_free_pages": stats.num_free_pages,
             "kv_usage": stats.kv_usage,
             "prefix_keys": self._engine.prefix_summary(self._summary_pages),
+            "stalled_s": self._stalled_s(stats),
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -215,12 +216,17 @@ class WorkerDeployment:
         stats = self._engine.stats()
         if not stats.loop_alive:
             raise RuntimeError("engine loop is not running")
-        # the snapshot is taken at the end of a step, so during a step that hangs it still
-        # shows the idle state before it: ask the engine whether it holds work right now
-        busy = stats.num_running + stats.num_waiting > 0 or self._engine.has_work
-        silent_s = time.monotonic() - stats.last_step_time
-        if busy and silent_s > self._stall_threshold_s:
+        silent_s = self._stalled_s(stats)
+        if silent_s > self._stall_threshold_s:
             raise RuntimeError(f"engine has work but has not stepped for {silent_s:.0f} s")
+
+    def _stalled_s(self, stats: EngineStats) -> float:
+        """How long the engine has held work without finishing a step (0 when idle).
+
+        The snapshot is taken at the end of a step, so during a step that hangs it still
+        shows the idle state before it: ask the engine whether it holds work right now."""
+        busy = stats.num_running + stats.num_waiting > 0 or self._engine.has_work
+        return time.monotonic() - stats.last_step_time if busy else 0.0
 
     def __del__(self) -> None:
         engine = getattr(self, "_engine", None)

@@ -6,6 +6,9 @@ that is inside each ingress replica. Every call carries a `RouteHint` as its fir
 argument: the chained page hashes of each prompt (the same hash the worker's prefix cache
 uses), the number of requests and tokens, or a target replica for control calls (abort).
 
+A replica that reports its engine stuck in one step for more than `stalled_after_s` ranks
+last (its requests would wait for the stall timeout), until it reports progress again.
+
 Replicas report `routing_stats` (load and their prefix-cache keys) every
 `stats_period_s` through `record_routing_stats`. Between two reports the router adds what
 it sent since the report, so a burst of calls does not all land on the replica that looked
@@ -30,6 +33,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 ROUTER_CLASS_PATH = "cluster.router:PrefixLoadRouter"
+STALLED_LOAD = 1e9  # the load a replica stuck in a step is ranked with
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,12 +125,14 @@ class PrefixLoadRouter(RequestRouter):
         self,
         imbalance_threshold: float = 8.0,
         imbalance_ratio: float = 1.0,
+        stalled_after_s: float = 5.0,
         memory_s: float = 10.0,
         **kwargs: Any,
     ) -> None:
         """`memory_s`: forget a sent call after this long even if its replica never reports."""
         self._imbalance_threshold = imbalance_threshold
         self._imbalance_ratio = imbalance_ratio
+        self._stalled_after_s = stalled_after_s
         self._memory_s = memory_s
         self._memory: dict[ReplicaID, _ReplicaMemory] = {}
         self._recorded: deque[Any] = deque(maxlen=1024)
@@ -185,6 +191,8 @@ class PrefixLoadRouter(RequestRouter):
                 keys.update(sent.keys)
         reported_load = float(stats.get("num_running", 0)) + float(stats.get("num_waiting", 0))
         load = reported_load + sum(s.num_requests for s in memory.sent)
+        if float(stats.get("stalled_s", 0.0)) > self._stalled_after_s:
+            load = STALLED_LOAD  # stuck in a step: ranked last until it reports progress
         return ReplicaView(
             replica.replica_id.unique_id, load, float(stats.get("kv_usage", 0.0)), keys
         )

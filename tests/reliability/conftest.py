@@ -25,6 +25,7 @@ STALL_TIMEOUT_S = 6.0
 MODULE_ORDER = (
     "test_units",
     "test_faults",
+    "test_stalled_routing",
     "test_overload",
     "test_soak",
     "test_kill",
@@ -39,7 +40,7 @@ def reliability_config(**overrides: Any) -> ClusterConfig:
         "worker_replicas": 2,
         "ingress_replicas": 2,
         "fault_injection": True,
-        "router": {"stats_period_s": 0.2},
+        "router": {"stats_period_s": 0.2, "stalled_after_s": 1.0},
         "limits": {"accept_timeout_s": 30, "stall_timeout_s": STALL_TIMEOUT_S},
         "drain_timeout_s": 120,
         "drain_poll_s": 0.5,
