@@ -14,7 +14,7 @@ Reliability options: `--cancel-fraction` makes some clients leave early (before 
 byte or after a few chunks) and `--stop-fraction` gives some requests stop strings; every
 request ends in one outcome (completed, stopped, cancelled, rejected, error, lost), where
 "lost" means it neither completed nor got an error and must stay 0. `--soak` (launched
-server only) warms up, runs the load, then checks that every worker replica is idle with
+server only; cluster/bench_soak.py) warms up, runs the load, then checks that every worker replica is idle with
 every KV page free and how much every replica's memory (RSS) grew; `--overload-requests`
 then sends one burst past the waiting limit (429 + Retry-After) and checks the recovery.
 """
@@ -25,8 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import platform
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,8 +124,10 @@ def run(args: argparse.Namespace) -> int:
         args.seed,
     )
     arrivals = make_arrivals(args.num_prompts, args.request_rate, args.burstiness, args.seed)
-    plans = _plans(args, samples)
+    plans = request_plans(args, samples)
     if args.soak:
+        from cluster.bench_soak import soak_launched
+
         report = soak_launched(config, args, samples, plans, arrivals, vocab)
         _write(args, report)
         return 0 if report["passed"] else 1
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plans(args: argparse.Namespace, samples: list[BenchSample]) -> list[RequestPlan]:
+def request_plans(args: argparse.Namespace, samples: list[BenchSample]) -> list[RequestPlan]:
     return make_plans(
         len(samples),
         args.cancel_fraction,
@@ -386,176 +386,3 @@ async def _drive(
         *(scheduled(s, float(t)) for s, t in zip(samples, arrivals, strict=True))
     )
     return summarize(results, time.perf_counter() - start), results
-
-
-# -- soak: leak checks on a launched server --------------------------------------------------
-
-
-def soak_launched(
-    config: Any,
-    args: argparse.Namespace,
-    samples: list[BenchSample],
-    plans: list[RequestPlan],
-    arrivals: np.ndarray,
-    vocab: int,
-) -> dict[str, Any]:
-    """Warm up, snapshot the replicas, run the load, snapshot again (and the overload burst)."""
-    model, key = config.model_name, config.api_keys[0] if config.api_keys else "unused"
-    report: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"),
-        "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, CPU",
-        "args": vars(args),
-        "config": config.model_dump(mode="json"),
-    }
-    with local_app(config) as base_url:
-        warm = make_samples(
-            args.warmup_prompts, args.input_len, args.output_len, args.range_ratio,
-            args.prefix_len, vocab, args.seed + 100,
-        )  # fmt: skip
-        warm_run = http_run(
-            base_url, key, model, warm, _plans(args, warm), np.zeros(len(warm)), args
-        )
-        _say(f"soak: warm-up, {len(warm)} requests")
-        report["warmup"] = asyncio.run(warm_run)["outcomes"]
-        before = replica_snapshot(config.app_name)
-        _say(f"soak: {len(samples)} requests")
-        run = http_run(base_url, key, model, samples, plans, arrivals, args, warm_up=False)
-        report["run"] = asyncio.run(run)
-        report["leaks"] = leak_report(before, replica_snapshot(config.app_name))
-        if args.overload_requests:
-            _say(f"soak: overload burst of {args.overload_requests} requests")
-            report["overload"] = asyncio.run(
-                overload(base_url, key, model, args.overload_requests, vocab, args)
-            )
-            report["after_overload"] = leak_report(before, replica_snapshot(config.app_name))
-    report["passed"] = soak_passed(report)
-    print(json.dumps({k: report[k] for k in report if k not in ("args", "config")}, indent=2))
-    return report
-
-
-def _say(message: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
-
-
-def soak_passed(report: dict[str, Any]) -> bool:
-    """Nothing lost, no page leaked, nothing stuck, RSS growth under 5 %, recovered."""
-    leaks = [report["leaks"], *([report["after_overload"]] if "after_overload" in report else [])]
-    lost = report["run"]["outcomes"]["lost"]
-    if "overload" in report:
-        over = report["overload"]
-        lost += over["burst"]["lost"]
-        if over["recovery"]["completed"] != over["recovery"]["sent"]:
-            return False
-    return lost == 0 and all(
-        leak["pages_leaked"] == 0 and leak["stuck_requests"] == 0 and leak["max_rss_growth_pct"] < 5
-        for leak in leaks
-    )
-
-
-def replica_snapshot(app_name: str, timeout_s: float = 120.0) -> dict[str, Any]:
-    """Once every worker replica is idle (or after `timeout_s`): each replica's engine
-    stats and RSS, and every ingress replica's RSS."""
-    from ray import serve
-
-    from cluster.app import INGRESS_NAME, WORKER_NAME
-
-    worker = serve.get_deployment_handle(WORKER_NAME, app_name=app_name)
-    ingress = serve.get_deployment_handle(INGRESS_NAME, app_name=app_name)
-    start = time.monotonic()
-    while True:
-        stats = [s for s in worker.broadcast("stats").results(timeout_s=30) if isinstance(s, dict)]
-        idle = all(
-            s["num_running"] == 0
-            and s["num_waiting"] == 0
-            and s["num_free_pages"] == s["num_total_pages"]
-            for s in stats
-        )
-        if idle or time.monotonic() - start > timeout_s:
-            break
-        time.sleep(0.5)
-    return {
-        "idle": idle,
-        "idle_wait_s": round(time.monotonic() - start, 1),
-        "workers": {s["replica_id"]: s for s in stats},
-        "ingress": {
-            s["replica_id"]: s for s in ingress.broadcast("drain_status").results(timeout_s=30)
-        },
-    }
-
-
-def _growth_pct(before: dict[str, Any], after: dict[str, Any]) -> float:
-    return round(
-        100.0 * (after["rss_bytes"] - before["rss_bytes"]) / max(1, before["rss_bytes"]), 2
-    )
-
-
-def _rss_row(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    mib = 1024 * 1024
-    return {
-        "rss_before_mib": round(before["rss_bytes"] / mib, 1),
-        "rss_after_mib": round(after["rss_bytes"] / mib, 1),
-        "rss_growth_pct": _growth_pct(before, after),
-    }
-
-
-def leak_report(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """Pages not free, requests still in an engine, and RSS growth, per replica."""
-    workers = {
-        rid: {
-            "free_pages": s["num_free_pages"],
-            "total_pages": s["num_total_pages"],
-            "pages_leaked": s["num_total_pages"] - s["num_free_pages"],
-            "stuck_requests": s["num_running"] + s["num_waiting"],
-            "faults_injected": s.get("faults_injected", 0),
-            **(_rss_row(before["workers"][rid], s) if rid in before["workers"] else {}),
-        }
-        for rid, s in after["workers"].items()
-    }
-    ingress = {
-        rid: _rss_row(before["ingress"][rid], s)
-        for rid, s in after["ingress"].items()
-        if rid in before["ingress"]
-    }
-    growth = [
-        row["rss_growth_pct"]
-        for row in [*workers.values(), *ingress.values()]
-        if "rss_growth_pct" in row
-    ]
-    return {
-        "idle_wait_s": after["idle_wait_s"],
-        "pages_leaked": sum(w["pages_leaked"] for w in workers.values()),
-        "stuck_requests": sum(w["stuck_requests"] for w in workers.values()),
-        "max_rss_growth_pct": max(growth, default=0.0),
-        "replicas_replaced": sorted(set(before["workers"]) - set(after["workers"])),
-        "workers": workers,
-        "ingress": ingress,
-    }
-
-
-async def overload(
-    base_url: str,
-    api_key: str,
-    model: str,
-    num: int,
-    vocab: int,
-    args: argparse.Namespace,
-    output_len: int = 32,
-) -> dict[str, Any]:
-    """`num` requests at once (past the waiting limit: some get 429 + Retry-After; the
-    accepted ones must complete within `--request-timeout`), then, once the burst is over,
-    a few plain requests that must all succeed (recovery)."""
-    import httpx
-
-    burst = make_samples(num, 32, output_len, 0.0, 0, vocab, args.seed + 200)
-    burst_args = argparse.Namespace(**{**vars(args), "max_concurrency": num})
-    result = await http_run(
-        base_url, api_key, model, burst, [NO_PLAN] * num, np.zeros(num), burst_args, warm_up=False
-    )
-    recovery = make_samples(8, 32, 16, 0.0, 0, vocab, args.seed + 300)
-    headers = {"Authorization": f"Bearer {api_key}"}
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120) as client:
-        outcomes = [(await http_request(client, model, s)).outcome for s in recovery]
-    return {
-        "burst": {**result["outcomes"], "accepted_e2e_ms": result["e2e_ms"]},
-        "recovery": {"sent": len(recovery), "completed": outcomes.count("completed")},
-    }
