@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--prefix-cache-tokens",
         type=int,
         default=49152,
-        help="KV capacity per replica in phase 3 (tokens); below groups x prefix-len",
+        help="KV capacity per replica in phase 3 (tokens); at most groups x prefix-len, so without affinity a replica cannot keep every shared prompt",
     )
     p.add_argument(
         "--affinity-gpus-per-replica",
