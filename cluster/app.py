@@ -129,6 +129,8 @@ def _worker(config: ClusterConfig) -> Any:
         config.fault_injection,
         # a queued request hears from its worker well within the ingress's stall timeout
         min(5.0, config.limits.stall_timeout_s / 4),
+        # a live ingress opens its session right after a submit is accepted
+        max(10.0, 2 * config.limits.accept_timeout_s),
     )
 
 

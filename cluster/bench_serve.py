@@ -320,7 +320,9 @@ async def _read_events(
     if result.outcome == "error":
         return
     if not done or finish is None:
-        result.outcome, result.error = "lost", "the stream ended without a finish and [DONE]"
+        missing = " and ".join(m for m, ok in (("a finish_reason", finish), ("[DONE]", done)) if not ok)
+        result.outcome = "lost"
+        result.error = f"the stream ended after {chunks} chunks without {missing}"
     else:
         result.outcome = "stopped" if finish == "stop" else "completed"
 

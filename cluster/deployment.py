@@ -1,11 +1,22 @@
 """WorkerDeployment: one Engine per Serve replica (one GPU each, or CPU).
 
-A replica answers `generate` calls with a stream of msgpack frames (see transport.py):
-accept or refuse, then one frame per engine step. It reports its load and prefix-cache
-keys to routers (`record_routing_stats`), its queue depth and KV usage to the autoscaler
-(`record_autoscaling_stats`), and counts as unhealthy when the engine loop died or has
-work but stopped stepping. With `ClusterConfig.fault_injection` on (tests only), it also
-takes `inject_fault` calls that make its next engine steps raise or stall.
+An ingress replica queues requests with `submit` (answered accept or refuse) and reads the
+deltas of all its requests on this replica from one `session` stream: one msgpack frame
+per engine step for the pair, not one per call (see transport.py). Each ingress has a
+`Mailbox` here: one engine OutputStream its requests deliver into.
+- A session ends once the ingress has had nothing unfinished here for `linger_s` (a steady
+  trickle of requests keeps one session, and a first token waits for no extra call); the
+  ingress opens a new one with its next accepted submit. So a draining replica is not
+  held open by idle sessions.
+- A session the ingress cancels, or a mailbox no session reads for `orphan_timeout_s` (its
+  ingress died), aborts what is left.
+- `generate` does the same in one call with a stream of its own (direct use, tests).
+
+A replica reports its load and prefix-cache keys to routers (`record_routing_stats`), its
+queue depth and KV usage to the autoscaler (`record_autoscaling_stats`), and counts as
+unhealthy when the engine loop died or has work but stopped stepping. With
+`ClusterConfig.fault_injection` on (tests only), it also takes `inject_fault` calls that
+make its next engine steps raise or stall.
 """
 
 from __future__ import annotations
@@ -83,6 +94,16 @@ class FaultInjector:
         raise InjectedFault(f"injected fault in a step of {len(tasks)} request(s)")
 
 
+@dataclasses.dataclass(eq=False)
+class Mailbox:
+    """What one ingress replica has queued on this worker, and which session reads it."""
+
+    stream: OutputStream
+    session: int = 0  # the number of the newest session; it alone reads the stream
+    attached: bool = False
+    wake: asyncio.Event | None = None  # the reading session's wakeup
+
+
 class WorkerDeployment:
     """The body of the worker deployment; `app.build_app` wraps it with `serve.deployment`."""
 
@@ -94,6 +115,8 @@ class WorkerDeployment:
         cpu_threads: int | None = None,
         fault_injection: bool = False,
         heartbeat_s: float = 5.0,
+        orphan_timeout_s: float = 60.0,
+        linger_s: float = 2.0,
     ):
         _set_cpu_threads(engine_config, cpu_threads)
         self._engine = Engine(engine_config)
@@ -103,6 +126,9 @@ class WorkerDeployment:
         self._engine.start()
         self._summary_pages = summary_pages
         self._heartbeat_s = heartbeat_s
+        self._orphan_timeout_s = orphan_timeout_s
+        self._linger_s = linger_s
+        self._mailboxes: dict[str, Mailbox] = {}
         self._stall_threshold_s = stall_threshold_s
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         log.info("worker replica %s ready: %s", self._replica_id, self._engine.config)
@@ -161,6 +187,102 @@ class WorkerDeployment:
                 yield item
         finally:
             task.cancel()
+
+    async def submit(self, hint: RouteHint, payload: bytes, ingress_id: str) -> bytes:
+        """Queue a batch of requests for `ingress_id`; answers accept or refuse. Their
+        deltas come on that ingress's `session`."""
+        requests = [
+            EngineRequest(r.request_id, r.prompt_token_ids, r.params)
+            for r in decode_requests(payload)
+        ]
+        box = self._mailboxes.get(ingress_id)
+        if box is None or box.stream.closed:
+            box = self._mailboxes[ingress_id] = Mailbox(OutputStream([], self._engine.abort))
+        try:
+            self._engine.submit(requests, into=box.stream)
+        except EngineFull as exc:
+            return encode_refused("full", str(exc) or "the worker's waiting queue is full")
+        except ValueError as exc:
+            return encode_refused("invalid", str(exc))
+        if not box.attached:
+            self._reap_later(ingress_id, box)
+        return encode_accepted(self._replica_id)
+
+    async def session(self, hint: RouteHint, ingress_id: str) -> AsyncIterator[bytes]:
+        """The deltas of everything `ingress_id` queued here: an accept frame, then one
+        frame per engine step (the steps since the last frame, if this reader lags), and a
+        heartbeat after `heartbeat_s` of silence in which the engine stepped. Ends once
+        none of them has been unfinished for `linger_s`; a cancelled session aborts what is
+        unfinished."""
+        if hint.replica_id != self._replica_id:  # routed elsewhere: its replica is gone
+            yield encode_refused("gone", f"replica {hint.replica_id} is gone")
+            return
+        yield encode_accepted(self._replica_id)
+        box = self._mailboxes.get(ingress_id)
+        if box is None:
+            return
+        box.session += 1
+        number = box.session
+        if box.wake is not None:
+            box.wake.set()  # a session this one replaces stops reading
+        box.attached, box.wake = True, asyncio.Event()
+        wake = box.wake
+        unregister = box.stream.wakeup(asyncio.get_running_loop(), wake)
+        ended = False
+        try:
+            steps = self._engine.stats_snapshot.num_steps
+            idle_since: float | None = None
+            while box.session == number:
+                wake.clear()
+                frames, finished = box.stream.drain()
+                if frames:
+                    idle_since = None
+                    yield encode_deltas([d for frame in frames for d in frame])
+                    continue
+                if finished:  # nothing left: linger a moment for the ingress's next submit
+                    now = time.monotonic()
+                    idle_since = now if idle_since is None else idle_since
+                    if now - idle_since >= self._linger_s:
+                        ended = True
+                        return
+                    wait_s = self._linger_s - (now - idle_since)
+                else:
+                    idle_since, wait_s = None, self._heartbeat_s
+                try:
+                    await asyncio.wait_for(wake.wait(), wait_s)
+                except TimeoutError:
+                    if not finished and self._engine.stats_snapshot.num_steps != steps:
+                        steps = self._engine.stats_snapshot.num_steps
+                        yield HEARTBEAT
+            ended = True  # replaced by a newer session
+        finally:
+            unregister()
+            if box.session == number:
+                box.attached, box.wake = False, None
+                if not ended:  # cancelled: the ingress gave up on these requests, or died
+                    box.stream.close()
+                    if self._mailboxes.get(ingress_id) is box:
+                        del self._mailboxes[ingress_id]
+                elif not box.stream.finished:
+                    self._reap_later(ingress_id, box)
+
+    def _reap_later(self, ingress_id: str, box: Mailbox) -> None:
+        """Abort a mailbox's requests if no session reads it for `orphan_timeout_s`."""
+        number = box.session
+
+        def reap() -> None:
+            if box.attached or box.session != number or box.stream.finished:
+                return
+            log.warning(
+                "no session from ingress %s for %.0f s: aborting its requests",
+                ingress_id,
+                self._orphan_timeout_s,
+            )
+            box.stream.close()
+            if self._mailboxes.get(ingress_id) is box:
+                del self._mailboxes[ingress_id]
+
+        asyncio.get_running_loop().call_later(self._orphan_timeout_s, reap)
 
     async def abort(self, hint: RouteHint, request_ids: list[str]) -> None:
         for request_id in request_ids:

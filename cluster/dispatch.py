@@ -1,15 +1,21 @@
-"""Ingress side of worker calls: the batching window, one call per batch, one stream per request.
+"""Ingress side of worker calls: the batching window, one submit per batch, one frame
+stream per worker replica.
 
 An OpenAI request becomes a `Group` (its n x prompts engine requests). `Dispatcher.submit`
 returns the group's `GroupStream` at once and sends the group either alone (the ingress was
 idle for a window, or the window is 0) or together with every group that arrives within
-`window_s` (a request batch: one Serve call, one routing decision, one msgpack frame per
-engine step for all of them). A `_Call` reads the worker's frames and hands each group the
-deltas of its own requests.
+`window_s` (a request batch: one `submit` call, one routing decision). An accepted group's
+deltas come on the `_Session` this ingress holds with that replica: one long-lived Serve
+stream per (ingress, worker) pair, one item per engine step for all of this ingress's
+requests there, however many calls brought them. (A stream per call would cost the worker
+and the ingress one Ray item per call per step: at 512 running requests that, not the GPU,
+set the step time.) A session ends when nothing of this ingress is left unfinished on its
+replica and the next accepted submit opens a new one.
 
-Failures never hang a client: a refused call, a replica that dies, a call that is not
-accepted within `accept_timeout_s` or goes silent for `stall_timeout_s` ends every group of
-the call with a `CallError`. While the ingress drains (shutdown), `draining` is set and
+Failures never hang a client: a refused submit, a replica that dies, a submit not
+accepted within `accept_timeout_s`, or a session silent for `stall_timeout_s` ends the
+groups concerned with a `CallError`. A submit that fails before it is accepted is sent once
+more (the router picks again). While the ingress drains (shutdown), `draining` is set and
 `num_open` counts the groups still being served.
 """
 
@@ -21,8 +27,9 @@ import contextvars
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from cluster.router import RouteHint
@@ -68,7 +75,6 @@ class GroupStream:
         self._accepted: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._unfinished = {r.request_id for r in group.requests}
-        self._call: _Call | None = None
         self.closed = False
 
     async def accepted(self) -> str:
@@ -105,10 +111,8 @@ class GroupStream:
         self.closed = True
         self._dispatcher.open_streams.discard(self)
         self.abort(list(self._unfinished))
-        if self._call is not None:
-            self._call.group_closed()
 
-    # -- called by _Call ------------------------------------------------------------------
+    # -- called by _Submit and _Session -----------------------------------------------------
 
     def _on_accept(self, replica_id: str) -> None:
         if not self._accepted.done():
@@ -133,45 +137,41 @@ class GroupStream:
 
 
 @dataclass
-class _Call:
-    """One Serve call carrying one or more groups; reads the worker's frames."""
+class _Submit:
+    """One `submit` call carrying one or more groups: routed, then accepted or refused."""
 
     dispatcher: Dispatcher
     streams: list[GroupStream]
     attempt: int = 0
-    by_request: dict[str, GroupStream] = field(default_factory=dict)
-    response: Any = None
-    accepted: bool = False
-
-    def __post_init__(self) -> None:
-        for stream in self.streams:
-            stream._call = self
-            for r in stream.group.requests:
-                self.by_request[r.request_id] = stream
-
-    def group_closed(self) -> None:
-        if all(s.closed for s in self.streams) and self.response is not None:
-            self.response.cancel()
 
     async def run(self) -> None:
         try:
-            await self._run()
+            replica_id = await self._submit()
         except CallError as error:
             self._fail(error)
+            return
         except asyncio.CancelledError:
             self._fail(CallError("unavailable", "the call was cancelled"))
             raise
         except Exception as exc:  # a dead replica surfaces as a Ray error of some kind
-            if all(s.closed for s in self.streams):
-                return  # every client left and the call was cancelled on purpose
-            if not self.accepted and self.attempt == 0:
+            if self.attempt == 0:
                 log.warning("worker call failed before it was accepted, retrying once: %r", exc)
                 self.dispatcher.send(self.streams, attempt=1)
                 return
             log.warning("worker call failed: %r", exc)
             self._fail(CallError("unavailable", f"worker failed: {type(exc).__name__}: {exc}"))
+            return
+        if replica_id is not None:
+            self.dispatcher.session(replica_id).add(self.streams)
+            for stream in self.streams:
+                stream._on_accept(replica_id)
 
-    async def _run(self) -> None:
+    def _fail(self, error: CallError) -> None:
+        self.dispatcher.forget(self.streams)
+        _fail(self.streams, error)
+
+    async def _submit(self) -> str | None:
+        """The accepting replica's id, or None when the batch was refused (and handled)."""
         groups = [s.group for s in self.streams]
         hint = RouteHint(
             page_hashes=tuple(p for g in groups for p in g.page_hashes),
@@ -179,31 +179,21 @@ class _Call:
             num_tokens=sum(g.num_tokens for g in groups),
         )
         payload = encode_requests([r for g in groups for r in g.requests])
-        limits = self.dispatcher.limits
-        self.response = self.dispatcher.generate_handle.remote(hint, payload)
+        dispatcher = self.dispatcher
+        timeout_s = dispatcher.limits.accept_timeout_s
         try:
-            async with asyncio.timeout(limits.accept_timeout_s):
-                first = decode_first(await self.response.__anext__())
+            async with asyncio.timeout(timeout_s):
+                answer = decode_first(
+                    await dispatcher.submit_handle.remote(hint, payload, dispatcher.ingress_id)
+                )
         except TimeoutError:
-            self.response.cancel()
             raise CallError(
-                "unavailable",
-                f"no worker accepted the request within {limits.accept_timeout_s:.0f} s",
+                "unavailable", f"no worker accepted the request within {timeout_s:.0f} s"
             ) from None
-        if isinstance(first, Refused):
-            await self._finish_stream()
-            self._refused(first)
-            return
-        self.accepted = True
-        for stream in self.streams:
-            stream._on_accept(first.replica_id)
-        await self._pump(limits.stall_timeout_s)
-
-    async def _finish_stream(self) -> None:
-        """Read a refused call to its end: Serve counts a call as ongoing until then."""
-        async with asyncio.timeout(self.dispatcher.limits.accept_timeout_s):
-            async for _ in self.response:
-                pass
+        if isinstance(answer, Refused):
+            self._refused(answer)
+            return None
+        return answer.replica_id
 
     def _refused(self, refusal: Refused) -> None:
         if refusal.kind in ("invalid", "full") and len(self.streams) > 1:
@@ -212,34 +202,111 @@ class _Call:
             for stream in self.streams:
                 self.dispatcher.send([stream])
             return
-        self._fail(CallError(refusal.kind, refusal.message))
+        kind = "unavailable" if refusal.kind == "gone" else refusal.kind
+        self._fail(CallError(kind, refusal.message))
 
-    async def _pump(self, stall_timeout_s: float) -> None:
-        iterator = self.response.__aiter__()
+
+class _Session:
+    """This ingress's frame stream from one worker replica: the deltas of every request
+    it has there, one item per engine step (see the module docstring)."""
+
+    def __init__(self, dispatcher: Dispatcher, replica_id: str):
+        self.dispatcher = dispatcher
+        self.replica_id = replica_id
+        self.request_ids: set[str] = set()  # accepted here, not yet finished on the worker
+        self._task: asyncio.Task[None] | None = None
+        self._response: Any = None
+
+    def add(self, streams: list[GroupStream]) -> None:
+        """Requests accepted by this replica (those whose last delta came already excepted:
+        an open session can deliver before the submit's answer is read)."""
+        live = self.dispatcher.live
+        self.request_ids.update(
+            r.request_id for s in streams for r in s.group.requests if r.request_id in live
+        )
+        if self.request_ids and self._task is None:
+            self._task = in_own_context(self._run())
+
+    async def _run(self) -> None:
+        idle_sessions = 0  # sessions in a row that ended with nothing delivered
+        try:
+            while self.request_ids:
+                if await self._read():
+                    idle_sessions = 0
+                else:
+                    idle_sessions += 1
+                if idle_sessions >= 2 and self.request_ids:
+                    # The worker says nothing of ours is unfinished, twice, yet we wait.
+                    raise CallError("internal", "the worker no longer holds these requests")
+        except CallError as error:
+            self._fail(error)
+        except asyncio.CancelledError:
+            self._fail(CallError("unavailable", "the call was cancelled"))
+            raise
+        except Exception as exc:  # the replica died
+            log.warning("worker session with %s failed: %r", self.replica_id, exc)
+            self._fail(CallError("unavailable", f"worker failed: {type(exc).__name__}: {exc}"))
+        finally:
+            self._task = None
+            self.dispatcher.session_ended(self)
+
+    async def _read(self) -> bool:
+        """One session call, read to its end; whether it delivered anything."""
+        limits = self.dispatcher.limits
+        self._response = response = self.dispatcher.session_handle.remote(
+            RouteHint(replica_id=self.replica_id), self.dispatcher.ingress_id
+        )
+        iterator = response.__aiter__()
+        try:
+            async with asyncio.timeout(limits.accept_timeout_s):
+                first = decode_first(await iterator.__anext__())
+        except TimeoutError:
+            response.cancel()
+            raise CallError(
+                "unavailable", f"worker replica {self.replica_id} did not answer in time"
+            ) from None
+        if isinstance(first, Refused):
+            raise CallError("unavailable", first.message)
+        delivered = False
         while True:
             try:
-                async with asyncio.timeout(stall_timeout_s):
+                async with asyncio.timeout(limits.stall_timeout_s):
                     frame = await iterator.__anext__()
             except StopAsyncIteration:
-                break
+                return delivered
             except TimeoutError:
-                self.response.cancel()
+                response.cancel()
                 raise CallError(
-                    "unavailable", f"the worker sent nothing for {stall_timeout_s:.0f} s"
+                    "unavailable", f"the worker sent nothing for {limits.stall_timeout_s:.0f} s"
                 ) from None
-            per_stream: dict[int, list[RequestDelta]] = {}
-            for delta in decode_deltas(frame):
-                stream = self.by_request.get(delta.request_id)
-                if stream is not None:
-                    per_stream.setdefault(id(stream), []).append(delta)
-            for stream in self.streams:
-                if id(stream) in per_stream:
-                    stream._on_deltas(per_stream[id(stream)])
-        self._fail(CallError("internal", "the worker ended the stream early"))
+            deltas = decode_deltas(frame)
+            delivered = delivered or bool(deltas)
+            self._deliver(deltas)
+
+    def _deliver(self, deltas: list[RequestDelta]) -> None:
+        live = self.dispatcher.live
+        per_stream: dict[GroupStream, list[RequestDelta]] = {}
+        for delta in deltas:
+            stream = live.get(delta.request_id)
+            if stream is None:
+                continue
+            per_stream.setdefault(stream, []).append(delta)
+            if delta.finished:
+                del live[delta.request_id]
+                self.request_ids.discard(delta.request_id)
+        for stream, mine in per_stream.items():
+            stream._on_deltas(mine)
 
     def _fail(self, error: CallError) -> None:
-        for stream in self.streams:
-            stream._on_error(error)
+        live = self.dispatcher.live
+        streams = {live.pop(rid) for rid in self.request_ids if rid in live}
+        self.request_ids.clear()
+        _fail(list(streams), error)
+
+
+def _fail(streams: list[GroupStream], error: CallError) -> None:
+    for stream in streams:
+        stream._on_error(error)
 
 
 def in_own_context(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
@@ -253,7 +320,7 @@ def in_own_context(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
 
 
 class Dispatcher:
-    """Batches groups within a window and sends each batch as one streaming worker call."""
+    """Batches groups within a window, submits each batch, reads one session per replica."""
 
     def __init__(
         self,
@@ -265,7 +332,13 @@ class Dispatcher:
     ):
         """`on_call(num_requests)` is told the size of every call sent (a metric)."""
         self._on_call = on_call
-        self.generate_handle = worker_handle.options(method_name="generate", stream=True)
+        self.submit_handle = worker_handle.options(method_name="submit")
+        self.session_handle = worker_handle.options(method_name="session", stream=True)
+        self.ingress_id = uuid.uuid4().hex[:16]  # names this ingress's mailbox on each worker
+        self._sessions: dict[str, _Session] = {}
+        # every request sent and not yet finished on its worker, by id: a session delivers
+        # through this, so deltas that outrun their submit's answer still find their stream
+        self.live: dict[str, GroupStream] = {}
         self._abort_handle = worker_handle.options(method_name="abort")
         self.limits = limits
         self._window_s = window_s
@@ -311,7 +384,27 @@ class Dispatcher:
 
     def send(self, streams: list[GroupStream], attempt: int = 0) -> None:
         self._on_call(sum(len(s.group.requests) for s in streams))
-        self._spawn(_Call(self, streams, attempt).run())
+        for stream in streams:
+            for r in stream.group.requests:
+                self.live[r.request_id] = stream
+        self._spawn(_Submit(self, streams, attempt).run())
+
+    def session(self, replica_id: str) -> _Session:
+        """The session with a replica, open or about to open."""
+        session = self._sessions.get(replica_id)
+        if session is None:
+            session = self._sessions[replica_id] = _Session(self, replica_id)
+        return session
+
+    def session_ended(self, session: _Session) -> None:
+        if self._sessions.get(session.replica_id) is session and not session.request_ids:
+            del self._sessions[session.replica_id]
+
+    def forget(self, streams: list[GroupStream]) -> None:
+        """Streams whose submit failed or was refused: no worker holds their requests."""
+        for stream in streams:
+            for r in stream.group.requests:
+                self.live.pop(r.request_id, None)
 
     def send_abort(self, replica_id: str, request_ids: list[str]) -> None:
         self._spawn(self._abort(replica_id, request_ids))

@@ -1,11 +1,14 @@
 """The wire format between ingress and worker replicas: msgpack, one frame per engine step.
 
-A call carries a batch of engine requests (one or more OpenAI requests bound for the same
-replica). The worker answers with a stream of frames: first an *accept* frame (its replica
-id) or a *refuse* frame (queue full, invalid input), then one frame per engine step that
-advanced any request of the call, and an empty frame (heartbeat) now and then while the
-call's requests wait in a queue that keeps moving. Every frame is plain msgpack so neither side unpickles
-anything the other sent, and a frame costs one small bytes object on the Serve stream.
+A `submit` call carries a batch of engine requests (one or more OpenAI requests bound for
+the same replica) and is answered with an *accept* frame (the replica id) or a *refuse*
+frame (queue full, invalid input). The deltas of every request one ingress replica has on
+a worker come on that pair's `session` stream: an accept frame, then one frame per engine
+step that advanced any of them (several steps' deltas in one frame when the reader fell
+behind), and an empty frame (heartbeat) now and then while they wait in a queue that
+keeps moving. (`generate`, for direct use, is a submit and a stream of its own in one
+call.) Every frame is plain msgpack so neither side unpickles anything the other sent, and
+a frame costs one small bytes object on the Serve stream.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import msgpack
 from worker.outputs import RequestDelta, RequestMetrics, TokenLogprobs
 from worker.sampling import SamplingParams
 
-RefusalKind = Literal["full", "invalid", "internal"]
+RefusalKind = Literal["full", "invalid", "internal", "gone"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +43,8 @@ class Accepted:
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """The worker queued nothing: `kind` says why (full -> 429, invalid -> 400, internal -> 500)."""
+    """The worker queued nothing: `kind` says why (full -> 429, invalid -> 400, internal -> 500;
+    gone: a session call reached another replica than the one it was for)."""
 
     kind: RefusalKind
     message: str

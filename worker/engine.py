@@ -100,18 +100,24 @@ class Engine:
         )
 
     # -- submitting ----------------------------------------------------------------------
-    def submit(self, requests: list[EngineRequest]) -> OutputStream:
-        """Queue requests (thread-safe). Validates all first: bad input raises ValueError, nothing queued."""
+    def submit(self, requests: list[EngineRequest], into: OutputStream | None = None) -> OutputStream:
+        """Queue requests (thread-safe). Validates all first: bad input raises ValueError, nothing queued.
+
+        Their deltas go to a new stream, or to `into`, a stream that earlier submits made."""
         new = [self._validate(r) for r in requests]
         ids = [r.request_id for r in new]
         if len(set(ids)) != len(ids):
             raise ValueError("duplicate request_id in one submit")
-        stream = OutputStream(ids, self.abort)
         with self._cv:
             if any(rid in self._requests for rid in ids):
                 raise ValueError("request_id already in use")
             if self.stats_snapshot.num_waiting + len(self._inbox) + len(new) > self.config.max_waiting:
                 raise EngineFull(f"more than max_waiting={self.config.max_waiting} requests are waiting")
+            if into is None:
+                stream = OutputStream(ids, self.abort)
+            else:
+                stream = into
+                stream.add(ids)
             for r in new:
                 self._requests[r.request_id] = r
                 self._streams[r.request_id] = stream

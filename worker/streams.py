@@ -2,7 +2,9 @@
 
 One frame per engine step, holding every request of the submit that advanced in that
 step. Consumers iterate it synchronously or from any asyncio loop; the engine thread wakes
-them (no polling sleeps).
+them (no polling sleeps). A long-lived stream can take more requests (`Engine.submit(...,
+into=stream)`): the cluster's worker keeps one per ingress replica and drains it with
+`drain` and `wakeup`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from worker.outputs import RequestDelta
 
 class OutputStream:
     def __init__(self, request_ids: list[str], abort: Callable[[str], None]):
-        self.request_ids = request_ids
+        self.request_ids = request_ids  # of the submit that made it (`add` keeps no record)
         self._unfinished = set(request_ids)
         self._abort = abort
         self._frames: deque[list[RequestDelta]] = deque()
@@ -29,6 +31,17 @@ class OutputStream:
     def finished(self) -> bool:
         """Every request of this stream has finished (its last frame may still be unread)."""
         return not self._unfinished
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def add(self, request_ids: list[str]) -> None:
+        """Engine: more requests deliver into this stream (before any of them can step)."""
+        with self._cond:
+            if self._closed:
+                raise ValueError("the stream is closed")
+            self._unfinished.update(request_ids)
 
     def push(self, frame: list[RequestDelta]) -> None:
         """Engine thread: deliver one step's deltas for this stream."""
@@ -49,6 +62,26 @@ class OutputStream:
             frames = list(self._frames)
             self._frames.clear()
         return frames
+
+    def drain(self) -> tuple[list[list[RequestDelta]], bool]:
+        """Every frame not yet read, and whether every request has finished, in one look:
+        a consumer that sees `([], True)` has read the last frame of every request."""
+        with self._cond:
+            frames = list(self._frames)
+            self._frames.clear()
+            return frames, not self._unfinished
+
+    def wakeup(self, loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> Callable[[], None]:
+        """Set `event` (in `loop`) on every push; returns the function that unregisters it."""
+        entry = (loop, event)
+        with self._cond:
+            self._wakeups.append(entry)
+
+        def unregister() -> None:
+            with self._cond:
+                self._wakeups.remove(entry)
+
+        return unregister
 
     def close(self) -> None:
         """Abort whatever of this submit is unfinished; further frames are dropped."""

@@ -45,17 +45,15 @@ class _DeadReplica(Exception):
 
 
 class _Response:
-    """A fake streaming Serve response: raises at once, or yields the given frames."""
+    """A fake streaming Serve response yielding the given frames."""
 
-    def __init__(self, frames: list[bytes] | None):
+    def __init__(self, frames: list[bytes]):
         self._frames = frames
 
     def __aiter__(self) -> _Response:
         return self
 
     async def __anext__(self) -> bytes:
-        if self._frames is None:
-            raise _DeadReplica("the replica died")
         if not self._frames:
             raise StopAsyncIteration
         return self._frames.pop(0)
@@ -65,21 +63,30 @@ class _Response:
 
 
 class _Handle:
-    """A fake worker handle whose first `generate` call hits a dead replica."""
+    """A fake worker handle whose first `submit` hits a dead replica; the retry reaches a
+    live one, whose session delivers the request's one token."""
 
     def __init__(self, request_id: str):
-        self.calls = 0
+        self.calls: dict[str, int] = {}
         self._request_id = request_id
+        self._method = ""
 
     def options(self, method_name: str, stream: bool = False) -> _Handle:
-        return self
+        handle = _Handle(self._request_id)
+        handle.calls, handle._method = self.calls, method_name
+        return handle
 
-    def remote(self, *args: Any) -> _Response:
-        self.calls += 1
-        if self.calls == 1:
-            return _Response(None)
-        done = RequestDelta(self._request_id, [7], None, "length", None, 1, 0, None)
-        return _Response([encode_accepted("live"), encode_deltas([done])])
+    def remote(self, *args: Any) -> Any:
+        self.calls[self._method] = self.calls.get(self._method, 0) + 1
+        if self._method == "session":
+            done = RequestDelta(self._request_id, [7], None, "length", None, 1, 0, None)
+            return _Response([encode_accepted("live"), encode_deltas([done])])
+        return self._submit(self.calls[self._method])
+
+    async def _submit(self, attempt: int) -> bytes:
+        if attempt == 1:
+            raise _DeadReplica("the replica died")
+        return encode_accepted("live")
 
 
 def _group(request_id: str) -> Group:
@@ -87,7 +94,7 @@ def _group(request_id: str) -> Group:
 
 
 def test_a_call_that_fails_before_it_is_accepted_is_retried_once() -> None:
-    async def run() -> tuple[str, list[RequestDelta], int]:
+    async def run() -> tuple[str, list[RequestDelta], dict[str, int]]:
         handle = _Handle("r-1")
         dispatcher = Dispatcher(handle, 0.0, 8, RequestLimits())
         stream = dispatcher.submit(_group("r-1"))
@@ -99,7 +106,7 @@ def test_a_call_that_fails_before_it_is_accepted_is_retried_once() -> None:
         return replica, frames, handle.calls
 
     replica, frames, calls = asyncio.run(run())
-    assert (replica, calls) == ("live", 2)
+    assert (replica, calls) == ("live", {"submit": 2, "session": 1})
     assert [d.finish_reason for d in frames] == ["length"]
 
 

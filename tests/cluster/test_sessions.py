@@ -1,0 +1,182 @@
+"""The worker's side of the session protocol, on a real tiny engine, without Ray: requests
+from several `submit` calls of one ingress come back on one `session` stream, one frame
+per engine step; sessions end when idle, refuse the wrong replica, and a cancelled session
+or an orphaned mailbox aborts its requests and frees their pages."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from types import SimpleNamespace
+
+import pytest
+
+import cluster.deployment as deployment
+from cluster.deployment import WorkerDeployment
+from cluster.router import RouteHint
+from cluster.transport import (
+    Accepted,
+    Refused,
+    WireRequest,
+    decode_deltas,
+    decode_first,
+    encode_requests,
+)
+from tests.factories.tiny_models import random_prompts
+from worker.config import EngineConfig
+from worker.outputs import RequestDelta
+from worker.sampling import SamplingParams
+
+REPLICA = "w-1"
+HERE = RouteHint(replica_id=REPLICA)
+
+
+@pytest.fixture
+def make_worker(tiny_model, monkeypatch) -> Iterator[object]:
+    path, _ = tiny_model("llama")
+    context = SimpleNamespace(replica_id=SimpleNamespace(unique_id=REPLICA))
+    monkeypatch.setattr(deployment.serve, "get_replica_context", lambda: context)
+    made: list[WorkerDeployment] = []
+
+    def make(**options: float | bool) -> WorkerDeployment:
+        config = EngineConfig(
+            model=str(path), device="cpu", max_seq_len=128, max_running=8, page_size=4, num_pages=96
+        )
+        worker = WorkerDeployment(config, **options)  # type: ignore[arg-type]
+        made.append(worker)
+        return worker
+
+    yield make
+    for worker in made:
+        worker._engine.shutdown()
+
+
+def payload(prefix: str, n: int, max_tokens: int = 12) -> bytes:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = random_prompts([9, 14, 5, 21][:n])
+    return encode_requests([WireRequest(f"{prefix}{i}", p, params) for i, p in enumerate(prompts)])
+
+
+async def submit(worker: WorkerDeployment, body: bytes, ingress: str = "ing-a") -> str:
+    answer = decode_first(await worker.submit(RouteHint(), body, ingress))
+    assert isinstance(answer, Accepted), answer
+    return answer.replica_id
+
+
+async def read(frames: AsyncIterator[bytes]) -> tuple[int, list[RequestDelta]]:
+    """Frames after the accept frame: (how many carried deltas, every delta)."""
+    first = decode_first(await anext(frames))
+    assert isinstance(first, Accepted) and first.replica_id == REPLICA
+    count, deltas = 0, []
+    async for frame in frames:
+        step = decode_deltas(frame)
+        count += bool(step)
+        deltas.extend(step)
+    return count, deltas
+
+
+def tokens_by_request(deltas: list[RequestDelta]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in deltas:
+        out[d.request_id] = out.get(d.request_id, 0) + len(d.new_token_ids)
+    return out
+
+
+def idle_and_free(worker: WorkerDeployment) -> bool:
+    stats = worker._engine.stats()
+    idle = stats.num_running + stats.num_waiting == 0 and not worker._engine.has_work
+    return idle and stats.num_free_pages == stats.num_total_pages
+
+
+async def wait_until(predicate: object, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_one_session_carries_every_submit_of_its_ingress_one_frame_per_step(make_worker) -> None:
+    worker = make_worker(linger_s=0.2)
+
+    async def run() -> tuple[int, list[RequestDelta]]:
+        assert await submit(worker, payload("a", 3)) == REPLICA
+        assert await submit(worker, payload("b", 2)) == REPLICA
+        return await read(worker.session(HERE, "ing-a"))
+
+    frames, deltas = asyncio.run(run())
+    assert tokens_by_request(deltas) == {"a0": 12, "a1": 12, "a2": 12, "b0": 12, "b1": 12}
+    assert sorted(d.request_id for d in deltas if d.finished) == ["a0", "a1", "a2", "b0", "b1"]
+    assert all(d.finish_reason == "length" for d in deltas if d.finished)
+    assert frames < len(deltas)  # one frame per step, holding several requests
+    assert idle_and_free(worker)
+
+
+def test_a_submit_while_the_session_lingers_comes_on_the_same_session(make_worker) -> None:
+    worker = make_worker(linger_s=1.0)
+
+    async def run() -> list[RequestDelta]:
+        await submit(worker, payload("first", 1, max_tokens=4))
+        reader = asyncio.create_task(read(worker.session(HERE, "ing-a")))
+        await wait_until(lambda: worker._engine.stats().generation_tokens_total >= 4)
+        await asyncio.sleep(0.05)  # the first request is done; the session lingers
+        await submit(worker, payload("second", 1, max_tokens=4))
+        _, deltas = await reader
+        return deltas
+
+    deltas = asyncio.run(run())
+    assert tokens_by_request(deltas) == {"first0": 4, "second0": 4}
+
+
+def test_sessions_of_two_ingresses_stay_apart(make_worker) -> None:
+    worker = make_worker(linger_s=0.1)
+
+    async def run() -> tuple[list[RequestDelta], list[RequestDelta]]:
+        await submit(worker, payload("a", 2), "ing-a")
+        await submit(worker, payload("b", 2), "ing-b")
+        (_, a), (_, b) = await asyncio.gather(
+            read(worker.session(HERE, "ing-a")), read(worker.session(HERE, "ing-b"))
+        )
+        return a, b
+
+    a, b = asyncio.run(run())
+    assert set(tokens_by_request(a)) == {"a0", "a1"}
+    assert set(tokens_by_request(b)) == {"b0", "b1"}
+
+
+def test_a_session_for_another_replica_is_refused(make_worker) -> None:
+    worker = make_worker()
+
+    async def run() -> list[bytes]:
+        return [frame async for frame in worker.session(RouteHint(replica_id="gone"), "ing-a")]
+
+    [frame] = asyncio.run(run())
+    answer = decode_first(frame)
+    assert isinstance(answer, Refused) and answer.kind == "gone"
+
+
+def test_a_cancelled_session_aborts_its_requests_and_frees_their_pages(make_worker) -> None:
+    worker = make_worker(fault_injection=True)
+    worker._faults.arm(steps=10_000, stall_s=0.01)  # slow steps: 100 tokens take over 1 s
+
+    async def run() -> None:
+        await submit(worker, payload("long", 2, max_tokens=100))
+        frames = worker.session(HERE, "ing-a")
+        await anext(frames)  # accept
+        await anext(frames)  # a step's deltas: they are running
+        await frames.aclose()  # what Serve does when the ingress cancels the call
+        await wait_until(lambda: idle_and_free(worker))
+
+    asyncio.run(run())
+    assert worker._engine.stats().generation_tokens_total < 200
+
+
+def test_a_mailbox_no_session_reads_is_reaped(make_worker) -> None:
+    worker = make_worker(orphan_timeout_s=0.3, fault_injection=True)
+    worker._faults.arm(steps=10_000, stall_s=0.01)  # slow steps: 100 tokens take over 1 s
+
+    async def run() -> None:
+        await submit(worker, payload("orphan", 2, max_tokens=100))  # and the ingress dies
+        await wait_until(lambda: "ing-a" not in worker._mailboxes and idle_and_free(worker))
+
+    asyncio.run(run())
+    assert 0 < worker._engine.stats().generation_tokens_total < 200
