@@ -23,23 +23,27 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import multiprocessing
 import os
 import platform
 import socket
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
-from cluster.bench_serve import _drive, _engine_run, http_run
+from cluster.bench_serve import _drive, _engine_run, http_request, http_run
 from cluster.bench_stats import (
     BenchSample,
     RequestPlan,
     RequestResult,
     make_arrivals,
     make_samples,
+    summarize,
+    tally,
 )
 from cluster.config import ClusterConfig
 
@@ -63,6 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--sat-prompts", type=int, default=512)
     p.add_argument("--sat-concurrency", type=int, default=512)
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=4,
+        help="processes of the streaming saturation client (one Python process parses about 6k SSE events/s)",
+    )
     p.add_argument("--lat-prompts", type=int, default=160)
     p.add_argument("--lat-rate", type=float, default=8.0)
     p.add_argument("--lat-output-len", type=int, default=128)
@@ -119,7 +129,7 @@ def _cpu_seconds() -> dict[tuple[int, str], float]:
         except OSError:
             continue
         kind = next((k for key, k in kinds.items() if key in cmdline), None)
-        if kind is None and int(pid) == os.getpid():
+        if kind is None and os.getpid() in (int(pid), int(fields[1])):  # itself, its client procs
             kind = "bench client"
         if kind:
             used[(int(pid), kind)] = (int(fields[11]) + int(fields[12])) / tick
@@ -148,6 +158,55 @@ async def _http_run(
     plans = [RequestPlan()] * len(samples)
     options = argparse.Namespace(max_concurrency=concurrency, request_timeout=900.0)
     return await http_run(url, "unused", model, samples, plans, arrivals, options)
+
+
+def _client_part(
+    url: str, model: str, samples: list[BenchSample], concurrency: int
+) -> tuple[float, float, list[RequestResult]]:
+    """One client process's share of a saturation load: (start, end, results), wall clock."""
+
+    async def run() -> tuple[float, float, list[RequestResult]]:
+        limits = httpx.Limits(
+            max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
+        )
+        async with httpx.AsyncClient(base_url=url, timeout=900.0, limits=limits) as client:
+
+            async def one(sample: BenchSample) -> RequestResult:
+                return await http_request(client, model, sample, RequestPlan(), 900.0)
+
+            start = time.time()
+            _, results = await _drive(samples, np.zeros(len(samples)), concurrency, one)
+            return start, time.time(), results
+
+    return asyncio.run(run())
+
+
+def _ready(_: int = 0) -> int:
+    return os.getpid()
+
+
+async def _http_run_procs(
+    pool: Any, url: str, model: str, samples: list[BenchSample], concurrency: int
+) -> dict[str, Any]:
+    """The streamed saturation load from every process of `pool` (all requests at once, the
+    samples dealt round-robin), summarized as one run."""
+    procs = pool._max_workers
+    loop = asyncio.get_running_loop()
+    parts = [
+        loop.run_in_executor(
+            pool, _client_part, url, model, samples[i::procs], max(1, concurrency // procs)
+        )
+        for i in range(procs)
+    ]
+    done = await asyncio.gather(*parts)
+    results = [r for _, _, part in done for r in part]
+    duration = max(end for _, end, _ in done) - min(start for start, _, _ in done)
+    plans = [RequestPlan()] * len(results)
+    return {
+        **summarize(results, duration),
+        "outcomes": tally(results, plans),
+        "client_procs": procs,
+    }
 
 
 async def _nonstream_run(
@@ -383,38 +442,58 @@ def _scaling_phase(
     results: dict[str, Any],
     save: Any,
 ) -> None:
-    """1 worker replica, then `args.replicas`: latency (1 only) and saturation loads."""
-    (lat_samples, lat_arrivals), (sat_samples, sat_arrivals) = loads["lat"], loads["sat"]
+    """1 worker replica, then `args.replicas`: latency (1 only) and saturation loads; the
+    streamed saturation load comes from `args.client_procs` processes."""
     counts = list(dict.fromkeys((1, args.replicas)))  # one GPU: --replicas 1 runs once
-    for replicas in counts:
-        config = ClusterConfig.model_validate({**base, "worker_replicas": replicas, "port": port})
-        key = f"serve_{replicas}"
-        results[key] = {"deploy_s": _deploy(config)}
-        print(
-            f"[{name}] {replicas} worker replica(s) up in {results[key]['deploy_s']:.1f} s",
-            flush=True,
-        )
-        if replicas == 1:
-            results[key]["latency"] = asyncio.run(
-                _measured(_http_run(url, name, lat_samples, lat_arrivals, args.lat_concurrency))
-            )
-            _show("latency (stream)", results[key]["latency"])
-        if replicas == counts[-1]:
-            results[key]["openai_stream"] = _openai_stream(url, name)
-            print(f"  openai stream: {results[key]['openai_stream']}", flush=True)
-        results[key]["saturation"] = asyncio.run(
-            _measured(_http_run(url, name, sat_samples, sat_arrivals, args.sat_concurrency))
-        )
-        _show("saturation (stream)", results[key]["saturation"])
-        if not args.skip_nonstream:
-            results[key]["saturation_nonstream"] = asyncio.run(
-                _measured(_nonstream_run(url, name, sat_samples, args.sat_concurrency))
-            )
-            _show("saturation (no stream)", results[key]["saturation_nonstream"])
-        results[key]["worker_stats"] = _worker_stats()
-        save()
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(args.client_procs, mp_context=context) as pool:
+        list(pool.map(_ready, range(args.client_procs)))  # started and imported before any load
+        for replicas in counts:
+            _scale_to(args, base, port, url, name, replicas, counts, pool, loads, results)
+            save()
     if len(counts) > 1:
         _scaling(results, args.replicas)
+
+
+def _scale_to(
+    args: argparse.Namespace,
+    base: dict[str, Any],
+    port: int,
+    url: str,
+    name: str,
+    replicas: int,
+    counts: list[int],
+    pool: ProcessPoolExecutor,
+    loads: dict[str, tuple[list[BenchSample], np.ndarray]],
+    results: dict[str, Any],
+) -> None:
+    """Deploy `replicas` worker replicas and run the loads against them."""
+    (lat_samples, lat_arrivals), (sat_samples, _) = loads["lat"], loads["sat"]
+    config = ClusterConfig.model_validate({**base, "worker_replicas": replicas, "port": port})
+    key = f"serve_{replicas}"
+    results[key] = {"deploy_s": _deploy(config)}
+    print(
+        f"[{name}] {replicas} worker replica(s) up in {results[key]['deploy_s']:.1f} s",
+        flush=True,
+    )
+    if replicas == 1:
+        results[key]["latency"] = asyncio.run(
+            _measured(_http_run(url, name, lat_samples, lat_arrivals, args.lat_concurrency))
+        )
+        _show("latency (stream)", results[key]["latency"])
+    if replicas == counts[-1]:
+        results[key]["openai_stream"] = _openai_stream(url, name)
+        print(f"  openai stream: {results[key]['openai_stream']}", flush=True)
+    results[key]["saturation"] = asyncio.run(
+        _measured(_http_run_procs(pool, url, name, sat_samples, args.sat_concurrency))
+    )
+    _show("saturation (stream)", results[key]["saturation"])
+    if not args.skip_nonstream:
+        results[key]["saturation_nonstream"] = asyncio.run(
+            _measured(_nonstream_run(url, name, sat_samples, args.sat_concurrency))
+        )
+        _show("saturation (no stream)", results[key]["saturation_nonstream"])
+    results[key]["worker_stats"] = _worker_stats()
 
 
 def _affinity_phase(
