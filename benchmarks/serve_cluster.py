@@ -4,7 +4,10 @@ engine on the same device, and prefix affinity on vs off.
 One run, one model, in this order (each phase prints its table as it ends):
 1. 1 worker replica: a latency load (Poisson arrivals) and a saturation load (everything at
    once), streamed as `vllm bench serve` does, then the saturation load without streaming.
-2. 2 worker replicas (one per GPU): the same saturation loads; one `openai` client stream.
+2. 2 worker replicas (one per GPU): the saturation loads at twice the size (prompts and
+   concurrency per replica stay the same: with a fixed load, two replicas would each run
+   one wave and then drain, while one replica keeps its batch full from its queue); one
+   `openai` client stream.
 3. (--phases affinity) 2 replicas with a KV cache too small to hold every shared system prompt on
    each replica: many requests sharing a few long system prompts, prefix affinity on, then
    off (a fresh set of system prompts, so the first phase's cache does not help the second).
@@ -65,8 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=2, help="the scaled-out replica count")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--sat-prompts", type=int, default=512)
-    p.add_argument("--sat-concurrency", type=int, default=512)
+    p.add_argument(
+        "--sat-prompts",
+        type=int,
+        default=512,
+        help="saturation load per worker replica: N replicas get N times the prompts and the concurrency, so each replica is as loaded as the one in the 1-replica run",
+    )
+    p.add_argument("--sat-concurrency", type=int, default=512, help="per worker replica")
     p.add_argument(
         "--client-procs",
         type=int,
@@ -370,10 +378,17 @@ def main(argv: list[str] | None = None) -> int:
         args.lat_prompts, args.input_len, args.lat_output_len, 0.5, 0, vocab, args.seed
     )
     lat_arrivals = make_arrivals(args.lat_prompts, args.lat_rate, 1.0, args.seed)
+    # the saturation load grows with the replicas (see --sat-prompts); 1 replica gets the first share
     sat_samples = make_samples(
-        args.sat_prompts, args.input_len, args.output_len, 0.5, 0, vocab, args.seed + 7
+        args.sat_prompts * args.replicas,
+        args.input_len,
+        args.output_len,
+        0.5,
+        0,
+        vocab,
+        args.seed + 7,
     )
-    sat_arrivals = np.zeros(args.sat_prompts)
+    sat_arrivals = np.zeros(len(sat_samples))
     results: dict[str, Any] = {
         "date": dt.date.today().isoformat(),
         "host": platform.node(),
@@ -422,7 +437,14 @@ def main(argv: list[str] | None = None) -> int:
         _show("in-process engine, latency", results["engine_inprocess"]["latency"])
         _release_device()
         results["engine_inprocess"]["saturation"] = asyncio.run(
-            _measured(_engine_run(engine, sat_samples, sat_arrivals, args.sat_concurrency))
+            _measured(
+                _engine_run(
+                    engine,
+                    sat_samples[: args.sat_prompts],
+                    sat_arrivals[: args.sat_prompts],
+                    args.sat_concurrency,
+                )
+            )
         )
         _show("in-process engine, saturation", results["engine_inprocess"]["saturation"])
     if "serve_1" in results and "engine_inprocess" in results:
@@ -468,7 +490,11 @@ def _scale_to(
     results: dict[str, Any],
 ) -> None:
     """Deploy `replicas` worker replicas and run the loads against them."""
-    (lat_samples, lat_arrivals), (sat_samples, _) = loads["lat"], loads["sat"]
+    (lat_samples, lat_arrivals), (all_sat, _) = loads["lat"], loads["sat"]
+    sat_samples, sat_concurrency = (
+        all_sat[: args.sat_prompts * replicas],
+        args.sat_concurrency * replicas,
+    )
     config = ClusterConfig.model_validate({**base, "worker_replicas": replicas, "port": port})
     key = f"serve_{replicas}"
     results[key] = {"deploy_s": _deploy(config)}
@@ -485,12 +511,12 @@ def _scale_to(
         results[key]["openai_stream"] = _openai_stream(url, name)
         print(f"  openai stream: {results[key]['openai_stream']}", flush=True)
     results[key]["saturation"] = asyncio.run(
-        _measured(_http_run_procs(pool, url, name, sat_samples, args.sat_concurrency))
+        _measured(_http_run_procs(pool, url, name, sat_samples, sat_concurrency))
     )
     _show("saturation (stream)", results[key]["saturation"])
     if not args.skip_nonstream:
         results[key]["saturation_nonstream"] = asyncio.run(
-            _measured(_nonstream_run(url, name, sat_samples, args.sat_concurrency))
+            _measured(_nonstream_run(url, name, sat_samples, sat_concurrency))
         )
         _show("saturation (no stream)", results[key]["saturation_nonstream"])
     results[key]["worker_stats"] = _worker_stats()
