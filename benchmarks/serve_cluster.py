@@ -62,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--token-budget", type=int, default=2048)
+    p.add_argument(
+        "--prefill-budget",
+        type=int,
+        default=None,
+        help="EngineConfig.prefill_budget: prompt tokens per step while requests decode",
+    )
     p.add_argument("--ingress-replicas", type=int, default=4)
     p.add_argument("--batch-window-ms", type=float, default=2.0)
     p.add_argument("--max-batch-requests", type=int, default=8)
@@ -363,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         max_running=args.max_running,
         max_waiting=4096,
         token_budget=args.token_budget,
+        prefill_budget=args.prefill_budget,
     )
     base = {
         "engine": engine.model_dump(),

@@ -30,6 +30,11 @@ class EngineConfig(BaseModel):
     max_waiting: int = Field(1024, ge=1, description="most requests queued before submit refuses (backpressure)")
     max_seq_len: int | None = Field(None, ge=2, description="longest prompt + output; None = the model's limit, capped at 8192")
     token_budget: int = Field(2048, ge=1, description="tokens per step; prefill chunks fill what decodes leave")
+    prefill_budget: int | None = Field(
+        None,
+        ge=1,
+        description="while requests decode, prompt tokens per step at most this (steadier inter-token latency, later first tokens); None = what token_budget leaves",
+    )
     backend: Literal["auto", "torch", "cuda"] = Field("auto", description="attention backend; auto = cuda on CUDA with paged cache, else torch")
     cuda_graphs: bool = Field(True, description="capture decode CUDA graphs (CUDA backend only)")
     prefix_cache: bool = Field(True, description="reuse full KV pages across requests sharing a prefix (paged cache)")

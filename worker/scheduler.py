@@ -2,7 +2,10 @@
 
 Every running request advances every step: decodes take one token each, unfinished
 prompts take chunks of what the budget leaves, and waiting requests are admitted into the
-rest while KV pages last (above a watermark). When pages run out mid-decode, the newest
+rest while KV pages last (above a watermark). With `prefill_budget` set, prompt chunks
+(and recomputations) take at most that many tokens of a step in which requests decode: a
+step that carries a long prompt chunk next to the decodes is what makes inter-token
+latency spiky. When pages run out mid-decode, the newest
 running request is preempted: its pages go back (full ones stay in the prefix cache) and
 it returns to the front of the queue to be recomputed. Nothing is aborted for memory.
 """
@@ -20,6 +23,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, cache: KVCache):
         self.cache = cache
         self.token_budget = config.token_budget
+        self.prefill_budget = config.prefill_budget
         self.max_running = config.max_running
         self.watermark_pages = int(config.admission_watermark * cache.num_total_pages)
         self.waiting: deque[Request] = deque()
@@ -44,21 +48,28 @@ class Scheduler:
     def schedule(self) -> tuple[list[ScheduledTask], list[Request]]:
         """This step's tasks, and requests that cannot ever fit (finish them with 'length')."""
         budget = self.token_budget
+        decoding = any(r.num_pending == 1 for r in self.running)
+        prefill = self.prefill_budget if decoding and self.prefill_budget is not None else budget
         tasks: list[ScheduledTask] = []
         too_long: list[Request] = []
         for request in list(self.running):
             if request.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_pending, budget)
-            if num_new == 0:
+            pending = request.num_pending
+            num_new = min(pending, budget if pending == 1 else min(budget, prefill))
+            if budget == 0:
                 break
+            if num_new == 0:
+                continue  # a prompt chunk, and this step's prefill share is spent
             if not self._reserve_or_preempt(request, num_new):
                 if request.status is Status.RUNNING:  # alone and still out of pages
                     too_long.append(request)
                 continue
             tasks.append(ScheduledTask(request, num_new))
             budget -= num_new
-        budget = self._admit(tasks, budget)
+            if pending > 1:
+                prefill -= num_new
+        self._admit(tasks, budget, prefill)
         return tasks, too_long
 
     def _reserve_or_preempt(self, request: Request, num_new: int) -> bool:
@@ -80,14 +91,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _admit(self, tasks: list[ScheduledTask], budget: int) -> int:
+    def _admit(self, tasks: list[ScheduledTask], budget: int, prefill: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
             if not self.cache.admit(request):
                 break
-            num_new = min(request.num_pending, budget)
+            pending = request.num_pending  # after the prefix cache's hit
+            num_new = min(pending, budget if pending == 1 else min(budget, prefill))
             free_after = self.cache.num_free_pages - self.cache.pages_needed(request, num_new)
-            if (self.running and free_after < self.watermark_pages) or not self.cache.reserve(request, num_new):
+            if num_new == 0 or (self.running and free_after < self.watermark_pages) or not self.cache.reserve(request, num_new):
                 self.cache.release(request)
                 request.num_computed = 0
                 break
@@ -97,4 +109,5 @@ class Scheduler:
             self.running.append(request)
             tasks.append(ScheduledTask(request, num_new))
             budget -= num_new
-        return budget
+            if pending > 1:
+                prefill -= num_new

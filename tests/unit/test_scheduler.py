@@ -1,0 +1,86 @@
+"""Step composition of the scheduler on a real PageCache (CPU, no model): the token budget,
+and the prefill budget that keeps long prompt chunks out of steps that carry decodes."""
+
+from __future__ import annotations
+
+import torch
+
+from worker.cache import KVStorage, PageCache, ReqToTokenPool
+from worker.config import EngineConfig
+from worker.request import Request
+from worker.sampling import SamplingParams
+from worker.scheduler import Scheduler
+from worker.workspace import InferenceWorkspace
+
+PAGE, PAGES = 4, 128
+
+
+def scheduler(token_budget: int, prefill_budget: int | None) -> Scheduler:
+    dev = torch.device("cpu")
+    ws = InferenceWorkspace(max_tokens=256, max_running=8, max_seq_len=256, num_heads=2, head_dim=8,
+                            dtype=torch.float32, device=dev, split_kv=False)  # fmt: skip
+    storage = KVStorage(2, PAGES * PAGE, 1, 8, torch.float32, dev)
+    cache = PageCache(storage, ReqToTokenPool(8, 256, dev, staging=512), PAGE, PAGES, ws, False)
+    config = EngineConfig.model_construct(
+        token_budget=token_budget,
+        prefill_budget=prefill_budget,
+        max_running=8,
+        admission_watermark=0.0,
+    )
+    return Scheduler(config, cache)
+
+
+def request(rid: str, prompt_len: int) -> Request:
+    return Request(rid, list(range(10, 10 + prompt_len)), SamplingParams())
+
+
+def step(s: Scheduler) -> dict[str, int]:
+    """Run one schedule as the engine would (every task computed, one token sampled each)."""
+    tasks, too_long = s.schedule()
+    assert not too_long
+    for t in tasks:
+        t.request.num_computed += t.num_new
+        if t.request.num_pending == 0:
+            t.request.output_ids.append(7)
+    return {t.request.request_id: t.num_new for t in tasks}
+
+
+def test_a_prompt_takes_the_whole_token_budget_when_nothing_decodes() -> None:
+    s = scheduler(token_budget=64, prefill_budget=8)
+    s.add(request("long", 100))
+    assert step(s) == {"long": 64}  # nothing decodes: the prefill budget does not apply
+    assert step(s) == {"long": 36}
+
+
+def test_while_requests_decode_prompt_chunks_take_at_most_the_prefill_budget() -> None:
+    s = scheduler(token_budget=64, prefill_budget=8)
+    s.add(request("a", 5))
+    s.add(request("b", 6))
+    assert step(s) == {"a": 5, "b": 6}
+    s.add(request("long", 30))
+    seen = [step(s) for _ in range(4)]
+    assert seen == [
+        {"a": 1, "b": 1, "long": 8},
+        {"a": 1, "b": 1, "long": 8},
+        {"a": 1, "b": 1, "long": 8},
+        {"a": 1, "b": 1, "long": 6},
+    ]
+    assert step(s) == {"a": 1, "b": 1, "long": 1}  # now decoding too
+
+
+def test_two_prompts_share_one_prefill_budget() -> None:
+    s = scheduler(token_budget=64, prefill_budget=10)
+    s.add(request("a", 3))
+    assert step(s) == {"a": 3}
+    s.add(request("p", 7))
+    s.add(request("q", 9))
+    assert step(s) == {"a": 1, "p": 7, "q": 3}
+    assert step(s) == {"a": 1, "p": 1, "q": 6}
+
+
+def test_without_a_prefill_budget_prompts_fill_what_decodes_leave() -> None:
+    s = scheduler(token_budget=32, prefill_budget=None)
+    s.add(request("a", 4))
+    assert step(s) == {"a": 4}
+    s.add(request("long", 100))
+    assert step(s) == {"a": 1, "long": 31}
