@@ -346,9 +346,12 @@ class WorkerDeployment:
         """How long the engine has held work without finishing a step (0 when idle).
 
         The snapshot is taken at the end of a step, so during a step that hangs it still
-        shows the idle state before it: ask the engine whether it holds work right now."""
+        shows the idle state before it: ask the engine whether it holds work right now.
+        The clock starts at the later of the last step and the arrival of work at an idle
+        engine: a replica idle for minutes is not stalled during its first step."""
         busy = stats.num_running + stats.num_waiting > 0 or self._engine.has_work
-        return time.monotonic() - stats.last_step_time if busy else 0.0
+        since = max(stats.last_step_time, self._engine.work_since)
+        return time.monotonic() - since if busy else 0.0
 
     def __del__(self) -> None:
         engine = getattr(self, "_engine", None)

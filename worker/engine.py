@@ -91,6 +91,7 @@ class Engine:
         self._num_steps = 0
         self._summary: list[int] = []
         self._summary_time = 0.0
+        self.work_since = 0.0  # when work last arrived at an idle engine (monotonic)
         self.fault_hook: object | None = None  # test hook: callable(tasks) run before each step's forward
         self._snapshot()  # stats are complete before the first step
         log.info(
@@ -113,6 +114,8 @@ class Engine:
                 raise ValueError("request_id already in use")
             if self.stats_snapshot.num_waiting + len(self._inbox) + len(new) > self.config.max_waiting:
                 raise EngineFull(f"more than max_waiting={self.config.max_waiting} requests are waiting")
+            if not self._requests:  # idle until now: a stall counts from here, not from the last step
+                self.work_since = time.monotonic()
             if into is None:
                 stream = OutputStream(ids, self.abort)
             else:

@@ -126,9 +126,12 @@ def test_draining_dispatcher_counts_open_requests_until_closed() -> None:
 
 class _HungEngine:
     """An engine whose current step hangs: its last snapshot (taken before the step) shows
-    it idle, but it holds work."""
+    it idle, but it holds work (that arrived `work_age_s` ago)."""
 
     has_work = True
+
+    def __init__(self, work_age_s: float = 120.0):
+        self.work_since = time.monotonic() - work_age_s
 
     def stats(self) -> EngineStats:
         return EngineStats(loop_alive=True, last_step_time=time.monotonic() - 120)
@@ -143,3 +146,11 @@ def test_health_fails_when_a_step_hangs_although_the_last_snapshot_shows_idle() 
     replica._stall_threshold_s = 60.0
     with pytest.raises(RuntimeError, match="has not stepped"):
         replica.check_health()
+
+
+def test_a_replica_idle_for_long_is_not_stalled_while_its_first_step_runs() -> None:
+    replica = object.__new__(WorkerDeployment)
+    replica._engine = _HungEngine(work_age_s=0.5)  # type: ignore[assignment]
+    replica._stall_threshold_s = 60.0
+    replica.check_health()  # idle 120 s, then work for 0.5 s: healthy
+    assert 0.4 < replica._stalled_s(replica._engine.stats()) < 5.0  # the router's measure too
