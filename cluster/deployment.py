@@ -38,6 +38,7 @@ from cluster.router import RouteHint
 from cluster.transport import decode_requests, encode_accepted, encode_deltas, encode_refused
 from worker.config import EngineConfig
 from worker.engine import Engine, EngineFull, EngineRequest, EngineStats
+from worker.outputs import merge_steps
 from worker.request import ScheduledTask
 from worker.streams import OutputStream
 
@@ -237,7 +238,7 @@ class WorkerDeployment:
                 frames, finished = box.stream.drain()
                 if frames:
                     idle_since = None
-                    yield encode_deltas([d for frame in frames for d in frame])
+                    yield encode_deltas(frames[0] if len(frames) == 1 else merge_steps(frames))
                     continue
                 if finished:  # nothing left: linger a moment for the ingress's next submit
                     now = time.monotonic()

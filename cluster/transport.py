@@ -4,8 +4,8 @@ A `submit` call carries a batch of engine requests (one or more OpenAI requests 
 the same replica) and is answered with an *accept* frame (the replica id) or a *refuse*
 frame (queue full, invalid input). The deltas of every request one ingress replica has on
 a worker come on that pair's `session` stream: an accept frame, then one frame per engine
-step that advanced any of them (several steps' deltas in one frame when the reader fell
-behind), and an empty frame (heartbeat) now and then while they wait in a queue that
+step that advanced any of them (when the reader fell behind, one frame for several steps,
+still one delta per request: `worker.outputs.merge_steps`), and an empty frame (heartbeat) now and then while they wait in a queue that
 keeps moving. (`generate`, for direct use, is a submit and a stream of its own in one
 call.) Every frame is plain msgpack so neither side unpickles anything the other sent, and
 a frame costs one small bytes object on the Serve stream.

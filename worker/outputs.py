@@ -46,6 +46,33 @@ class RequestDelta:
         return self.finish_reason is not None
 
 
+def merge_steps(frames: list[list[RequestDelta]]) -> list[RequestDelta]:
+    """Several steps' frames as one: one delta per request (in order of first appearance),
+    its tokens and logprobs in step order, and the last step's finish, error and metrics.
+    A consumer that fell behind reads this instead of a request's steps one by one."""
+    merged: dict[str, RequestDelta] = {}
+    for frame in frames:
+        for d in frame:
+            prev = merged.get(d.request_id)
+            if prev is None:
+                merged[d.request_id] = d
+                continue
+            logprobs = None
+            if prev.logprobs is not None or d.logprobs is not None:
+                logprobs = (prev.logprobs or []) + (d.logprobs or [])
+            merged[d.request_id] = RequestDelta(
+                d.request_id,
+                prev.new_token_ids + d.new_token_ids,
+                logprobs,
+                d.finish_reason,
+                d.error or prev.error,
+                d.num_prompt_tokens,
+                max(prev.num_cached_tokens, d.num_cached_tokens),
+                d.metrics or prev.metrics,
+            )
+    return list(merged.values())
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """A finished request, as `LLM.generate` returns it."""

@@ -180,3 +180,23 @@ def test_a_mailbox_no_session_reads_is_reaped(make_worker) -> None:
 
     asyncio.run(run())
     assert 0 < worker._engine.stats().generation_tokens_total < 200
+
+
+def test_a_lagging_session_merges_steps_into_one_delta_per_request(make_worker) -> None:
+    worker = make_worker(linger_s=0.1)
+
+    async def run() -> list[list[RequestDelta]]:
+        await submit(worker, payload("lag", 2, max_tokens=12))
+        frames = worker.session(HERE, "ing-a")
+        await anext(frames)  # accept
+        await wait_until(lambda: worker._engine.stats().generation_tokens_total >= 24)
+        return [decode_deltas(frame) async for frame in frames]  # read only now
+
+    frames = asyncio.run(run())
+    for frame in frames:  # an SSE chunk per frame must not carry a choice twice
+        ids = [d.request_id for d in frame]
+        assert len(ids) == len(set(ids)), ids
+    deltas = [d for frame in frames for d in frame]
+    assert tokens_by_request(deltas) == {"lag0": 12, "lag1": 12}
+    assert any(len(d.new_token_ids) > 1 for d in deltas)  # steps were merged
+    assert sorted(d.request_id for d in deltas if d.finish_reason == "length") == ["lag0", "lag1"]
