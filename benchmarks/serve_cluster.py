@@ -117,6 +117,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-nonstream", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ray-num-cpus", type=int, help="CPUs Ray may hand out (default: all)")
+    p.add_argument(
+        "--ray-nodes",
+        type=int,
+        default=1,
+        help="Ray nodes on this machine, each with its share of the GPUs and its own Serve HTTP proxy (one proxy caps streamed throughput)",
+    )
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -414,16 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     phases = set(args.phases.split(","))
     if phases & {"scaling", "affinity"}:
         set_serve_env()
-        ray.init(
-            address="local",
-            num_cpus=args.ray_num_cpus,
-            runtime_env=checkout_runtime_env(),
-            include_dashboard=False,
-            log_to_driver=False,
-        )
+        nodes = _start_ray(args, checkout_runtime_env())
         try:
             port = _free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            # a proxy on every Ray node; with --ray-nodes they share the port (SO_REUSEPORT)
+            serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "EveryNode"})
             url = f"http://127.0.0.1:{port}"
             if "scaling" in phases:
                 loads = {"lat": (lat_samples, lat_arrivals), "sat": (sat_samples, sat_arrivals)}
@@ -434,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             serve.shutdown()
             ray.shutdown()
+            if nodes is not None:
+                nodes.shutdown()
     if "engine" in phases:
         _release_device()
         results["engine_inprocess"] = {
@@ -459,6 +462,50 @@ def main(argv: list[str] | None = None) -> int:
     save()
     print(json.dumps({k: results[k] for k in ("scaling", "overhead") if k in results}, indent=2))
     return 0
+
+
+def _start_ray(args: argparse.Namespace, runtime_env: Any) -> Any:
+    """A fresh local Ray: one node, or `args.ray_nodes` nodes on this machine (each with an
+    equal share of the CPUs and GPUs) so that each runs its own Serve HTTP proxy. Returns
+    the `Cluster` to shut down, or None."""
+    import ray
+    import torch
+
+    if args.ray_nodes <= 1:
+        ray.init(
+            address="local",
+            num_cpus=args.ray_num_cpus,
+            runtime_env=runtime_env,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+        return None
+    from ray.cluster_utils import Cluster
+
+    cpus = max(1, (args.ray_num_cpus or os.cpu_count() or 1) // args.ray_nodes)
+    gpus = torch.cuda.device_count() // args.ray_nodes
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    cluster = Cluster()
+    try:
+        for i in range(args.ray_nodes):
+            node: dict[str, Any] = {
+                "num_cpus": cpus,
+                "object_store_memory": 2 * 1024**3,
+                "include_dashboard": False,
+            }
+            if gpus:  # Ray reads a node's GPU ids from CUDA_VISIBLE_DEVICES as the node starts
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
+                    str(g) for g in range(i * gpus, (i + 1) * gpus)
+                )
+                node["num_gpus"] = gpus
+            cluster.add_node(**node)
+    finally:
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    ray.init(address=cluster.address, runtime_env=runtime_env, log_to_driver=False)
+    return cluster
 
 
 def _scaling_phase(
