@@ -146,10 +146,6 @@ def build_app(
         max_ongoing_requests=max(1024, 2 * cfg.engine.max_waiting),
         graceful_shutdown_timeout_s=cfg.drain_timeout_s,  # its streams end with the workers'
         graceful_shutdown_wait_loop_s=cfg.drain_poll_s,
-        # an upgrade starts every new ingress replica at once, and the old ones serve until
-        # they are up (one by one, eight replicas took over a minute)
-        rolling_update_percentage=1.0,
-        max_surge_percent=100,
     )(Ingress)
     log.info(
         "kvray app: model %s, %s",
