@@ -215,7 +215,6 @@ class _Session:
         self.replica_id = replica_id
         self.request_ids: set[str] = set()  # accepted here, not yet finished on the worker
         self._task: asyncio.Task[None] | None = None
-        self._response: Any = None
 
     def add(self, streams: list[GroupStream]) -> None:
         """Requests accepted by this replica (those whose last delta came already excepted:
@@ -253,7 +252,7 @@ class _Session:
     async def _read(self) -> bool:
         """One session call, read to its end; whether it delivered anything."""
         limits = self.dispatcher.limits
-        self._response = response = self.dispatcher.session_handle.remote(
+        response = self.dispatcher.session_handle.remote(
             RouteHint(replica_id=self.replica_id), self.dispatcher.ingress_id
         )
         iterator = response.__aiter__()

@@ -110,9 +110,7 @@ class OutputStream:
 
     async def __aiter__(self) -> AsyncIterator[list[RequestDelta]]:
         event = asyncio.Event()
-        entry = (asyncio.get_running_loop(), event)
-        with self._cond:
-            self._wakeups.append(entry)
+        unregister = self.wakeup(asyncio.get_running_loop(), event)
         try:
             while True:
                 with self._cond:
@@ -127,5 +125,4 @@ class OutputStream:
                     return
                 yield frame
         finally:
-            with self._cond:
-                self._wakeups.remove(entry)
+            unregister()
