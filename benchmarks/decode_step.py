@@ -2,10 +2,13 @@
 
 For each model shape (random bf16 weights drawn on the device) and batch size: B requests
 with `--context` prompt tokens each are prefilled, then `--steps` steady decode steps are
-timed (each step ends with the one host copy of the sampled ids, so wall time per step is
-the real step time). The same engine then runs the same with graphs off. The floor is
-(weight bytes + KV bytes read) / 4.19 TB/s, the H200's measured copy bandwidth. Also: time
-to first token of one `--context`-token prompt, against its FLOP floor at 790 TFLOP/s.
+timed: wall time per `engine.step()`, each of which waits for one step's sampled ids on the
+host. Three runs of the same engine: graphs with overlap (the default: the next step is
+queued before this one's ids are read), graphs without overlap (host work between steps),
+and graphs off (with overlap). Also the GPU time alone: the bucket's graph replayed back to
+back, timed with CUDA events. The floor is (weight bytes + KV bytes read) / 4.19 TB/s, the
+H200's measured copy bandwidth. Also: time to first token of one `--context`-token prompt,
+against its FLOP floor at 790 TFLOP/s.
 
     python benchmarks/decode_step.py --shapes smollm2-135m llama3-8b --out decode.json
 """
@@ -47,9 +50,9 @@ def run_until_decoding(engine: Engine) -> None:
         engine.step()
 
 
-def _time_steps(engine: Engine, batch: int, context: int, steps: int, tag: str) -> float:
+def _time_steps(engine: Engine, batch: int, context: int, steps: int, tag: str, replay: list[float] | None = None) -> float:
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    g = torch.Generator().manual_seed(2 * batch + (tag == "e"))  # fresh prompts per run: no prefix hits
+    g = torch.Generator().manual_seed(3 * batch + "gse".index(tag))  # fresh prompts per run: no prefix hits
     prompts = [torch.randint(10, 30000, (context,), generator=g).tolist() for _ in range(batch)]
     stream = engine.submit([EngineRequest(f"{tag}-{batch}-{i}", p, params) for i, p in enumerate(prompts)])
     run_until_decoding(engine)
@@ -60,10 +63,33 @@ def _time_steps(engine: Engine, batch: int, context: int, steps: int, tag: str) 
     for _ in range(steps - 4):
         engine.step()
     elapsed = (time.perf_counter() - start) / (steps - 4)
+    if replay is not None:
+        replay.append(_replay_ms(engine, batch))
     stream.close()
     while engine.has_work:
         engine.step()
     return elapsed * 1e3
+
+
+def _replay_ms(engine: Engine, batch: int, n: int = 30) -> float:
+    """GPU time of one decode step: the bucket's graph replayed back to back (same inputs)."""
+    runner = engine.executor.graphs
+    assert runner is not None
+    graph = runner.graphs[runner.bucket(batch) or 0]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def _set(engine: Engine, *, graphs, overlap: bool) -> None:
+    engine.executor.graphs = graphs
+    engine.config = engine.config.model_copy(update={"overlap": overlap})
 
 
 def _ttft(engine: Engine, context: int) -> float:
@@ -92,17 +118,21 @@ def run(shapes: list[str], batches: list[int], context: int, steps: int) -> dict
         n_params = sum(p.numel() for p in engine.executor.model.parameters())
         graphs = engine.executor.graphs
         for batch in batches:
-            engine.executor.graphs = graphs
-            with_graphs = _time_steps(engine, batch, context, steps, "g")
-            engine.executor.graphs = None
+            replay: list[float] = []
+            _set(engine, graphs=graphs, overlap=True)
+            overlapped = _time_steps(engine, batch, context, steps, "g", replay)
+            _set(engine, graphs=graphs, overlap=False)
+            sync = _time_steps(engine, batch, context, steps, "s")
+            _set(engine, graphs=None, overlap=True)
             eager = _time_steps(engine, batch, context, steps, "e")
             floor = (weights + batch * (context + steps // 2) * kv_per_token) / COPY_TBPS * 1e3
-            row = dict(shape=shape, batch=batch, graph_ms=with_graphs, eager_ms=eager, floor_ms=floor,
-                       graph_speedup=eager / with_graphs, of_floor=floor / with_graphs)  # fmt: skip
+            row = dict(shape=shape, batch=batch, graph_ms=overlapped, graph_no_overlap_ms=sync, gpu_replay_ms=replay[0],
+                       eager_ms=eager, floor_ms=floor, graph_speedup=eager / overlapped, of_floor=floor / overlapped)  # fmt: skip
             results["rows"].append(row)
-            print(f"{shape:14s} B={batch:4d}  graph {with_graphs:7.3f} ms  eager {eager:7.3f} ms  "
-                  f"floor {floor:6.3f} ms  graphs x{eager / with_graphs:4.2f}  {100 * floor / with_graphs:5.1f}% of floor", flush=True)  # fmt: skip
-        engine.executor.graphs = graphs
+            print(f"{shape:14s} B={batch:4d}  graph {overlapped:7.3f} ms  (no overlap {sync:7.3f}, GPU alone {replay[0]:7.3f})  "
+                  f"eager {eager:7.3f} ms  floor {floor:6.3f} ms  graphs x{eager / overlapped:4.2f}  "
+                  f"{100 * floor / overlapped:5.1f}% of floor", flush=True)  # fmt: skip
+        _set(engine, graphs=graphs, overlap=True)
         ttft = _ttft(engine, context)
         flop_floor = 2 * n_params * context / BF16_FLOPS * 1e3
         results["prefill"].append(dict(shape=shape, tokens=context, ttft_ms=ttft, flop_floor_ms=flop_floor))

@@ -43,7 +43,7 @@ def main() -> None:
         torch.cuda.synchronize()
     tag = f"{args.shape} B={args.batch} graphs={'off' if args.no_graphs else 'on'}"
     print(f"== {tag}: GPU time by kernel (5 steps)")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=24, max_name_column_width=60))
     print(f"== {tag}: CPU time by op (5 steps)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
     pr = cProfile.Profile()

@@ -60,6 +60,9 @@ class ReqToTokenPool:
         self._h_val = torch.zeros(staging, dtype=torch.int32, pin_memory=pin)
         self._d_idx = torch.zeros(staging, dtype=torch.int64, device=device)
         self._d_val = torch.zeros(staging, dtype=torch.int32, device=device)
+        # Recorded after each staged copy: the engine may bind the next step while the device
+        # still runs this one, so the staging buffers are refilled only once their copy ran.
+        self._copied = torch.cuda.Event() if pin else None
 
     @property
     def num_free_rows(self) -> int:
@@ -87,10 +90,14 @@ class ReqToTokenPool:
             idx = torch.from_numpy(flat).to(self.table.device)
             self.table.view(-1).scatter_(0, idx, torch.from_numpy(values).to(self.table.device))
             return
+        if self._copied is not None:
+            self._copied.synchronize()
         self._h_idx.numpy()[:n] = flat
         self._h_val.numpy()[:n] = values
         self._d_idx[:n].copy_(self._h_idx[:n], non_blocking=True)
         self._d_val[:n].copy_(self._h_val[:n], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         self.table.view(-1).scatter_(0, self._d_idx[:n], self._d_val[:n])
 
 

@@ -37,6 +37,10 @@ class EngineConfig(BaseModel):
     )
     backend: Literal["auto", "torch", "cuda"] = Field("auto", description="attention backend; auto = cuda on CUDA with paged cache, else torch")
     cuda_graphs: bool = Field(True, description="capture decode CUDA graphs (CUDA backend only)")
+    overlap: bool | None = Field(
+        None,
+        description="queue a steady decode step on the device before the previous step's tokens are read, so host bookkeeping overlaps the device; None = on for CUDA",
+    )
     prefix_cache: bool = Field(True, description="reuse full KV pages across requests sharing a prefix (paged cache)")
     admission_watermark: float = Field(0.01, ge=0, lt=1, description="share of KV pages kept free when admitting new requests")
     seed: int = Field(0, description="seed of the engine's sampler for requests without their own seed")
@@ -67,6 +71,7 @@ class EngineConfig(BaseModel):
                 backend=backend,
                 max_seq_len=max_seq_len,
                 cuda_graphs=self.cuda_graphs and backend == "cuda",
+                overlap=is_cuda if self.overlap is None else self.overlap,
                 prefix_cache=self.prefix_cache and cache == "paged",
             )
         )

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from worker.config import EngineConfig
-from worker.executor import Executor, StepResult
+from worker.executor import Executor, PendingStep, StepResult
 from worker.model.config import ModelConfig
 from worker.model.demo import resolve_model_path
 from worker.outputs import FinishReason, RequestDelta, RequestMetrics
@@ -81,6 +81,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._streams: dict[str, OutputStream] = {}
         self._inbox: list[Request] = []
+        self._inflight: PendingStep | None = None  # launched on the device, results not yet read
         self._aborts: list[str] = []
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -89,6 +90,7 @@ class Engine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._num_steps = 0
+        self.num_overlapped_steps = 0  # steps queued before their predecessor's tokens were read
         self._summary: list[int] = []
         self._summary_time = 0.0
         self.work_since = 0.0  # when work last arrived at an idle engine (monotonic)
@@ -155,28 +157,76 @@ class Engine:
     # -- stepping ------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self._inbox or self._aborts or self.scheduler.has_work)
+        return bool(self._inbox or self._aborts or self.scheduler.has_work or self._inflight is not None)
 
     def step(self) -> list[RequestDelta]:
-        """One engine iteration; returns (and publishes) every delta it produced."""
+        """One engine iteration; returns (and publishes) every delta it produced.
+
+        With `overlap`, a steady decode step's successor is queued on the device before the
+        step's own results are read, so the host's bookkeeping runs while the device computes.
+        """
         deltas = self._drain()
-        tasks, too_long = self.scheduler.schedule()
-        for request in too_long:
-            deltas.append(self._finish(request, "length"))
-        if tasks:
+        if self._inflight is None:
+            tasks, too_long = self.scheduler.schedule()
+            for request in too_long:
+                deltas.append(self._finish(request, "length"))
+            if tasks:
+                self._inflight = self._launch(tasks, deltas)
+        current, self._inflight = self._inflight, None
+        if current is not None:
+            if self.config.overlap and self._can_continue(current):
+                self._inflight = self._launch([ScheduledTask(t.request, 1) for t in current.tasks], deltas)
+                self.num_overlapped_steps += 1
             try:
-                if callable(self.fault_hook):
-                    self.fault_hook(tasks)
-                result = self.executor.step(tasks)
-            except Exception as e:  # isolate the failure to this step's requests
-                log.exception("step failed; failing its %d requests", len(tasks))
-                deltas.extend(self._finish(t.request, "error", f"{type(e).__name__}: {e}") for t in tasks)
+                result = self.executor.resolve(current)
+            except Exception as e:
+                self._inflight = None  # it ran on the failed step's state
+                deltas.extend(self._fail(current.tasks, e))
             else:
-                deltas.extend(self._postprocess(tasks, result))
+                deltas.extend(self._postprocess(current.tasks, result))
             self._num_steps += 1
         self._publish(deltas)
         self._snapshot()
         return deltas
+
+    def _launch(self, tasks: list[ScheduledTask], deltas: list[RequestDelta]) -> PendingStep | None:
+        try:
+            if callable(self.fault_hook):
+                self.fault_hook(tasks)
+            return self.executor.launch(tasks)
+        except Exception as e:
+            deltas.extend(self._fail(tasks, e))
+            return None
+
+    def _fail(self, tasks: list[ScheduledTask], e: Exception) -> list[RequestDelta]:
+        """Isolate a failed step to its requests."""
+        log.error("step failed; failing its %d requests", len(tasks), exc_info=e)
+        live = [t.request for t in tasks if t.request.status is not Status.FINISHED]
+        return [self._finish(r, "error", f"{type(e).__name__}: {e}") for r in live]
+
+    def _can_continue(self, current: PendingStep) -> bool:
+        """May the step after `current` be queued before `current`'s tokens are read?
+
+        Only when it is certain to be `current` again plus one token per request: every task
+        a running decode, nothing waiting that could be admitted, no request at its length
+        limit after this token, no logprobs to read, and pages for the next token of each.
+        A request that turns out to stop on this step's token wastes the queued step's token.
+        """
+        sched, limit = self.scheduler, self.config.max_seq_len or 0
+        if current.needs_host_logprobs or self._inbox or self._aborts or len(current.tasks) != len(sched.running):
+            return False
+        if sched.waiting and len(sched.running) < self.config.max_running:
+            return False
+        for t in current.tasks:
+            r, max_tokens = t.request, t.request.params.max_tokens
+            if r.status is not Status.RUNNING or t.num_new != 1 or not t.samples or not r.output_ids:
+                return False
+            if (max_tokens is not None and len(r.output_ids) + 2 > max_tokens) or r.num_tokens + 2 > limit:
+                return False
+        cache = self.executor.cache
+        if sum(cache.pages_needed(t.request, 2) for t in current.tasks) > cache.num_free_pages:
+            return False
+        return all(cache.reserve(t.request, 2) for t in current.tasks)
 
     def _drain(self) -> list[RequestDelta]:
         with self._cv:
@@ -194,13 +244,18 @@ class Engine:
     def _postprocess(self, tasks: list[ScheduledTask], result: StepResult) -> list[RequestDelta]:
         now = time.monotonic()
         cache = self.executor.cache
-        for t in tasks:
+        live = [t.request.status is not Status.FINISHED for t in tasks]  # not aborted or failed while in flight
+        for t, alive in zip(tasks, live, strict=True):
+            if not alive:
+                continue
             if t.request.first_scheduled_time is None:
                 t.request.first_scheduled_time = now
             t.request.num_computed += t.num_new
             cache.commit(t.request)
         deltas = []
         for i, token, lp in zip(result.task_indices, result.token_ids, result.logprobs, strict=True):
+            if not live[i]:
+                continue
             request = tasks[i].request
             request.output_ids.append(token)
             self._generation_tokens += 1

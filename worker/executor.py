@@ -37,6 +37,21 @@ class StepResult:
     logprobs: list[TokenLogprobs | None]
 
 
+@dataclass(slots=True)
+class PendingStep:
+    """A step queued on the device: `Executor.resolve` waits for it and reads its results."""
+
+    tasks: list[ScheduledTask]
+    rows: list[int]  # indices of the tasks that sample
+    host_ids: torch.Tensor | None = None  # pinned buffer the sampled ids are copied into
+    done: torch.cuda.Event | None = None  # recorded after that copy (CUDA only)
+    sampled: SamplerOutput | None = None  # kept when logprobs were asked for (read at resolve)
+
+    @property
+    def needs_host_logprobs(self) -> bool:
+        return self.sampled is not None
+
+
 class Executor:
     def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig, eos_token_ids: frozenset[int]):
         assert config.max_seq_len is not None
@@ -61,6 +76,10 @@ class Executor:
         log.info("attention backend: %s, layer ops: %s", type(self.backend).__name__, type(self.model.ops).__name__)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self._sampling: SamplingBatchInfo | None = None
+        cuda = self.device.type == "cuda"
+        self._host_ids = [torch.zeros(config.max_running, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._done = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._flip = 0
         self.graphs: DecodeGraphRunner | None = None
         if config.cuda_graphs and self.backend.supports_graph:
             self.graphs = DecodeGraphRunner(self.model, self.backend, self.cache, self.workspace)
@@ -75,16 +94,41 @@ class Executor:
         hidden = self.model(batch.input_ids, batch.positions, self.cache, self.backend)
         return self.model.compute_logits(hidden if all_logits else hidden[batch.logits_indices])
 
-    @torch.inference_mode()
     def step(self, tasks: list[ScheduledTask]) -> StepResult:
+        """Run one step and wait for its sampled ids."""
+        return self.resolve(self.launch(tasks))
+
+    @torch.inference_mode()
+    def launch(self, tasks: list[ScheduledTask]) -> PendingStep:
+        """Queue one step on the device without waiting for it: bind, forward, sample, and the
+        copy of the sampled ids to the host. The engine schedules the next step meanwhile."""
         try:
-            return self._step(tasks)
+            return self._launch(tasks)
         except BaseException:
-            self.cache.invalidate_bind()
-            self._sampling = None
+            self.discard()
             raise
 
-    def _step(self, tasks: list[ScheduledTask]) -> StepResult:
+    def resolve(self, pending: PendingStep) -> StepResult:
+        """Wait for a launched step; its sampled ids (and logprobs) on the host."""
+        try:
+            if pending.done is not None:
+                pending.done.synchronize()
+            n = len(pending.rows)
+            token_ids = pending.host_ids[:n].tolist() if pending.host_ids is not None else []
+            logprobs: list[TokenLogprobs | None] = [None] * n
+            if pending.sampled is not None:
+                logprobs = self._logprobs(pending.tasks, pending.rows, pending.sampled)
+            return StepResult(pending.rows, token_ids, logprobs)
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        """After a failed step: the next bind rebuilds all metadata and the sampling batch."""
+        self.cache.invalidate_bind()
+        self._sampling = None
+
+    def _launch(self, tasks: list[ScheduledTask]) -> PendingStep:
         ws = self.workspace
         batch = self.cache.bind_tasks(tasks)
         if batch.steady is not None:
@@ -93,19 +137,28 @@ class Executor:
         rows = [i for i, t in enumerate(tasks) if t.samples]
         if not rows:
             self._sampling = None
-            return StepResult([], [], [])
+            return PendingStep(tasks, rows)
         if len(rows) < len(tasks):
             logits = logits[rows]
         info = self._sampling_info(tasks, rows, batch.steady is not None)
         next_ids = ws.next_token_ids[: len(rows)]
+        sampled = None
         if info.all_greedy and info.penalties is None and info.min_tokens is None and info.max_logprobs is None:
             torch.argmax(logits, dim=-1, out=next_ids)  # plain greedy: no sampler, no allocation
-            return StepResult(rows, next_ids.tolist(), [None] * len(rows))
-        out = sample(logits, info)
-        info.record(out.token_ids)
-        next_ids.copy_(out.token_ids)
-        token_ids = next_ids.tolist()  # the one host sync of a step
-        return StepResult(rows, token_ids, self._logprobs(tasks, rows, out))
+        else:
+            out = sample(logits, info)
+            info.record(out.token_ids)
+            next_ids.copy_(out.token_ids)
+            sampled = out if info.max_logprobs is not None else None
+        # The one device-to-host copy of a step, into pinned memory, two buffers in turn: it
+        # is queued behind the step and waited for only when the step is resolved.
+        self._flip ^= 1
+        host = self._host_ids[self._flip][: len(rows)]
+        host.copy_(next_ids, non_blocking=True)
+        done = self._done[self._flip]
+        if done is not None:
+            done.record()
+        return PendingStep(tasks, rows, self._host_ids[self._flip], done, sampled)
 
     def _sampling_info(self, tasks: list[ScheduledTask], rows: list[int], steady: bool) -> SamplingBatchInfo:
         """Built once per task set; reused while the batch is steady (its counters advance on device)."""

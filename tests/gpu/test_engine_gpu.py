@@ -68,6 +68,16 @@ def test_graph_greedy_is_bit_identical_to_eager(graph_engine, eager_engine, batc
     assert _greedy(graph_engine, prompts, 24) == _greedy(eager_engine, prompts, 24)
 
 
+def test_overlap_gives_the_tokens_of_stepping_in_turn(graph_engine, shape_dir):
+    """The default on CUDA queues a steady step before reading the last one's ids."""
+    plain = _engine(shape_dir, overlap=False, max_running=16)
+    prompts = random_prompts([5 + (11 * i) % 70 for i in range(12)], vocab=49152, seed=21)
+    assert graph_engine.config.overlap and not plain.config.overlap
+    before = graph_engine.num_overlapped_steps
+    assert _greedy(graph_engine, prompts, 40) == _greedy(plain, prompts, 40)
+    assert graph_engine.num_overlapped_steps - before > 30 and plain.num_overlapped_steps == 0
+
+
 def _step_logits(engine: Engine, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of a packed prefill, then of one decode step (graph replay when the engine has graphs)."""
     ex, cache = engine.executor, engine.executor.cache
