@@ -3,9 +3,9 @@
 For each model shape (random bf16 weights drawn on the device) and batch size: B requests
 with `--context` prompt tokens each are prefilled, then `--steps` steady decode steps are
 timed: wall time per `engine.step()`, each of which waits for one step's sampled ids on the
-host. Three runs of the same engine: graphs with overlap (the default: the next step is
+host. Four runs of the same engine: graphs with overlap (the default: the next step is
 queued before this one's ids are read), graphs without overlap (host work between steps),
-and graphs off (with overlap). Also the GPU time alone: the bucket's graph replayed back to
+and graphs off (with and without overlap). Also the GPU time alone: the bucket's graph replayed back to
 back, timed with CUDA events. The floor is (weight bytes + KV bytes read) / 4.19 TB/s, the
 H200's measured copy bandwidth. Also: time to first token of one `--context`-token prompt,
 against its FLOP floor at 790 TFLOP/s.
@@ -52,7 +52,7 @@ def run_until_decoding(engine: Engine) -> None:
 
 def _time_steps(engine: Engine, batch: int, context: int, steps: int, tag: str, replay: list[float] | None = None) -> float:
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    g = torch.Generator().manual_seed(3 * batch + "gse".index(tag))  # fresh prompts per run: no prefix hits
+    g = torch.Generator().manual_seed(3 * batch + "gsef".index(tag))  # fresh prompts per run: no prefix hits
     prompts = [torch.randint(10, 30000, (context,), generator=g).tolist() for _ in range(batch)]
     stream = engine.submit([EngineRequest(f"{tag}-{batch}-{i}", p, params) for i, p in enumerate(prompts)])
     run_until_decoding(engine)
@@ -125,12 +125,14 @@ def run(shapes: list[str], batches: list[int], context: int, steps: int) -> dict
             sync = _time_steps(engine, batch, context, steps, "s")
             _set(engine, graphs=None, overlap=True)
             eager = _time_steps(engine, batch, context, steps, "e")
+            _set(engine, graphs=None, overlap=False)
+            eager_sync = _time_steps(engine, batch, context, steps, "f")
             floor = (weights + batch * (context + steps // 2) * kv_per_token) / COPY_TBPS * 1e3
             row = dict(shape=shape, batch=batch, graph_ms=overlapped, graph_no_overlap_ms=sync, gpu_replay_ms=replay[0],
-                       eager_ms=eager, floor_ms=floor, graph_speedup=eager / overlapped, of_floor=floor / overlapped)  # fmt: skip
+                       eager_ms=eager, eager_no_overlap_ms=eager_sync, floor_ms=floor, graph_speedup=eager / overlapped, of_floor=floor / overlapped)  # fmt: skip
             results["rows"].append(row)
             print(f"{shape:14s} B={batch:4d}  graph {overlapped:7.3f} ms  (no overlap {sync:7.3f}, GPU alone {replay[0]:7.3f})  "
-                  f"eager {eager:7.3f} ms  floor {floor:6.3f} ms  graphs x{eager / overlapped:4.2f}  "
+                  f"eager {eager:7.3f} ms (no overlap {eager_sync:7.3f})  floor {floor:6.3f} ms  graphs x{eager / overlapped:4.2f}  "
                   f"{100 * floor / overlapped:5.1f}% of floor", flush=True)  # fmt: skip
         _set(engine, graphs=graphs, overlap=True)
         ttft = _ttft(engine, context)

@@ -102,6 +102,7 @@ __device__ float lane_sum_vectorized(const T* row, int n, int shift, int lane, i
     end = n - base;
   }
   float acc[4] = {head, 0.f, 0.f, 0.f};
+#pragma unroll 4
   for (int idx = lane; idx * 4 + 3 < end; idx += lanes) {
 #pragma unroll
     for (int q = 0; q < 4; ++q) acc[q] = __fadd_rn(acc[q], square(row, base + idx * 4 + q));
@@ -199,6 +200,76 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const NormParams 
   }
 }
 
+// The same arithmetic for one row of n >= kRowKernelMinN per block: the block stages the row
+// (after the residual add) in shared memory with 16-byte accesses from all its threads, the
+// first p.lanes threads replay torch's per-lane sums from there, and all threads normalize.
+// The kernel above walks global memory lane by lane: with few lanes per row (torch picks
+// 32 for 32 rows of 4096) every lane waits on ~100 dependent loads, and 8 rows share a block.
+template <typename T, int VEC, bool ADD>
+__global__ void __launch_bounds__(kMaxThreads) rms_norm_row_kernel(const NormParams p) {
+  extern __shared__ __align__(16) unsigned char staged[];
+  __shared__ float partial[kMaxThreads];
+  __shared__ float inv_rms;
+  T* row = reinterpret_cast<T*>(staged);
+  const int tid = threadIdx.x, threads = blockDim.x, lanes = p.lanes;
+  const int64_t r = blockIdx.x;
+  const int chunks = p.n / VEC;
+  T* x = static_cast<T*>(p.x) + row_offset(r, p.inner_rows, p.x_outer, p.x_inner);
+  T* res = static_cast<T*>(p.residual) + (ADD ? r * p.res_stride : 0);
+  T* out = static_cast<T*>(p.out) + row_offset(r, p.inner_rows, p.out_outer, p.out_inner);
+  const T* w = static_cast<const T*>(p.weight);
+
+  for (int c = tid; c < chunks; c += threads) {
+    Pack<T, VEC> a = load<T, VEC>(x + c * VEC);
+    if constexpr (ADD) {
+      Pack<T, VEC> b = load<T, VEC>(res + c * VEC);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i)
+        b.v[i] = Num<T>::from_f(__fadd_rn(Num<T>::to_f(b.v[i]), Num<T>::to_f(a.v[i])));
+      store<T, VEC>(res + c * VEC, b);
+      a = b;
+    }
+    store<T, VEC>(row + c * VEC, a);
+  }
+  __syncthreads();
+
+  float s = 0.f;
+  if (tid < lanes) {
+    s = p.vectorized ? lane_sum_vectorized(row, p.n, static_cast<int>((r * p.n) & 3), tid, lanes, p.lanes_x)
+                     : lane_sum_scalar(row, p.n, tid, lanes);
+  }
+  partial[tid] = s;
+  __syncthreads();
+  const int lx = tid % p.lanes_x;
+  for (int off = p.lanes_x / 2; off > 0; off >>= 1) {
+    if (tid < lanes && lx < off) partial[tid] = __fadd_rn(partial[tid], partial[tid + off]);
+    __syncthreads();
+  }
+  for (int off = lanes / p.lanes_x / 2; off > 0; off >>= 1) {
+    if (tid < lanes && lx == 0 && tid / p.lanes_x < off)
+      partial[tid] = __fadd_rn(partial[tid], partial[tid + off * p.lanes_x]);
+    __syncthreads();
+  }
+  if (tid == 0) inv_rms = rsqrtf(__fadd_rn(__fmul_rn(partial[0], p.inv_n), p.eps));
+  __syncthreads();
+
+  const float scale = inv_rms;
+  T* dst = ADD ? x : out;
+  for (int c = tid; c < chunks; c += threads) {
+    Pack<T, VEC> v = load<T, VEC>(row + c * VEC);
+    const Pack<T, VEC> g = load<T, VEC>(w + c * VEC);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      const float normed = round_to<T>(__fmul_rn(Num<T>::to_f(v.v[i]), scale));
+      v.v[i] = Num<T>::from_f(__fmul_rn(Num<T>::to_f(g.v[i]), normed));
+    }
+    store<T, VEC>(dst + c * VEC, v);
+  }
+}
+
+constexpr int kRowKernelMinN = 1024;
+constexpr int kRowKernelMaxBytes = 48 * 1024;  // static shared-memory limit without opt-in
+
 int last_pow2(int n) {
   n |= n >> 1;
   n |= n >> 2;
@@ -269,9 +340,22 @@ cudaError_t by_dtype(DType dtype, Args&&... args) {
 template <typename T>
 struct LaunchNorm {
   static cudaError_t run(const NormParams& p, cudaStream_t stream) {
+    constexpr int kVec = 16 / sizeof(T);
+    const size_t row_bytes = static_cast<size_t>(p.n) * sizeof(T);
+    if (p.n >= kRowKernelMinN && row_bytes <= kRowKernelMaxBytes) {
+      const unsigned threads = static_cast<unsigned>(std::max(p.lanes, 256));
+      const dim3 rows(static_cast<unsigned>(p.rows));
+      if (p.residual != nullptr) {
+        if (p.vec_ok) rms_norm_row_kernel<T, kVec, true><<<rows, threads, row_bytes, stream>>>(p);
+        else rms_norm_row_kernel<T, 1, true><<<rows, threads, row_bytes, stream>>>(p);
+      } else {
+        if (p.vec_ok) rms_norm_row_kernel<T, kVec, false><<<rows, threads, row_bytes, stream>>>(p);
+        else rms_norm_row_kernel<T, 1, false><<<rows, threads, row_bytes, stream>>>(p);
+      }
+      return cudaGetLastError();
+    }
     const dim3 block(p.lanes, std::max(1, 256 / p.lanes));
     const dim3 grid(static_cast<unsigned>((p.rows + block.y - 1) / block.y));
-    constexpr int kVec = 16 / sizeof(T);
     if (p.residual != nullptr) {
       if (p.vec_ok) rms_norm_kernel<T, kVec, true><<<grid, block, 0, stream>>>(p);
       else rms_norm_kernel<T, 1, true><<<grid, block, 0, stream>>>(p);

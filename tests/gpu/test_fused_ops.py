@@ -21,8 +21,9 @@ DEV = "cuda"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 EPS = 1e-5
 # Row lengths: scalar reduction (< 128), unaligned rows (N % 4 != 0), the demo (576) and
-# Llama-3-8B (4096) hidden sizes, and 8192, where torch splits a row across warps.
-HIDDEN = [64, 100, 130, 576, 1000, 4096, 8192]
+# Llama-3-8B (4096) hidden sizes, 2050 (the one-row-per-block kernel on unaligned rows),
+# and 8192, where torch splits a row across warps.
+HIDDEN = [64, 100, 130, 576, 1000, 2050, 4096, 8192]
 TOKENS = [1, 2, 3, 5, 8, 16, 33, 130, 1000]
 
 
