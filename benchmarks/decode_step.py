@@ -51,7 +51,9 @@ def run_until_decoding(engine: Engine) -> None:
 
 
 def _time_steps(engine: Engine, batch: int, context: int, steps: int, tag: str, replay: list[float] | None = None) -> float:
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    # Prompts finish prefill over several steps (B x context tokens at token_budget a step), and
+    # the first ones decode meanwhile: room for that skew, so no request ends in the timed window.
+    params = SamplingParams(temperature=0, max_tokens=steps + 48, ignore_eos=True)
     g = torch.Generator().manual_seed(3 * batch + "gsef".index(tag))  # fresh prompts per run: no prefix hits
     prompts = [torch.randint(10, 30000, (context,), generator=g).tolist() for _ in range(batch)]
     stream = engine.submit([EngineRequest(f"{tag}-{batch}-{i}", p, params) for i, p in enumerate(prompts)])
