@@ -49,6 +49,7 @@ from cluster.bench_stats import (
     tally,
 )
 from cluster.config import ClusterConfig
+from cluster.local_ray import ray_session
 
 APP = "kvray"
 
@@ -354,7 +355,6 @@ def _show(title: str, summary: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import ray
     import torch
     from ray import serve
 
@@ -420,23 +420,21 @@ def main(argv: list[str] | None = None) -> int:
     phases = set(args.phases.split(","))
     if phases & {"scaling", "affinity"}:
         set_serve_env()
-        nodes = _start_ray(args, checkout_runtime_env())
-        try:
-            port = _free_port()
-            # a proxy on every Ray node; with --ray-nodes they share the port (SO_REUSEPORT)
-            serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "EveryNode"})
-            url = f"http://127.0.0.1:{port}"
-            if "scaling" in phases:
-                loads = {"lat": (lat_samples, lat_arrivals), "sat": (sat_samples, sat_arrivals)}
-                _scaling_phase(args, base, port, url, name, loads, results, save)
-            if "affinity" in phases:
-                results["affinity"] = _affinity_phase(args, base, port, url, name, vocab)
-                save()
-        finally:
-            serve.shutdown()
-            ray.shutdown()
-            if nodes is not None:
-                nodes.shutdown()
+        with ray_session(nodes=args.ray_nodes, num_cpus=args.ray_num_cpus, runtime_env=checkout_runtime_env(),
+                         include_dashboard=False, log_to_driver=False):  # fmt: skip
+            try:
+                port = _free_port()
+                # a proxy on every Ray node; with --ray-nodes they share the port (SO_REUSEPORT)
+                serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "EveryNode"})
+                url = f"http://127.0.0.1:{port}"
+                if "scaling" in phases:
+                    loads = {"lat": (lat_samples, lat_arrivals), "sat": (sat_samples, sat_arrivals)}
+                    _scaling_phase(args, base, port, url, name, loads, results, save)
+                if "affinity" in phases:
+                    results["affinity"] = _affinity_phase(args, base, port, url, name, vocab)
+                    save()
+            finally:
+                serve.shutdown()
     if "engine" in phases:
         _release_device()
         results["engine_inprocess"] = {
@@ -462,50 +460,6 @@ def main(argv: list[str] | None = None) -> int:
     save()
     print(json.dumps({k: results[k] for k in ("scaling", "overhead") if k in results}, indent=2))
     return 0
-
-
-def _start_ray(args: argparse.Namespace, runtime_env: Any) -> Any:
-    """A fresh local Ray: one node, or `args.ray_nodes` nodes on this machine (each with an
-    equal share of the CPUs and GPUs) so that each runs its own Serve HTTP proxy. Returns
-    the `Cluster` to shut down, or None."""
-    import ray
-    import torch
-
-    if args.ray_nodes <= 1:
-        ray.init(
-            address="local",
-            num_cpus=args.ray_num_cpus,
-            runtime_env=runtime_env,
-            include_dashboard=False,
-            log_to_driver=False,
-        )
-        return None
-    from ray.cluster_utils import Cluster
-
-    cpus = max(1, (args.ray_num_cpus or os.cpu_count() or 1) // args.ray_nodes)
-    gpus = torch.cuda.device_count() // args.ray_nodes
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    cluster = Cluster()
-    try:
-        for i in range(args.ray_nodes):
-            node: dict[str, Any] = {
-                "num_cpus": cpus,
-                "object_store_memory": 2 * 1024**3,
-                "include_dashboard": False,
-            }
-            if gpus:  # Ray reads a node's GPU ids from CUDA_VISIBLE_DEVICES as the node starts
-                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
-                    str(g) for g in range(i * gpus, (i + 1) * gpus)
-                )
-                node["num_gpus"] = gpus
-            cluster.add_node(**node)
-    finally:
-        if visible is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible
-    ray.init(address=cluster.address, runtime_env=runtime_env, log_to_driver=False)
-    return cluster
 
 
 def _scaling_phase(

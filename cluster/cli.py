@@ -32,6 +32,13 @@ def _parser() -> argparse.ArgumentParser:
         "--address",
         help="join this Ray cluster ('auto': the one on this machine) instead of starting a new one",
     )
+    serve.add_argument(
+        "--ray-nodes",
+        type=int,
+        default=1,
+        help="start this many local Ray nodes, GPUs split evenly, each with its own HTTP proxy on "
+        "the port: streamed throughput past one proxy's limit (e.g. one node per GPU)",
+    )
 
     sub.add_parser("prepare-demo", help="convert the demo model once and print its directory")
 
@@ -84,25 +91,28 @@ def _serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from cluster.app import build_app, checkout_runtime_env, set_serve_env
+    from cluster.local_ray import ray_session
 
     config = _serve_config(args)
+    if args.address and args.ray_nodes != 1:
+        raise SystemExit("kvray serve: --ray-nodes starts a local Ray; it cannot be combined with --address")
     set_serve_env()
-    ray.init(address=args.address or "local", runtime_env=checkout_runtime_env())
-    try:
-        serve.start(http_options={"host": config.host, "port": config.port})
-        print(f"kvray: deploying {config.model_name} ...", flush=True)
-        start = time.perf_counter()
-        serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
-        print(f"kvray: ready in {time.perf_counter() - start:.0f} s\n", flush=True)
-        print(_examples(config), flush=True)
-        _wait_for_interrupt()
-        drain_ingress(config)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        print("\nkvray: shutting down ...", flush=True)
-        serve.shutdown()
-        ray.shutdown()
+    with ray_session(nodes=args.ray_nodes, address=args.address, runtime_env=checkout_runtime_env()):
+        try:
+            # a proxy on every node (with --ray-nodes, all on the one port)
+            serve.start(http_options={"host": config.host, "port": config.port, "location": "EveryNode"})
+            print(f"kvray: deploying {config.model_name} on {len(ray.nodes())} Ray node(s) ...", flush=True)
+            start = time.perf_counter()
+            serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
+            print(f"kvray: ready in {time.perf_counter() - start:.0f} s\n", flush=True)
+            print(_examples(config), flush=True)
+            _wait_for_interrupt()
+            drain_ingress(config)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            print("\nkvray: shutting down ...", flush=True)
+            serve.shutdown()
     return 0
 
 

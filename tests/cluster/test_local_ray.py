@@ -1,0 +1,63 @@
+"""cluster.local_ray: several Ray nodes on this machine (`kvray serve --ray-nodes`), each with
+its own Serve HTTP proxy, all on one port."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import ray
+from ray import serve
+from ray.serve.schema import ProxyStatus
+
+from cluster.local_ray import ray_session
+from tests.cluster.conftest import free_port
+
+
+@serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 1})
+class WhereAmI:
+    """Two replicas of one CPU on nodes of one CPU: one on each node (so each node gets a proxy)."""
+
+    def __call__(self, request) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+def _proxies_healthy(expected: int, timeout_s: float = 90.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        proxies = serve.status().proxies
+        if len(proxies) == expected and all(s == ProxyStatus.HEALTHY for s in proxies.values()):
+            return proxies
+        time.sleep(0.5)
+    raise AssertionError(f"proxies: {serve.status().proxies}")
+
+
+def test_two_local_nodes_serve_through_a_proxy_each_on_one_port():
+    port = free_port()
+    with ray_session(nodes=2, num_cpus=2, include_dashboard=False, log_to_driver=False):
+        try:
+            alive = [n for n in ray.nodes() if n["Alive"]]
+            assert len(alive) == 2 and all(n["Resources"]["CPU"] == 1 for n in alive)
+            serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "EveryNode"})
+            serve.run(WhereAmI.bind(), name="where", route_prefix="/where")
+            proxies = _proxies_healthy(2)  # the second one could bind the taken port: SO_REUSEPORT
+            assert set(proxies) == {n["NodeID"] for n in alive}
+            answers = {httpx.get(f"http://127.0.0.1:{port}/where", timeout=60).text for _ in range(24)}
+            assert answers == set(proxies)  # both replicas answered, through either proxy
+        finally:
+            serve.shutdown()
+    assert not ray.is_initialized()
+
+
+def test_local_nodes_cannot_join_an_address():
+    with pytest.raises(ValueError, match="cannot join"), ray_session(nodes=2, address="auto"):
+        pass
+
+
+def test_kvray_serve_refuses_ray_nodes_with_an_address():
+    from cluster.cli import main
+
+    with pytest.raises(SystemExit, match="cannot be combined with --address"):
+        main(["serve", "--model", "demo", "--ray-nodes", "2", "--address", "auto"])
+    assert not ray.is_initialized()
