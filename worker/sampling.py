@@ -14,6 +14,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -322,26 +323,31 @@ def _pack_scalars(
     Greedy rows get neutral sampling values so they never divide by 0 or mask anything;
     divisors and top_p are floored where float32 would turn them into 0.
     """
-    floats, ints = [], []
-    for p, out in zip(params, output_ids, strict=True):
-        s = not p.greedy
-        floats.append(
-            [
-                max(p.temperature, _MIN_DIVISOR) if s else 1.0,
-                max(p.top_p, _MIN_TOP_P) if s and p.top_p < 1.0 else math.inf,
-                math.log(p.min_p) if s and p.min_p > 0.0 else -math.inf,
-                max(p.repetition_penalty, _MIN_DIVISOR),
-                -p.frequency_penalty,
-                -p.presence_penalty,
-            ]
-        )
-        k = min(p.top_k, vocab_size) if s else 0
-        ints.append(
-            [k or vocab_size, max(k - 1, 0), int(k == 0), p.min_tokens, len(out), int(not s)]
-        )
-    host_f = torch.tensor(floats, dtype=torch.float32)
-    host_i = torch.tensor(ints, dtype=torch.int64)
-    return _to_device(host_f, device), _to_device(host_i, device)
+    n = len(params)
+
+    def column(values, dtype) -> np.ndarray:
+        return np.fromiter(values, dtype=dtype, count=n)
+
+    temperature = column((p.temperature for p in params), np.float64)
+    top_p = column((p.top_p for p in params), np.float64)
+    log_min_p = column((math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params), np.float64)
+    s = temperature != 0.0  # rows that sample
+    floats = np.empty((n, 6), dtype=np.float32)
+    floats[:, 0] = np.where(s, np.maximum(temperature, _MIN_DIVISOR), 1.0)
+    floats[:, 1] = np.where(s & (top_p < 1.0), np.maximum(top_p, _MIN_TOP_P), math.inf)
+    floats[:, 2] = np.where(s, log_min_p, -math.inf)
+    floats[:, 3] = np.maximum(column((p.repetition_penalty for p in params), np.float64), _MIN_DIVISOR)
+    floats[:, 4] = -column((p.frequency_penalty for p in params), np.float64)
+    floats[:, 5] = -column((p.presence_penalty for p in params), np.float64)
+    k = np.where(s, np.minimum(column((p.top_k for p in params), np.int64), vocab_size), 0)
+    ints = np.empty((n, 6), dtype=np.int64)
+    ints[:, 0] = np.where(k == 0, vocab_size, k)
+    ints[:, 1] = np.maximum(k - 1, 0)
+    ints[:, 2] = k == 0
+    ints[:, 3] = column((p.min_tokens for p in params), np.int64)
+    ints[:, 4] = column((len(out) for out in output_ids), np.int64)
+    ints[:, 5] = ~s
+    return _to_device(torch.from_numpy(floats), device), _to_device(torch.from_numpy(ints), device)
 
 
 def _build_penalties(
