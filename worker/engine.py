@@ -174,8 +174,9 @@ class Engine:
                 self._inflight = self._launch(tasks, deltas)
         current, self._inflight = self._inflight, None
         if current is not None:
-            if self.config.overlap and self._can_continue(current):
-                self._inflight = self._launch([ScheduledTask(t.request, 1) for t in current.tasks], deltas)
+            following = self._continuation(current) if self.config.overlap else None
+            if following is not None:
+                self._inflight = self._launch(following, deltas)
                 self.num_overlapped_steps += 1
             try:
                 result = self.executor.resolve(current)
@@ -204,8 +205,9 @@ class Engine:
         live = [t.request for t in tasks if t.request.status is not Status.FINISHED]
         return [self._finish(r, "error", f"{type(e).__name__}: {e}") for r in live]
 
-    def _can_continue(self, current: PendingStep) -> bool:
-        """May the step after `current` be queued before `current`'s tokens are read?
+    def _continuation(self, current: PendingStep) -> list[ScheduledTask] | None:
+        """The step after `current`, with its pages reserved, if it may be queued before
+        `current`'s tokens are read; else None.
 
         Only when it is certain to be `current` again plus one token per request: every task
         a running decode, nothing waiting that could be admitted, no request at its length
@@ -214,19 +216,21 @@ class Engine:
         """
         sched, limit = self.scheduler, self.config.max_seq_len or 0
         if current.needs_host_logprobs or self._inbox or self._aborts or len(current.tasks) != len(sched.running):
-            return False
+            return None
         if sched.waiting and len(sched.running) < self.config.max_running:
-            return False
+            return None
         for t in current.tasks:
             r, max_tokens = t.request, t.request.params.max_tokens
             if r.status is not Status.RUNNING or t.num_new != 1 or not t.samples or not r.output_ids:
-                return False
+                return None
             if (max_tokens is not None and len(r.output_ids) + 2 > max_tokens) or r.num_tokens + 2 > limit:
-                return False
-        cache = self.executor.cache
+                return None
+        cache = self.executor.cache  # slots for this step's token and the next one's
         if sum(cache.pages_needed(t.request, 2) for t in current.tasks) > cache.num_free_pages:
-            return False
-        return all(cache.reserve(t.request, 2) for t in current.tasks)
+            return None
+        if not all(cache.reserve(t.request, 2) for t in current.tasks):
+            return None
+        return [ScheduledTask(t.request, 1) for t in current.tasks]
 
     def _drain(self) -> list[RequestDelta]:
         with self._cv:
