@@ -135,6 +135,23 @@ __device__ __forceinline__ int64_t row_offset(int64_t r, int inner_rows, int64_t
   return (r / inner_rows) * s_outer + (r % inner_rows) * s_inner;
 }
 
+// dst = weight * round(src * scale), torch's two roundings; chunks of VEC elements, this
+// thread taking chunk `first` and every `stride`-th after it.
+template <typename T, int VEC>
+__device__ __forceinline__ void scale_row(const T* src, const T* w, T* dst, int chunks, float scale,
+                                          int first, int stride) {
+  for (int c = first; c < chunks; c += stride) {
+    Pack<T, VEC> v = load<T, VEC>(src + c * VEC);
+    const Pack<T, VEC> g = load<T, VEC>(w + c * VEC);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      const float normed = round_to<T>(__fmul_rn(Num<T>::to_f(v.v[i]), scale));
+      v.v[i] = Num<T>::from_f(__fmul_rn(Num<T>::to_f(g.v[i]), normed));
+    }
+    store<T, VEC>(dst + c * VEC, v);
+  }
+}
+
 // Block: threadIdx.x = virtual lane (p.lanes of them), threadIdx.y = row within the block.
 // ADD: residual = round(residual + x), then x = norm(residual). Else out = norm(x).
 template <typename T, int VEC, bool ADD>
@@ -186,18 +203,7 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const NormParams 
   __syncthreads();
   if (!live) return;
 
-  const float scale = inv_rms[y];
-  T* dst = ADD ? x : out;
-  for (int c = lane; c < chunks; c += lanes) {
-    Pack<T, VEC> v = load<T, VEC>(src + c * VEC);
-    const Pack<T, VEC> g = load<T, VEC>(w + c * VEC);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      const float normed = round_to<T>(__fmul_rn(Num<T>::to_f(v.v[i]), scale));
-      v.v[i] = Num<T>::from_f(__fmul_rn(Num<T>::to_f(g.v[i]), normed));
-    }
-    store<T, VEC>(dst + c * VEC, v);
-  }
+  scale_row<T, VEC>(src, w, ADD ? x : out, chunks, inv_rms[y], lane, lanes);
 }
 
 // The same arithmetic for one row of n >= kRowKernelMinN per block: the block stages the row
@@ -253,18 +259,7 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_row_kernel(const NormPar
   if (tid == 0) inv_rms = rsqrtf(__fadd_rn(__fmul_rn(partial[0], p.inv_n), p.eps));
   __syncthreads();
 
-  const float scale = inv_rms;
-  T* dst = ADD ? x : out;
-  for (int c = tid; c < chunks; c += threads) {
-    Pack<T, VEC> v = load<T, VEC>(row + c * VEC);
-    const Pack<T, VEC> g = load<T, VEC>(w + c * VEC);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      const float normed = round_to<T>(__fmul_rn(Num<T>::to_f(v.v[i]), scale));
-      v.v[i] = Num<T>::from_f(__fmul_rn(Num<T>::to_f(g.v[i]), normed));
-    }
-    store<T, VEC>(dst + c * VEC, v);
-  }
+  scale_row<T, VEC>(row, w, ADD ? x : out, chunks, inv_rms, tid, threads);
 }
 
 constexpr int kRowKernelMinN = 1024;
