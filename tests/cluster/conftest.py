@@ -157,11 +157,11 @@ class RayHarness:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the multi-node module last among the cluster tests, so the single-node app starts
-    once. Items of other directories keep their places."""
+    """Run the modules that start Ray their own way (several nodes) last among the cluster
+    tests, so the single-node app starts once. Items of other directories keep their places."""
     here = [i for i, item in enumerate(items) if "tests/cluster/" in item.nodeid]
     ours = [items[i] for i in here]
-    ours.sort(key=lambda item: "test_multinode" in item.nodeid)
+    ours.sort(key=lambda item: "test_multinode" in item.nodeid or "test_local_ray" in item.nodeid)
     for i, item in zip(here, ours, strict=True):
         items[i] = item
 

@@ -12,7 +12,7 @@ from ray import serve
 from ray.serve.schema import ProxyStatus
 
 from cluster.local_ray import ray_session
-from tests.cluster.conftest import free_port
+from tests.cluster.conftest import RayHarness, free_port
 
 
 @serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 1})
@@ -33,7 +33,8 @@ def _proxies_healthy(expected: int, timeout_s: float = 90.0) -> dict:
     raise AssertionError(f"proxies: {serve.status().proxies}")
 
 
-def test_two_local_nodes_serve_through_a_proxy_each_on_one_port():
+def test_two_local_nodes_serve_through_a_proxy_each_on_one_port(ray_harness: RayHarness):
+    ray_harness.stop()  # this test process's shared Ray, if a module before this one started it
     port = free_port()
     with ray_session(nodes=2, num_cpus=2, include_dashboard=False, log_to_driver=False):
         try:
@@ -55,8 +56,10 @@ def test_local_nodes_cannot_join_an_address():
         pass
 
 
-def test_kvray_serve_refuses_ray_nodes_with_an_address():
+def test_kvray_serve_refuses_ray_nodes_with_an_address(ray_harness: RayHarness):
     from cluster.cli import main
+
+    ray_harness.stop()
 
     with pytest.raises(SystemExit, match="cannot be combined with --address"):
         main(["serve", "--model", "demo", "--ray-nodes", "2", "--address", "auto"])
