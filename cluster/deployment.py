@@ -308,11 +308,13 @@ class WorkerDeployment:
 
     async def stats(self) -> dict[str, Any]:
         """Engine stats for /metrics, tagged with this replica's id."""
+        stats = self._engine.stats()
         return {
             "replica_id": self._replica_id,
             "faults_injected": self._faults.injected,
             "rss_bytes": rss_bytes(),
-            **dataclasses.asdict(self._engine.stats()),
+            "stalled_s": self._stalled_s(stats),
+            **dataclasses.asdict(stats),
         }
 
     def record_routing_stats(self) -> dict[str, Any]:

@@ -7,6 +7,7 @@ each step's deltas to the streams that wait for them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -362,11 +363,15 @@ class Engine:
         )
 
     def stats(self) -> EngineStats:
-        s = self.stats_snapshot
+        """The last step's snapshot, with the request counts read live: a step that hangs
+        must not make a busy replica look idle (a `len` is atomic; the rest needs the step)."""
         with self._cv:
             pending = len(self._inbox)
         alive = self._thread.is_alive() if self._thread is not None else False
-        return EngineStats(**{**{k: getattr(s, k) for k in EngineStats.__slots__}, "num_waiting": s.num_waiting + pending, "loop_alive": alive})
+        sched = self.scheduler
+        return dataclasses.replace(
+            self.stats_snapshot, num_running=len(sched.running), num_waiting=len(sched.waiting) + pending, loop_alive=alive
+        )
 
     def prefix_summary(self, max_pages: int = SUMMARY_PAGES) -> list[int]:
         """Keys of cached pages, most recent first, as of the last refresh (engine thread, <= 50 ms old)."""

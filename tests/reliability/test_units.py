@@ -154,3 +154,17 @@ def test_a_replica_idle_for_long_is_not_stalled_while_its_first_step_runs() -> N
     replica._stall_threshold_s = 60.0
     replica.check_health()  # idle 120 s, then work for 0.5 s: healthy
     assert 0.4 < replica._stalled_s(replica._engine.stats()) < 5.0  # the router's measure too
+
+
+def test_metrics_show_a_hung_step_as_stalled_seconds() -> None:
+    from cluster.metrics import Metrics
+
+    replica = object.__new__(WorkerDeployment)
+    replica._engine = _HungEngine(work_age_s=120.0)  # type: ignore[assignment]
+    replica._replica_id = "w-hung"
+    replica._faults = FaultInjector(enabled=False)
+    stats = asyncio.run(replica.stats())
+    assert 119.0 < stats["stalled_s"] < 130.0
+    text = Metrics("m", "ing-1").render([stats]).decode()
+    line = next(x for x in text.splitlines() if x.startswith("kvray:engine_stalled_seconds{"))
+    assert 'replica="w-hung"' in line and 119.0 < float(line.split()[-1]) < 130.0

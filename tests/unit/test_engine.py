@@ -152,3 +152,29 @@ def test_seeded_sampling_is_reproducible_across_batches(llm):
     assert alone == in_batch
     two = llm.generate([prompts[0]], p.model_copy(update={"n": 2}))
     assert len(two) == 2 and two[0].token_ids == alone and two[1].token_ids != alone
+
+
+def test_stats_count_the_requests_of_a_step_that_hangs(engine_factory):
+    """The snapshot is taken after a step; the counts are read live, so a replica whose step
+    hangs does not look idle to /metrics, routing or autoscaling."""
+    import threading
+
+    engine = engine_factory()
+    entered, release = threading.Event(), threading.Event()
+
+    def hang(tasks):
+        entered.set()
+        release.wait(30)
+
+    engine.fault_hook = hang
+    engine.start()
+    try:
+        engine.submit(_reqs("h", 3, max_tokens=4))
+        assert entered.wait(30)
+        stats = engine.stats()
+        assert stats.num_running == 3 and stats.num_waiting == 0
+        assert engine.stats_snapshot.num_running == 0  # the snapshot still shows the idle engine
+    finally:
+        release.set()
+        engine.fault_hook = None
+        engine.shutdown()
