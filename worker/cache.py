@@ -136,6 +136,10 @@ class KVCache(CacheView):
         self._task_len = np.zeros(req_pool.table.shape[0], dtype=np.int64)  # tokens bound per row
         self._last_bind: _BindState | None = None
         self.batch: ForwardBatch | None = None
+        # Recorded after a host bind's copies. A step that samples nothing returns without
+        # waiting for the device, so the next bind could refill the pinned staging buffers
+        # while that step's copies still wait behind earlier work: it waits for them first.
+        self._staged = torch.cuda.Event() if workspace.device.type == "cuda" else None
 
     # -- capacity, in pages --------------------------------------------------------------
     @property
@@ -229,6 +233,8 @@ class KVCache(CacheView):
         """Every buffer from the host lists, with whole-batch numpy ops (a batch of 256 decodes
         binds in ~0.3 ms on CPU; one small op per request took 1.7 ms)."""
         ws, b = self.ws, len(tasks)
+        if self._staged is not None:
+            self._staged.synchronize()
         h64, h32 = ws.host_i64.numpy(), ws.host_i32.numpy()
         q_lens = np.fromiter((t.num_new for t in tasks), dtype=np.int64, count=b)
         qo = np.cumsum(q_lens)
@@ -254,6 +260,8 @@ class KVCache(CacheView):
         ws.kv_indptr[: b + 1].copy_(ws.host_i32[3, : b + 1], non_blocking=True)
         ws.logits_indices[:b].copy_(ws.host_logits[:b], non_blocking=True)
         ws.row_base[:b].copy_(ws.host_logits[b : 2 * b], non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
 
     def invalidate_bind(self) -> None:
         """Forget the last bind (after an aborted step), so the next one rebuilds everything."""

@@ -78,6 +78,19 @@ def test_overlap_gives_the_tokens_of_stepping_in_turn(graph_engine, shape_dir):
     assert graph_engine.num_overlapped_steps - before > 30 and plain.num_overlapped_steps == 0
 
 
+def test_chunk_steps_that_sample_nothing_leave_their_staging_buffers_alone(shape_dir):
+    """A prompt chunk that samples nothing returns without waiting for the device; the next
+    bind must not refill the pinned staging buffers under its pending copies. Reference: the
+    same run with the device idle before every step (no prefix cache, so both recompute)."""
+    engine = _engine(shape_dir, token_budget=512, max_running=4, prefix_cache=False)
+    prompts = random_prompts([1900, 1700, 1800], vocab=49152, seed=5)  # 3-4 chunk steps each
+    free = _greedy(engine, prompts, 8)
+    engine.fault_hook = lambda tasks: torch.cuda.synchronize()
+    synced = _greedy(engine, prompts, 8)
+    engine.fault_hook = None
+    assert free == synced
+
+
 def _step_logits(engine: Engine, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of a packed prefill, then of one decode step (graph replay when the engine has graphs)."""
     ex, cache = engine.executor, engine.executor.cache
