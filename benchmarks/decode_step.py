@@ -61,10 +61,14 @@ def _time_steps(engine: Engine, batch: int, context: int, steps: int, tag: str, 
     for _ in range(3):
         engine.step()
     torch.cuda.synchronize()
+    overlapped = engine.num_overlapped_steps
     start = time.perf_counter()
     for _ in range(steps - 4):
         engine.step()
     elapsed = (time.perf_counter() - start) / (steps - 4)
+    overlapped = engine.num_overlapped_steps - overlapped
+    if engine.config.overlap and overlapped != steps - 4:  # the batch changed: not steady decode
+        print(f"  warning: {tag} B={batch}: {overlapped} of {steps - 4} timed steps overlapped", flush=True)
     if replay is not None:
         replay.append(_replay_ms(engine, batch))
     stream.close()
