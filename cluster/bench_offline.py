@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from worker.config import EngineConfig
+from worker.engine import StepRecord
 from worker.llm import LLM
 from worker.model.config import ModelConfig
 from worker.model.demo import demo_model_dir, resolve_model_path
@@ -273,9 +274,12 @@ def _bench_engine(llm: LLM, workload: Workload, temperature: float) -> dict[str,
     ]
     before = llm.engine.stats()
     _sync(llm.engine.config.device)
+    steps: list[StepRecord] = []
+    llm.engine.step_log = steps
     with CpuWatch() as watch:
         outputs = llm.generate(workload.prompts, params)
         _sync(llm.engine.config.device)
+    llm.engine.step_log = None
     seconds = watch.seconds
     after = llm.engine.stats()
     bad = [
@@ -297,8 +301,38 @@ def _bench_engine(llm: LLM, workload: Workload, temperature: float) -> dict[str,
         "preemptions": after.num_preemptions - before.num_preemptions,
         "prefix_hit_tokens": after.prefix_hits - before.prefix_hits,
         "others_cpu_cores": watch.others_cores,
+        "step_profile": step_profile(steps),
         "token_ids": [o.token_ids for o in outputs],
     }
+
+
+BATCH_BANDS = (8, 32, 64, 128, 256)
+
+
+def step_profile(steps: list[StepRecord]) -> list[dict[str, Any]]:
+    """Where the run's time went: steps grouped by kind (carrying prompt tokens, or decode
+    only, queued early or not) and, for decode, by batch size."""
+    groups: dict[tuple[str, int], list[StepRecord]] = {}
+    for s in steps:
+        if s.num_prompt_tokens:
+            key = ("prompt", 0)
+        else:
+            band = next((b for b in BATCH_BANDS if s.num_decodes <= b), s.num_decodes)
+            key = ("decode, overlapped" if s.overlapped else "decode, not overlapped", band)
+        groups.setdefault(key, []).append(s)
+    rows = []
+    for (kind, band), group in sorted(groups.items()):
+        seconds = sum(s.seconds for s in group)
+        rows.append({
+            "kind": kind,
+            "batch_up_to": band or None,
+            "steps": len(group),
+            "seconds": seconds,
+            "mean_ms": 1e3 * seconds / len(group),
+            "mean_decodes": sum(s.num_decodes for s in group) / len(group),
+            "mean_prompt_tokens": sum(s.num_prompt_tokens for s in group) / len(group),
+        })  # fmt: skip
+    return rows
 
 
 def bench_hf(
@@ -470,6 +504,12 @@ def _print_summary(r: dict[str, Any]) -> None:
         f"kvray:        {k['seconds']:8.2f} s  {k['output_tok_s']:10.1f} output tok/s  ({k['steps']} steps, "
         f"{k['preemptions']} preemptions, other processes used {k['others_cpu_cores']} cores)"
     )
+    print("  where the time went:  kind                    batch<=  steps  seconds  ms/step  decodes  prompt tok")
+    for row in k["step_profile"]:
+        print(
+            f"  {'':20}{row['kind']:24}{row['batch_up_to'] or '':>7}{row['steps']:7d}{row['seconds']:9.2f}"
+            f"{row['mean_ms']:9.2f}{row['mean_decodes']:9.1f}{row['mean_prompt_tokens']:11.1f}"
+        )
     hf = r["hf"]
     if hf is not None:
         print(

@@ -11,6 +11,7 @@ last one plus one token for the same requests, the metadata is advanced in place
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -155,6 +156,11 @@ class KVCache(CacheView):
     def pages_needed(self, request: Request, num_new: int) -> int:
         """Pages `reserve(request, num_new)` would take."""
 
+    @abstractmethod
+    def can_grow(self, num_requests: int, num_tokens: int) -> bool:
+        """Can `num_requests` requests take `num_tokens` new tokens among them, however split,
+        without running out of pages?"""
+
     # -- lifecycle -----------------------------------------------------------------------
     @abstractmethod
     def admit(self, request: Request) -> bool:
@@ -190,8 +196,12 @@ class KVCache(CacheView):
         self.k_cache[layer].index_copy_(0, loc, k)
         self.v_cache[layer].index_copy_(0, loc, v)
 
-    def bind_tasks(self, tasks: list[ScheduledTask]) -> ForwardBatch:
-        """Fill the workspace metadata for this step, once for all layers."""
+    def bind_tasks(self, tasks: list[ScheduledTask], carried: Sequence[tuple[int, int]] = ()) -> ForwardBatch:
+        """Fill the workspace metadata for this step, once for all layers.
+
+        `carried`: (packed input index, row of `next_token_ids`) for input tokens the previous
+        step sampled that the host has not read yet; they are copied on the device. A steady
+        step reads every input there anyway."""
         ws = self.ws
         rows = [t.request.row for t in tasks]
         starts = self._task_len[rows]
@@ -212,7 +222,7 @@ class KVCache(CacheView):
             torch.index_select(self.req_to_token.view(-1), 0, ws.flat_loc[:b], out=ws.loc_i32[:b])
             ws.out_cache_loc[:b].copy_(ws.loc_i32[:b])
         else:
-            self._bind_from_host(tasks, rows, starts, seq_lens, n_tokens)
+            self._bind_from_host(tasks, rows, starts, seq_lens, n_tokens, carried)
         self._task_len[rows] = seq_lens
         self.batch = ForwardBatch(
             input_ids=ws.input_ids[:n_tokens],
@@ -229,7 +239,7 @@ class KVCache(CacheView):
         )
         return self.batch
 
-    def _bind_from_host(self, tasks, rows, starts, seq_lens, n_tokens: int) -> None:
+    def _bind_from_host(self, tasks, rows, starts, seq_lens, n_tokens: int, carried: Sequence[tuple[int, int]]) -> None:
         """Every buffer from the host lists, with whole-batch numpy ops (a batch of 256 decodes
         binds in ~0.3 ms on CPU; one small op per request took 1.7 ms)."""
         ws, b = self.ws, len(tasks)
@@ -260,6 +270,12 @@ class KVCache(CacheView):
         ws.kv_indptr[: b + 1].copy_(ws.host_i32[3, : b + 1], non_blocking=True)
         ws.logits_indices[:b].copy_(ws.host_logits[:b], non_blocking=True)
         ws.row_base[:b].copy_(ws.host_logits[b : 2 * b], non_blocking=True)
+        if carried:  # input_ids[at] = next_token_ids[row], over the host's placeholders
+            n = len(carried)
+            ws.host_carry.numpy()[:, :n] = np.asarray(carried, dtype=np.int64).T
+            ws.carry.copy_(ws.host_carry, non_blocking=True)
+            torch.index_select(ws.next_token_ids, 0, ws.carry[1, :n], out=ws.carried_ids[:n])
+            ws.input_ids.index_copy_(0, ws.carry[0, :n], ws.carried_ids[:n])
         if self._staged is not None:
             self._staged.record()
 
@@ -293,6 +309,9 @@ class ContiguousCache(KVCache):
 
     def pages_needed(self, request: Request, num_new: int) -> int:
         return 0
+
+    def can_grow(self, num_requests: int, num_tokens: int) -> bool:
+        return True  # a row holds max_seq_len tokens: the context limit ends a request first
 
     def admit(self, request: Request) -> bool:
         row = self.req_pool.alloc_row()
@@ -328,6 +347,10 @@ class PageCache(KVCache):
     @property
     def num_free_pages(self) -> int:
         return len(self._free) + (self.prefix.num_evictable if self.prefix else 0)
+
+    def can_grow(self, num_requests: int, num_tokens: int) -> bool:
+        # each request may open one page partly filled already, the tokens fill whole ones
+        return self.num_free_pages >= num_requests + -(-num_tokens // self.page_size)
 
     def pages_needed(self, request: Request, num_new: int) -> int:
         have = len(self._pages[request.row]) if request.row >= 0 else 0

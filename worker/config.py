@@ -39,7 +39,7 @@ class EngineConfig(BaseModel):
     cuda_graphs: bool = Field(True, description="capture decode CUDA graphs (CUDA backend only)")
     overlap: bool | None = Field(
         None,
-        description="queue a steady decode step on the device before the previous step's tokens are read, so host bookkeeping overlaps the device; None = on for CUDA",
+        description="schedule and queue each step on the device before the previous step's tokens are read, so host bookkeeping overlaps the device; None = on for CUDA",
     )
     prefix_cache: bool = Field(True, description="reuse full KV pages across requests sharing a prefix (paged cache)")
     admission_watermark: float = Field(0.01, ge=0, lt=1, description="share of KV pages kept free when admitting new requests")

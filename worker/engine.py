@@ -29,6 +29,7 @@ from worker.tokenizer import Tokenizer, read_eos_token_ids
 
 log = logging.getLogger("kvray.engine")
 
+PENDING = -1  # an output token still on the device: sampled by a step whose results are not read yet
 SUMMARY_PAGES = 4096  # most prefix-cache keys a replica reports to the router
 SUMMARY_REFRESH_S = 0.05
 
@@ -38,6 +39,16 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One resolved step, for profiling (`Engine.step_log`)."""
+
+    seconds: float  # wall time of the `step()` call that read this step's results
+    num_decodes: int  # requests advancing by one token of their output
+    num_prompt_tokens: int  # prompt (or recomputed) tokens in the step
+    overlapped: bool  # queued on the device before its predecessor's tokens were read
 
 
 class EngineFull(RuntimeError):
@@ -92,6 +103,8 @@ class Engine:
         self._generation_tokens = 0
         self._num_steps = 0
         self.num_overlapped_steps = 0  # steps queued before their predecessor's tokens were read
+        self._num_penalized = 0  # live requests with penalties (they keep steps from overlapping)
+        self.step_log: list[StepRecord] | None = None  # set to a list to record every step (profiling)
         self._summary: list[int] = []
         self._summary_time = 0.0
         self.work_since = 0.0  # when work last arrived at an idle engine (monotonic)
@@ -163,9 +176,10 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         """One engine iteration; returns (and publishes) every delta it produced.
 
-        With `overlap`, a steady decode step's successor is queued on the device before the
-        step's own results are read, so the host's bookkeeping runs while the device computes.
+        With `overlap`, the next step is scheduled and queued on the device before this one's
+        results are read, so the host's bookkeeping runs while the device computes.
         """
+        start = time.perf_counter()
         deltas = self._drain()
         if self._inflight is None:
             tasks, too_long = self.scheduler.schedule()
@@ -175,27 +189,40 @@ class Engine:
                 self._inflight = self._launch(tasks, deltas)
         current, self._inflight = self._inflight, None
         if current is not None:
-            following = self._continuation(current) if self.config.overlap else None
+            record = self._record(current) if self.step_log is not None else None
+            following = self._continuation(current, deltas) if self.config.overlap else None
             if following is not None:
-                self._inflight = self._launch(following, deltas)
+                self._inflight = self._launch(following, deltas, carried=_carried(current, following))
+                if self._inflight is not None:
+                    self._inflight.overlapped = True
                 self.num_overlapped_steps += 1
             try:
                 result = self.executor.resolve(current)
             except Exception as e:
+                queued = self._inflight.tasks if self._inflight is not None else []
                 self._inflight = None  # it ran on the failed step's state
-                deltas.extend(self._fail(current.tasks, e))
+                deltas.extend(self._fail(current.tasks + queued, e))
             else:
-                deltas.extend(self._postprocess(current.tasks, result))
+                deltas.extend(self._postprocess(current, result))
             self._num_steps += 1
+            if record is not None and self.step_log is not None:
+                record.seconds = time.perf_counter() - start
+                self.step_log.append(record)
         self._publish(deltas)
         self._snapshot()
         return deltas
 
-    def _launch(self, tasks: list[ScheduledTask], deltas: list[RequestDelta]) -> PendingStep | None:
+    @staticmethod
+    def _record(step: PendingStep) -> StepRecord:
+        decodes = sum(1 for t in step.tasks if t.num_new == 1 and t.request.output_ids)
+        prompt = sum(t.num_new for t in step.tasks if not (t.num_new == 1 and t.request.output_ids))
+        return StepRecord(0.0, decodes, prompt, step.overlapped)
+
+    def _launch(self, tasks: list[ScheduledTask], deltas: list[RequestDelta], carried: list[tuple[int, int]] | None = None) -> PendingStep | None:
         try:
             if callable(self.fault_hook):
                 self.fault_hook(tasks)
-            return self.executor.launch(tasks)
+            return self.executor.launch(tasks, carried or [])
         except Exception as e:
             deltas.extend(self._fail(tasks, e))
             return None
@@ -203,35 +230,47 @@ class Engine:
     def _fail(self, tasks: list[ScheduledTask], e: Exception) -> list[RequestDelta]:
         """Isolate a failed step to its requests."""
         log.error("step failed; failing its %d requests", len(tasks), exc_info=e)
-        live = [t.request for t in tasks if t.request.status is not Status.FINISHED]
+        live = dict.fromkeys(t.request for t in tasks if t.request.status is not Status.FINISHED)
         return [self._finish(r, "error", f"{type(e).__name__}: {e}") for r in live]
 
-    def _continuation(self, current: PendingStep) -> list[ScheduledTask] | None:
-        """The step after `current`, with its pages reserved, if it may be queued before
-        `current`'s tokens are read; else None.
+    def _continuation(self, current: PendingStep, deltas: list[RequestDelta]) -> list[ScheduledTask] | None:
+        """Schedule the step after `current` before `current`'s tokens are read; None when
+        that could change what the plain engine would do.
 
-        Only when it is certain to be `current` again plus one token per request: every task
-        a running decode, nothing waiting that could be admitted, no request at its length
-        limit after this token, no logprobs to read, and pages for the next token of each.
-        A request that turns out to stop on this step's token wastes the queued step's token.
+        `current`'s requests are advanced as if its results were in: each token it samples is
+        a PENDING placeholder in `output_ids` until `_postprocess` writes the real one over it,
+        and the next step reads it as input on the device (`_carried`). A request that reaches
+        its length limit with this token is left out; one that stops on it (EOS, a stop id)
+        costs one wasted token in the next step. Not done when this step's logprobs must be
+        read, when a request has penalties (their counts need the token on the host), or when
+        free pages are too few to rule out a preemption.
         """
-        sched, limit = self.scheduler, self.config.max_seq_len or 0
-        if current.needs_host_logprobs or self._inbox or self._aborts or len(current.tasks) != len(sched.running):
+        sched, cache = self.scheduler, self.executor.cache
+        if current.needs_host_logprobs:
             return None
-        if sched.waiting and len(sched.running) < self.config.max_running:
+        deltas.extend(self._drain())  # requests that arrived during this step join the next one
+        if self._num_penalized:
             return None
+        growth = min(self.config.token_budget, sum(r.num_pending for r in sched.running))
+        if not cache.can_grow(len(sched.running), growth):
+            return None
+        limit = self.config.max_seq_len or 0
+        finishing: set[Request] = set()
         for t in current.tasks:
-            r, max_tokens = t.request, t.request.params.max_tokens
-            if r.status is not Status.RUNNING or t.num_new != 1 or not t.samples or not r.output_ids:
-                return None
-            if (max_tokens is not None and len(r.output_ids) + 2 > max_tokens) or r.num_tokens + 2 > limit:
-                return None
-        cache = self.executor.cache  # slots for this step's token and the next one's
-        if sum(cache.pages_needed(t.request, 2) for t in current.tasks) > cache.num_free_pages:
-            return None
-        if not all(cache.reserve(t.request, 2) for t in current.tasks):
-            return None
-        return [ScheduledTask(t.request, 1) for t in current.tasks]
+            if t.request.status is not Status.FINISHED:  # not aborted while in flight
+                t.request.num_computed += t.num_new
+        for i in current.rows:
+            r = current.tasks[i].request
+            if r.status is Status.FINISHED:
+                continue
+            r.output_ids.append(PENDING)
+            if (r.params.max_tokens is not None and len(r.output_ids) >= r.params.max_tokens) or r.num_tokens >= limit:
+                finishing.add(r)
+        current.advanced = True
+        tasks, too_long = sched.schedule(skip=finishing)
+        for request in too_long:
+            deltas.append(self._finish(request, "length"))
+        return tasks or None
 
     def _drain(self) -> list[RequestDelta]:
         with self._cv:
@@ -239,6 +278,7 @@ class Engine:
             aborts, self._aborts = self._aborts, []
         for r in inbox:
             self.scheduler.add(r)
+            self._num_penalized += r.params.has_penalties
         deltas = []
         for rid in aborts:
             request = self._requests.get(rid)
@@ -246,23 +286,28 @@ class Engine:
                 deltas.append(self._finish(request, "abort"))
         return deltas
 
-    def _postprocess(self, tasks: list[ScheduledTask], result: StepResult) -> list[RequestDelta]:
+    def _postprocess(self, step: PendingStep, result: StepResult) -> list[RequestDelta]:
         now = time.monotonic()
-        cache = self.executor.cache
+        cache, tasks = self.executor.cache, step.tasks
         live = [t.request.status is not Status.FINISHED for t in tasks]  # not aborted or failed while in flight
         for t, alive in zip(tasks, live, strict=True):
             if not alive:
                 continue
             if t.request.first_scheduled_time is None:
                 t.request.first_scheduled_time = now
-            t.request.num_computed += t.num_new
-            cache.commit(t.request)
+            if not step.advanced:
+                t.request.num_computed += t.num_new
+            if t.request.row >= 0:
+                cache.commit(t.request)
         deltas = []
         for i, token, lp in zip(result.task_indices, result.token_ids, result.logprobs, strict=True):
             if not live[i]:
                 continue
             request = tasks[i].request
-            request.output_ids.append(token)
+            if step.advanced:
+                request.output_ids[-1] = token  # over its PENDING placeholder
+            else:
+                request.output_ids.append(token)
             self._generation_tokens += 1
             if len(request.output_ids) == 1:
                 request.first_token_time = now
@@ -287,6 +332,7 @@ class Engine:
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None, new_tokens: list[int] | None = None, lp=None) -> RequestDelta:
         if request.status is not Status.FINISHED:
             self.scheduler.remove(request)
+            self._num_penalized -= request.params.has_penalties
         request.status, request.finish_reason, request.error = Status.FINISHED, reason, error
         request.finish_time = time.monotonic()
         return self._delta(request, new_tokens or [], lp)
@@ -389,6 +435,19 @@ def _metrics(r: Request) -> RequestMetrics:
         e2e_latency=end - r.arrival_time,
         num_preemptions=r.num_preemptions,
     )
+
+
+def _carried(current: PendingStep, following: list[ScheduledTask]) -> list[tuple[int, int]]:
+    """(index in `following`'s packed input, row of `current`'s sampled ids) for each input token
+    that `current` samples: the PENDING placeholders, filled on the device."""
+    row_of = {id(current.tasks[i].request): j for j, i in enumerate(current.rows)}
+    carried, at = [], 0
+    for t in following:
+        j = row_of.get(id(t.request))
+        if j is not None:
+            carried.append((at, j))
+        at += t.num_new
+    return carried
 
 
 def _has_tokenizer(path: Path) -> bool:

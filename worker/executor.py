@@ -46,6 +46,8 @@ class PendingStep:
     host_ids: torch.Tensor | None = None  # pinned buffer the sampled ids are copied into
     done: torch.cuda.Event | None = None  # recorded after that copy (CUDA only)
     sampled: SamplerOutput | None = None  # kept when logprobs were asked for (read at resolve)
+    overlapped: bool = False  # queued before the previous step's tokens were read
+    advanced: bool = False  # its requests were advanced past it before its results were read
 
     @property
     def needs_host_logprobs(self) -> bool:
@@ -99,11 +101,14 @@ class Executor:
         return self.resolve(self.launch(tasks))
 
     @torch.inference_mode()
-    def launch(self, tasks: list[ScheduledTask]) -> PendingStep:
+    def launch(self, tasks: list[ScheduledTask], carried: list[tuple[int, int]] | None = None) -> PendingStep:
         """Queue one step on the device without waiting for it: bind, forward, sample, and the
-        copy of the sampled ids to the host. The engine schedules the next step meanwhile."""
+        copy of the sampled ids to the host. The engine schedules the next step meanwhile.
+
+        `carried`: (packed input index, row of the previous step's sampled ids) for input
+        tokens the previous step sampled and the host has not read yet."""
         try:
-            return self._launch(tasks)
+            return self._launch(tasks, carried or [])
         except BaseException:
             self.discard()
             raise
@@ -128,9 +133,9 @@ class Executor:
         self.cache.invalidate_bind()
         self._sampling = None
 
-    def _launch(self, tasks: list[ScheduledTask]) -> PendingStep:
+    def _launch(self, tasks: list[ScheduledTask], carried: list[tuple[int, int]]) -> PendingStep:
         ws = self.workspace
-        batch = self.cache.bind_tasks(tasks)
+        batch = self.cache.bind_tasks(tasks, carried)
         if batch.steady is not None:
             ws.input_ids[: batch.steady.batch_size].copy_(ws.next_token_ids[: batch.steady.batch_size])
         logits = self.forward(batch)

@@ -13,6 +13,7 @@ it returns to the front of the queue to be recomputed. Nothing is aborted for me
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 
 from worker.cache import KVCache
 from worker.config import EngineConfig
@@ -45,16 +46,18 @@ class Scheduler:
             self.waiting.remove(request)
         self.cache.release(request)
 
-    def schedule(self) -> tuple[list[ScheduledTask], list[Request]]:
-        """This step's tasks, and requests that cannot ever fit (finish them with 'length')."""
+    def schedule(self, skip: Collection[Request] = ()) -> tuple[list[ScheduledTask], list[Request]]:
+        """This step's tasks, and requests that cannot ever fit (finish them with 'length').
+
+        `skip`: running requests to leave out (they finish with a step still in flight)."""
         budget = self.token_budget
         decoding = any(r.num_pending == 1 for r in self.running)
         prefill = self.prefill_budget if decoding and self.prefill_budget is not None else budget
         tasks: list[ScheduledTask] = []
         too_long: list[Request] = []
         for request in list(self.running):
-            if request.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status is not Status.RUNNING or request in skip:
+                continue  # preempted earlier in this loop, or finishing
             pending = request.num_pending
             num_new = min(pending, budget if pending == 1 else min(budget, prefill))
             if budget == 0:

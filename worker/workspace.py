@@ -46,6 +46,8 @@ class InferenceWorkspace:
         self.row_base = i64(max_running)  # row * max_seq_len, for the steady slot lookup
         self.flat_loc = i64(max_running)
         self.loc_i32 = i32(max_running)
+        self.carry = torch.zeros((2, max_running), dtype=torch.int64, device=device)  # input index, sampled row
+        self.carried_ids = i64(max_running)
         # Split-KV decode: the split count follows the longest possible sequence, never live lengths.
         self.num_kv_splits = recommended_max_splits(max_seq_len) if split_kv else 0
         s = self.num_kv_splits
@@ -56,3 +58,4 @@ class InferenceWorkspace:
         self.host_i64 = torch.zeros((3, max_tokens), dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
         self.host_i32 = torch.zeros((4, max_running + 1), dtype=torch.int32, pin_memory=pin)  # rows, lens, qo, kv
         self.host_logits = torch.zeros(2 * max_running, dtype=torch.int64, pin_memory=pin)  # logits rows, row bases
+        self.host_carry = torch.zeros((2, max_running), dtype=torch.int64, pin_memory=pin)

@@ -1,5 +1,5 @@
-"""Overlapped decode (`EngineConfig.overlap`): the step after a steady decode step is queued
-before that step's tokens are read. On CPU the device work is synchronous, but the
+"""Overlapped scheduling (`EngineConfig.overlap`): each step is scheduled and queued before
+the previous step's tokens are read. On CPU the device work is synchronous, but the
 bookkeeping is the same as on CUDA, so these tests hold it to the plain engine's results:
 same tokens, finish reasons, logprobs and pages, through stops, aborts, failures and
 preemption."""
@@ -138,3 +138,60 @@ def test_overlap_under_kv_pressure_preempts_like_the_plain_engine(make_engine):
         assert cache.num_free_pages == cache.num_total_pages
     assert results[True] == results[False]
     assert all(reason == "length" and len(tokens) == 40 for tokens, reason, _ in results[True].values())
+
+
+def _run_with_arrivals(engine: Engine, arrivals: dict[int, list[EngineRequest]]) -> dict[str, list[RequestDelta]]:
+    """Step to the end, submitting each list of requests before the numbered step (0 first)."""
+    streams, steps = [], 0
+    while engine.has_work or any(k >= steps for k in arrivals):
+        if steps in arrivals:
+            streams.append(engine.submit(arrivals[steps]))
+        engine.step()
+        steps += 1
+    got: dict[str, list[RequestDelta]] = {}
+    for stream in streams:
+        for frame in stream.poll():
+            for d in frame:
+                got.setdefault(d.request_id, []).append(d)
+    return got
+
+
+def test_overlap_carries_through_arrivals_prompt_chunks_and_finishes(make_engine):
+    """Batches that change every few steps — requests arriving, prompts run in chunks of a
+    small token budget, requests ending at different lengths — are still queued before their
+    predecessor is read, with its tokens carried on the device, and give the plain engine's
+    tokens."""
+    greedy = dict(temperature=0, ignore_eos=True)
+    prompts = random_prompts([9, 30, 5, 21, 17, 12, 26, 4, 15, 8], seed=12)
+    lengths = [12, 20, 5, 33, 9, 27, 14, 40, 3, 18]
+    params = [SamplingParams(max_tokens=n, **greedy) for n in lengths]
+    params[3] = SamplingParams(max_tokens=33, temperature=0.7, top_k=20, seed=3, ignore_eos=True)
+    params[6] = SamplingParams(max_tokens=14, min_tokens=10, stop_token_ids=[7, 11, 19], **greedy)
+    requests = [EngineRequest(f"c{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    arrivals = {0: requests[:3], 4: requests[3:5], 9: requests[5:6], 15: requests[6:9], 30: requests[9:]}
+    results = {}
+    for overlap in (False, True):
+        engine = make_engine(overlap, token_budget=16, max_running=8)
+        engine.step_log = []
+        results[overlap] = _summary(_run_with_arrivals(engine, arrivals))
+        cache = engine.executor.cache
+        assert cache.num_free_pages == cache.num_total_pages and not engine.has_work
+        if overlap:
+            log = engine.step_log
+            queued = [(prev, s) for prev, s in zip(log, log[1:], strict=False) if s.overlapped]
+            assert sum(s.num_prompt_tokens > 0 for _, s in queued) >= 5  # prompt chunks queued early
+            assert sum(s.num_decodes != prev.num_decodes + (prev.num_prompt_tokens > 0) for prev, s in queued) >= 3
+            assert engine.num_overlapped_steps > 0.8 * len(log)
+    assert results[True] == results[False]
+    assert all(len(results[True][f"c{i}"][0]) == n for i, n in enumerate(lengths) if i != 6)
+
+
+def test_step_log_accounts_for_every_step(make_engine):
+    engine = make_engine(True, token_budget=16)
+    engine.step_log = []
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    _run(engine, [EngineRequest(f"s{i}", p, greedy) for i, p in enumerate(random_prompts([20, 3], seed=1))])
+    log = engine.step_log
+    assert len(log) == engine.stats().num_steps
+    assert sum(s.num_prompt_tokens for s in log) == 23 and sum(s.num_decodes for s in log) == 2 * 5
+    assert all(s.seconds > 0 for s in log) and sum(s.overlapped for s in log) == engine.num_overlapped_steps
