@@ -130,13 +130,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_config_option(group: Any, name: str, annotation: Any, doc: str, default: Any) -> None:
     flag, helptext = "--" + name.replace("_", "-"), f"{doc} (default: {default})"
-    if annotation is bool:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if annotation is bool:  # --x / --no-x (`type=bool` would read "false" as True)
         group.add_argument(
             flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=helptext
         )
         return
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
     if typing.get_origin(annotation) is typing.Literal:
         group.add_argument(
             flag, dest=name, choices=typing.get_args(annotation), default=None, help=helptext

@@ -88,6 +88,10 @@ def test_run_writes_json_with_machine_and_params(tiny_result):
     assert saved["params"]["random_shape"] == "tiny" and saved["model"]["random_shape"] == "tiny"
     assert "token_ids" not in saved["kvray"] and "token_ids" not in saved["hf"]
     assert saved["kvray"]["others_cpu_cores"] >= 0 and saved["hf"]["others_cpu_cores"] >= 0
+    profile = saved["kvray"]["step_profile"]
+    assert sum(row["steps"] for row in profile) == saved["kvray"]["steps"]
+    assert sum(row["seconds"] for row in profile) <= saved["kvray"]["seconds"]
+    assert {row["kind"] for row in profile} >= {"prompt"}
 
 
 def test_run_refuses_lengths_beyond_max_seq_len(tmp_path):
@@ -122,10 +126,12 @@ def test_engine_options_come_from_engine_config_fields():
         "100",
         "--dtype",
         "float32",
+        "--no-overlap",
     )
     assert engine_options(args) == dict(
-        max_running=8, cuda_graphs=False, cache="contiguous", num_pages=100, dtype="float32"
+        max_running=8, cuda_graphs=False, cache="contiguous", num_pages=100, dtype="float32", overlap=False
     )
+    assert engine_options(_args("--overlap")) == dict(overlap=True)  # an optional bool: a flag pair too
     assert engine_options(_args()) == {}
     with pytest.raises(SystemExit):
         _args("--cache", "ring")
