@@ -8,6 +8,7 @@ step that carries a long prompt chunk next to the decodes is what makes inter-to
 latency spiky. When pages run out mid-decode, the newest
 running request is preempted: its pages go back (full ones stay in the prefix cache) and
 it returns to the front of the queue to be recomputed. Nothing is aborted for memory.
+A step's tasks list its one-token rows (decodes) first.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class Scheduler:
             if pending > 1:
                 prefill -= num_new
         self._admit(tasks, budget, prefill)
-        return tasks, too_long
+        return _one_token_rows_first(tasks), too_long
 
     def _reserve_or_preempt(self, request: Request, num_new: int) -> bool:
         while not self.cache.reserve(request, num_new):
@@ -114,3 +115,15 @@ class Scheduler:
             budget -= num_new
             if pending > 1:
                 prefill -= num_new
+
+
+def _one_token_rows_first(tasks: list[ScheduledTask]) -> list[ScheduledTask]:
+    """Decodes (and one-token chunks) ahead of longer chunks, each group in order: the CUDA
+    backend runs a batch's leading one-token rows with its decode kernel."""
+    seen_chunk = False
+    for t in tasks:
+        if t.num_new != 1:
+            seen_chunk = True
+        elif seen_chunk:
+            return [t for t in tasks if t.num_new == 1] + [t for t in tasks if t.num_new != 1]
+    return tasks

@@ -143,6 +143,41 @@ def _step_logits(engine: Engine, prompts: list[list[int]]) -> tuple[torch.Tensor
     return prefill, decode
 
 
+def _mixed_logits(engine: Engine, prompts: list[list[int]], chunk: list[int], chunk_first: bool) -> torch.Tensor:
+    """Logits of one step that decodes `prompts`' requests next to `chunk`, a whole prompt."""
+    ex, cache = engine.executor, engine.executor.cache
+    reqs = [Request(f"d{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
+    for r in reqs:
+        assert cache.admit(r) and cache.reserve(r, len(r.prompt_ids))
+    prefill = ex.forward(cache.bind_tasks([ScheduledTask(r, len(r.prompt_ids)) for r in reqs]))
+    for r, row in zip(reqs, prefill, strict=True):
+        r.num_computed = len(r.prompt_ids)
+        r.output_ids.append(int(row.argmax()))
+        assert cache.reserve(r, 1)
+    new = Request("c", chunk, SamplingParams())
+    assert cache.admit(new) and cache.reserve(new, len(chunk))
+    decodes, prompt = [ScheduledTask(r, 1) for r in reqs], [ScheduledTask(new, len(chunk))]
+    tasks = prompt + decodes if chunk_first else decodes + prompt
+    logits = ex.forward(cache.bind_tasks(tasks)).clone()
+    for r in [*reqs, new]:
+        cache.release(r)
+    cache.invalidate_bind()
+    return logits  # one row per task, at its last token
+
+
+def test_mixed_steps_match_the_torch_backend(graph_engine, shape_dir):
+    """Decodes next to a prompt chunk: leading one-token rows go to the decode kernel, the
+    rest to the prefill kernel; either order matches the torch backend."""
+    torch_engine = _engine(shape_dir, backend="torch", cuda_graphs=False, max_running=8)
+    prompts = random_prompts([3, 40, 17, 129, 64], vocab=49152, seed=9)
+    chunk = random_prompts([77], vocab=49152, seed=10)[0]
+    for chunk_first in (False, True):
+        ours = _mixed_logits(graph_engine, prompts, chunk, chunk_first)
+        ref = _mixed_logits(torch_engine, prompts, chunk, chunk_first)
+        assert ours.shape == ref.shape == (6, 49152)
+        assert (ours - ref).abs().max().item() <= 2e-2 * ref.abs().max().item(), chunk_first
+
+
 def test_cuda_backend_matches_torch_backend_at_logits_level(graph_engine, shape_dir):
     torch_engine = _engine(shape_dir, backend="torch", cuda_graphs=False, max_running=8)
     prompts = random_prompts([3, 40, 17, 129, 64], vocab=49152, seed=7)

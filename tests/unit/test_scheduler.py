@@ -7,9 +7,9 @@ import torch
 
 from worker.cache import KVStorage, PageCache, ReqToTokenPool
 from worker.config import EngineConfig
-from worker.request import Request
+from worker.request import Request, ScheduledTask
 from worker.sampling import SamplingParams
-from worker.scheduler import Scheduler
+from worker.scheduler import Scheduler, _one_token_rows_first
 from worker.workspace import InferenceWorkspace
 
 PAGE, PAGES = 4, 128
@@ -84,3 +84,22 @@ def test_without_a_prefill_budget_prompts_fill_what_decodes_leave() -> None:
     assert step(s) == {"a": 4}
     s.add(request("long", 100))
     assert step(s) == {"a": 1, "long": 31}
+
+
+def test_decodes_come_first_in_a_step() -> None:
+    """The CUDA backend runs a step's leading one-token rows with its decode kernel. Admission
+    order already puts decodes first (an earlier request's chunk always has priority, so a
+    later one cannot finish its prompt first); the step's task list guarantees it anyway."""
+    s = scheduler(token_budget=64, prefill_budget=6)
+    s.add(request("long", 30))
+    assert step(s) == {"long": 30}
+    s.add(request("p", 20))
+    s.add(request("short", 2))
+    step(s)
+    tasks, _ = s.schedule()
+    assert [(t.request.request_id, t.num_new) for t in tasks][:2] == [("long", 1), ("p", 6)]
+    mixed = [ScheduledTask(request(f"r{i}", 5), n) for i, n in enumerate([7, 1, 3, 1, 1, 9])]
+    ordered = _one_token_rows_first(mixed)
+    assert [t.request.request_id for t in ordered] == ["r1", "r3", "r4", "r0", "r2", "r5"]
+    in_order = [ScheduledTask(request(f"s{i}", 5), n) for i, n in enumerate([1, 1, 4, 6])]
+    assert _one_token_rows_first(in_order) is in_order
