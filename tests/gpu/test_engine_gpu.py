@@ -147,16 +147,16 @@ def _mixed_logits(engine: Engine, prompts: list[list[int]], chunk: list[int], ch
     """Logits of one step that decodes `prompts`' requests next to `chunk`, a whole prompt."""
     ex, cache = engine.executor, engine.executor.cache
     reqs = [Request(f"d{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
-    for r in reqs:
-        assert cache.admit(r) and cache.reserve(r, len(r.prompt_ids))
-    prefill = ex.forward(cache.bind_tasks([ScheduledTask(r, len(r.prompt_ids)) for r in reqs]))
+    for r in reqs:  # admit may find a cached prefix (from an earlier call): pending is the rest
+        assert cache.admit(r) and cache.reserve(r, r.num_pending)
+    prefill = ex.forward(cache.bind_tasks([ScheduledTask(r, r.num_pending) for r in reqs]))
     for r, row in zip(reqs, prefill, strict=True):
         r.num_computed = len(r.prompt_ids)
         r.output_ids.append(int(row.argmax()))
         assert cache.reserve(r, 1)
     new = Request("c", chunk, SamplingParams())
-    assert cache.admit(new) and cache.reserve(new, len(chunk))
-    decodes, prompt = [ScheduledTask(r, 1) for r in reqs], [ScheduledTask(new, len(chunk))]
+    assert cache.admit(new) and cache.reserve(new, new.num_pending) and new.num_pending > 1
+    decodes, prompt = [ScheduledTask(r, 1) for r in reqs], [ScheduledTask(new, new.num_pending)]
     tasks = prompt + decodes if chunk_first else decodes + prompt
     logits = ex.forward(cache.bind_tasks(tasks)).clone()
     for r in [*reqs, new]:
