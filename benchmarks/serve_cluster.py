@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from cluster.bench_serve import _drive, _engine_run, http_request, http_run
+from cluster.bench_serve import _drive, _engine_run, http_client, http_request, http_run
 from cluster.bench_stats import (
     BenchSample,
     RequestPlan,
@@ -187,10 +187,7 @@ def _client_part(
     """One client process's share of a saturation load: (start, end, results), wall clock."""
 
     async def run() -> tuple[float, float, list[RequestResult]]:
-        limits = httpx.Limits(
-            max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
-        )
-        async with httpx.AsyncClient(base_url=url, timeout=900.0, limits=limits) as client:
+        async with http_client(url, concurrency, 900.0) as client:
 
             async def one(sample: BenchSample) -> RequestResult:
                 return await http_request(client, model, sample, RequestPlan(), 900.0)
@@ -234,10 +231,7 @@ async def _nonstream_run(
     base_url: str, model: str, samples: list[BenchSample], concurrency: int
 ) -> dict[str, Any]:
     """The saturation load without streaming: one response per request, no per-token SSE."""
-    limits = httpx.Limits(
-        max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
-    )
-    async with httpx.AsyncClient(base_url=base_url, timeout=900, limits=limits) as client:
+    async with http_client(base_url, concurrency, 900.0) as client:
 
         async def one(sample: BenchSample) -> RequestResult:
             body = {
@@ -249,13 +243,14 @@ async def _nonstream_run(
             }
             result = RequestResult(prompt_tokens=len(sample.prompt))
             start = time.perf_counter()
-            response = await client.post("/v1/completions", json=body)
+            async with client.post("/v1/completions", json=body) as response:
+                payload = await response.read()
             result.e2e = time.perf_counter() - start
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {response.text[:200]}"
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {payload[:200]!r}"
                 return result
             result.ttft = result.e2e  # no stream: the whole answer is the first byte
-            result.output_tokens = response.json()["usage"]["completion_tokens"]
+            result.output_tokens = json.loads(payload)["usage"]["completion_tokens"]
             return result
 
         summary, _ = await _drive(samples, np.zeros(len(samples)), concurrency, one)

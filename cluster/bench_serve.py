@@ -203,6 +203,26 @@ def local_app(config: Any) -> Iterator[str]:
         ray.shutdown()
 
 
+def http_client(base_url: str, concurrency: int, timeout_s: float, api_key: str | None = None) -> Any:
+    """The load generator's HTTP session (aiohttp, which Ray Serve brings).
+
+    Not httpx: its connection pool costs CPU per request that grows with the connections
+    open. Measured on the 2-core development machine against a server that answers after
+    2 s: httpx 0.28 used 8.4 ms of CPU per request at 64 concurrent, 28.7 at 256 and 36 at
+    1,024, so one client process topped out near 27 requests/s; aiohttp used 0.3-0.4 ms at
+    every concurrency (442 requests/s at 1,024, server-bound). At saturation an httpx client
+    was the cap of the whole benchmark (2026-11-30, benchmarks/README.md)."""
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else None
+    return aiohttp.ClientSession(
+        base_url,
+        headers=headers,
+        connector=aiohttp.TCPConnector(limit=concurrency + 4),
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+    )
+
+
 async def http_run(
     base_url: str,
     api_key: str,
@@ -214,17 +234,9 @@ async def http_run(
     warm_up: bool = True,
 ) -> dict[str, Any]:
     """Send every sample with its plan over HTTP; the latency summary and the outcomes."""
-    import httpx
-
     concurrency = args.max_concurrency
-    limits = httpx.Limits(
-        max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
-    )
-    headers = {"Authorization": f"Bearer {api_key}"}
     plan_of = {id(s): p for s, p in zip(samples, plans, strict=True)}
-    async with httpx.AsyncClient(
-        base_url=base_url, headers=headers, timeout=args.request_timeout, limits=limits
-    ) as client:
+    async with http_client(base_url, concurrency, args.request_timeout, api_key) as client:
 
         async def one(sample: BenchSample) -> RequestResult:
             plan = plan_of.get(id(sample), NO_PLAN)
@@ -243,8 +255,9 @@ async def http_request(
     plan: RequestPlan = NO_PLAN,
     timeout_s: float = 600.0,
 ) -> RequestResult:
-    """One streaming completion that follows `plan`; its timings and outcome."""
-    import httpx
+    """One streaming completion that follows `plan`; its timings and outcome. `client`: an
+    `http_client` session."""
+    import aiohttp
 
     body: dict[str, Any] = {
         "model": model,
@@ -268,7 +281,7 @@ async def http_request(
             result.outcome = "cancelled"  # left before the first byte
         else:
             result.outcome, result.error = "lost", f"no answer within {timeout_s:.0f} s"
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         result.outcome, result.error = "lost", f"{type(exc).__name__}: {exc}"
     result.e2e = time.perf_counter() - start
     return result
@@ -277,15 +290,17 @@ async def http_request(
 async def _stream(
     client: Any, body: dict[str, Any], plan: RequestPlan, result: RequestResult, start: float
 ) -> None:
-    async with client.stream("POST", "/v1/completions", json=body) as response:
+    # Leaving the block early (cancel, timeout) closes the connection: the server sees a disconnect.
+    async with client.post("/v1/completions", json=body) as response:
         if plan.leave_after_s is not None:
             result.outcome = "cancelled"  # the headers beat the client's leaving: leave now
+            response.close()
             return
-        if response.status_code != 200:
-            result.status = response.status_code
+        if response.status != 200:
+            result.status = response.status
             result.retry_after = response.headers.get("retry-after")
-            result.outcome = "rejected" if response.status_code == 429 else "error"
-            result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+            result.outcome = "rejected" if response.status == 429 else "error"
+            result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
             return
         await _read_events(response, plan, result, start)
 
@@ -295,7 +310,8 @@ async def _read_events(
 ) -> None:
     last, chunks, done = start, 0, False
     finish: str | None = None
-    async for line in response.aiter_lines():
+    async for raw in response.content:  # one SSE line at a time
+        line = raw.decode().rstrip("\r\n")
         if not line.startswith("data: "):
             continue
         if line == "data: [DONE]":
@@ -316,6 +332,7 @@ async def _read_events(
             finish = chunk["choices"][0].get("finish_reason") or finish
             if plan.cancel_after_chunks is not None and chunks >= plan.cancel_after_chunks:
                 result.outcome = "cancelled"
+                response.close()  # drop the connection, not just this read
                 return
     if result.outcome == "error":
         return

@@ -18,7 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from cluster.bench_serve import NO_PLAN, http_request, http_run, local_app, request_plans
+from cluster.bench_serve import (
+    NO_PLAN,
+    http_client,
+    http_request,
+    http_run,
+    local_app,
+    request_plans,
+)
 from cluster.bench_stats import BenchSample, RequestPlan, make_samples
 
 
@@ -175,16 +182,13 @@ async def overload(
     """`num` requests at once (past the waiting limit: some get 429 + Retry-After; the
     accepted ones must complete within `--request-timeout`), then, once the burst is over,
     a few plain requests that must all succeed (recovery)."""
-    import httpx
-
     burst = make_samples(num, 32, output_len, 0.0, 0, vocab, args.seed + 200)
     burst_args = argparse.Namespace(**{**vars(args), "max_concurrency": num})
     result = await http_run(
         base_url, api_key, model, burst, [NO_PLAN] * num, np.zeros(num), burst_args, warm_up=False
     )
     recovery = make_samples(8, 32, 16, 0.0, 0, vocab, args.seed + 300)
-    headers = {"Authorization": f"Bearer {api_key}"}
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120) as client:
+    async with http_client(base_url, 4, 120, api_key) as client:
         outcomes = [(await http_request(client, model, s)).outcome for s in recovery]
     return {
         "burst": {**result["outcomes"], "accepted_e2e_ms": result["e2e_ms"]},
