@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             )
     if not args.skip_engine:
         summaries["in-process engine"] = asyncio.run(
-            _engine_run(config.engine, samples, arrivals, args.max_concurrency)
+            _engine_run(config.engine, samples, arrivals, args.max_concurrency, config.worker_cpu_threads)
         )
     print_report(summaries, vars(args))
     _write(args, {"args": vars(args), "results": summaries})
@@ -348,11 +348,21 @@ async def _read_events(
 
 
 async def _engine_run(
-    engine_config: Any, samples: list[BenchSample], arrivals: np.ndarray, concurrency: int
+    engine_config: Any,
+    samples: list[BenchSample],
+    arrivals: np.ndarray,
+    concurrency: int,
+    cpu_threads: int | None = None,
 ) -> dict[str, Any]:
+    """The same load against an engine in this process; `cpu_threads` as a worker replica's
+    (`ClusterConfig.worker_cpu_threads`), so both sides compute with the same torch threads."""
+    import torch
+
     from worker.engine import Engine, EngineRequest
     from worker.sampling import SamplingParams
 
+    if cpu_threads is not None:
+        torch.set_num_threads(cpu_threads)
     engine = Engine(engine_config)
     engine.start()
     counter = iter(range(10**9))
