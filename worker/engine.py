@@ -219,6 +219,10 @@ class Engine:
         return StepRecord(0.0, decodes, prompt, step.overlapped)
 
     def _launch(self, tasks: list[ScheduledTask], deltas: list[RequestDelta], carried: list[tuple[int, int]] | None = None) -> PendingStep | None:
+        now = time.monotonic()
+        for t in tasks:  # queue time ends when a request's first step is queued, not when it ends
+            if t.request.first_scheduled_time is None:
+                t.request.first_scheduled_time = now
         try:
             if callable(self.fault_hook):
                 self.fault_hook(tasks)
@@ -293,8 +297,6 @@ class Engine:
         for t, alive in zip(tasks, live, strict=True):
             if not alive:
                 continue
-            if t.request.first_scheduled_time is None:
-                t.request.first_scheduled_time = now
             if not step.advanced:
                 t.request.num_computed += t.num_new
             if t.request.row >= 0:

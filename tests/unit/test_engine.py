@@ -68,6 +68,22 @@ def test_abort_frees_pages_within_one_step(engine_factory):
     assert m is not None and 0 <= m.queue_time <= m.time_to_first_token <= m.e2e_latency and m.time_per_output_token > 0
 
 
+def test_queue_time_ends_when_the_first_step_is_queued_not_when_it_ends(engine_factory):
+    """One running request at a time, each step held for 40 ms: the second request queues
+    behind the first (its queue time covers the first's steps); neither counts its own first
+    step as queueing."""
+    import time
+
+    engine = engine_factory(max_running=1)
+    engine.fault_hook = lambda tasks: time.sleep(0.04)
+    stream = engine.submit(_reqs("q", 2, max_tokens=3))
+    got = _run(engine, [stream])
+    first, second = got["q0"][-1].metrics, got["q1"][-1].metrics
+    assert first is not None and second is not None
+    assert first.queue_time < 0.02 <= 0.04 <= first.time_to_first_token
+    assert second.queue_time >= 3 * 0.04 and second.time_to_first_token - second.queue_time >= 0.04
+
+
 def test_failed_step_fails_only_its_requests_and_the_engine_keeps_serving(engine_factory):
     engine = engine_factory()
     boom = {"armed": True}
