@@ -180,6 +180,13 @@ class Metrics:
             buckets=_TTFT_BUCKETS,
             registry=self.registry,
         )
+        self.engine_ttft = Histogram(
+            "kvray:engine_time_to_first_token_seconds",
+            "Time to first token inside the worker: from the request's arrival at the engine.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
         self.call_size = Histogram(
             "kvray:request_batch_size",
             "Requests per worker call (request batching).",
@@ -200,6 +207,7 @@ class Metrics:
 
     def observe_engine(self, metrics: RequestMetrics) -> None:
         self.queue_time.labels(*self._labels).observe(metrics.queue_time)
+        self.engine_ttft.labels(*self._labels).observe(metrics.time_to_first_token)
 
     def observe_call(self, num_requests: int) -> None:
         self.call_size.labels(*self._labels).observe(num_requests)
