@@ -10,9 +10,12 @@ A replica that reports its engine stuck in one step for more than `stalled_after
 last (its requests would wait for the stall timeout), until it reports progress again.
 
 Replicas report `routing_stats` (load and their prefix-cache keys) every
-`stats_period_s` through `record_routing_stats`. Between two reports the router adds what
-it sent since the report, so a burst of calls does not all land on the replica that looked
-idle half a second ago, and a prefix it just sent somewhere counts as cached there.
+`stats_period_s` through `record_routing_stats`. Between two reports the router adds the
+calls it sent since the report to the replica's load, so a burst of calls does not all land
+on the replica that looked idle half a second ago. A prefix it sent somewhere counts as
+cached there for `memory_s`, reported or not: a report taken while that call still waited
+or ran its prompt lacks the prefix's pages, and must not undo the claim (it did, and two
+requests in a row with one long prefix could go to different replicas).
 
 Ranking (`rank_replicas`): a replica is overloaded when its load exceeds the least loaded
 one's by more than `imbalance_threshold` requests *and* by more than `imbalance_ratio` times.
@@ -26,7 +29,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,10 +56,10 @@ class ReplicaView:
     replica_id: str
     load: float
     kv_usage: float = 0.0
-    keys: frozenset[int] | set[int] = frozenset()
+    keys: Container[int] = frozenset()
 
 
-def matched_pages(page_hashes: Sequence[int], keys: frozenset[int] | set[int]) -> int:
+def matched_pages(page_hashes: Sequence[int], keys: Container[int]) -> int:
     """Leading pages of one prompt found in a replica's prefix cache."""
     n = 0
     for key in page_hashes:
@@ -95,11 +98,10 @@ def rank_replicas(
 
 @dataclass(slots=True)
 class _Sent:
-    """A call this router sent to a replica, remembered until the replica's next report."""
+    """A call this router sent to a replica, counted in its load until the replica's next report."""
 
     at: float
     num_requests: int
-    keys: tuple[int, ...]
 
 
 @dataclass(slots=True)
@@ -107,6 +109,20 @@ class _ReplicaMemory:
     sent: deque[_Sent] = field(default_factory=deque)
     stats_time: float = -1.0
     reported_keys: frozenset[int] = frozenset()
+    claimed: dict[int, float] = field(default_factory=dict)  # page key -> until when it counts as cached
+    pruned_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _KnownKeys:
+    """A replica's prefix keys as the router knows them: reported, or claimed by a recent call."""
+
+    reported: frozenset[int]
+    claimed: dict[int, float]
+    now: float
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.reported or self.claimed.get(key, 0.0) > self.now  # type: ignore[call-overload]
 
 
 def _hint_of(pending_request: PendingRequest | None) -> RouteHint | None:
@@ -165,9 +181,12 @@ class PrefixLoadRouter(RequestRouter):
         if request_id in self._recorded:
             return  # a retry of the same request: counted already
         self._recorded.append(request_id)
-        keys = tuple(k for prompt in hint.page_hashes for k in prompt)
+        now = time.time()
         memory = self._memory.setdefault(replica.replica_id, _ReplicaMemory())
-        memory.sent.append(_Sent(time.time(), hint.num_requests, keys))
+        memory.sent.append(_Sent(now, hint.num_requests))
+        until = now + self._memory_s
+        for prompt in hint.page_hashes:
+            memory.claimed.update(dict.fromkeys(prompt, until))
 
     def _forget_gone(self, candidates: list[RunningReplica]) -> None:
         if len(self._memory) > len(candidates):
@@ -181,14 +200,16 @@ class PrefixLoadRouter(RequestRouter):
         if stats_time != memory.stats_time:
             memory.stats_time = stats_time
             memory.reported_keys = frozenset(stats.get("prefix_keys", ()))
-        horizon = max(stats_time, time.time() - self._memory_s)
+        now = time.time()
+        horizon = max(stats_time, now - self._memory_s)
         while memory.sent and memory.sent[0].at <= horizon:
             memory.sent.popleft()
-        keys: frozenset[int] | set[int] = memory.reported_keys
-        if memory.sent:
-            keys = set(memory.reported_keys)
-            for sent in memory.sent:
-                keys.update(sent.keys)
+        if now - memory.pruned_at > self._memory_s:  # drop expired claims now and then
+            memory.claimed = {k: t for k, t in memory.claimed.items() if t > now}
+            memory.pruned_at = now
+        keys: Container[int] = memory.reported_keys
+        if memory.claimed:
+            keys = _KnownKeys(memory.reported_keys, memory.claimed, now)
         reported_load = float(stats.get("num_running", 0)) + float(stats.get("num_waiting", 0))
         load = reported_load + sum(s.num_requests for s in memory.sent)
         if float(stats.get("stalled_s", 0.0)) > self._stalled_after_s:

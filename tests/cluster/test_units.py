@@ -352,6 +352,35 @@ def test_affinity_holds_while_load_is_within_the_ratio_and_yields_past_it() -> N
     assert rank_replicas(hint, [idle, cached], 8.0, 1.0)[0] == "other"
 
 
+def test_a_prefix_sent_to_a_replica_stays_there_through_reports_that_predate_its_pages() -> None:
+    """A replica reports while the call is still queued or in its prompt step: its keys lack
+    the prefix's pages. The next call with the same prefix must still go where the first one
+    went (before, that report erased the router's claim and the tie went to a random replica)."""
+    import time
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from cluster.router import PrefixLoadRouter
+
+    ReplicaKey = namedtuple("ReplicaKey", "unique_id")  # hashable, like Serve's ReplicaID
+
+    router = object.__new__(PrefixLoadRouter)
+    router.initialize_state(imbalance_threshold=8.0, memory_s=10.0)
+    replicas = [
+        SimpleNamespace(replica_id=ReplicaKey(name), routing_stats={"time": 1.0, "prefix_keys": []})
+        for name in ("a", "b")
+    ]
+    hint = RouteHint(page_hashes=((11, 12, 13),), num_requests=1, num_tokens=60)
+    chosen = []
+    for i in range(8):
+        call = SimpleNamespace(args=[hint], metadata=SimpleNamespace(internal_request_id=f"r{i}"))
+        ranked = asyncio.run(router.choose_replicas(replicas, call))  # type: ignore[arg-type]
+        chosen.append(ranked[0][0].replica_id.unique_id)
+        for r in replicas:  # both report again, idle, without the prefix (taken too early)
+            r.routing_stats = {"time": time.time() + 0.001, "prefix_keys": [], "num_running": 0}
+    assert len(set(chosen)) == 1, chosen
+
+
 def test_api_keys_never_reach_a_printed_config_or_the_serve_banner() -> None:
     from cluster.cli import _examples
 
