@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,7 +206,7 @@ class Engine:
             else:
                 deltas.extend(self._postprocess(current, result))
             self._num_steps += 1
-            if record is not None and self.step_log is not None:
+            if record is not None and self.step_log is not None:  # the list may be unset meanwhile
                 record.seconds = time.perf_counter() - start
                 self.step_log.append(record)
         self._publish(deltas)
@@ -214,11 +215,11 @@ class Engine:
 
     @staticmethod
     def _record(step: PendingStep) -> StepRecord:
-        decodes = sum(1 for t in step.tasks if t.num_new == 1 and t.request.output_ids)
-        prompt = sum(t.num_new for t in step.tasks if not (t.num_new == 1 and t.request.output_ids))
-        return StepRecord(0.0, decodes, prompt, step.overlapped)
+        decode = [t.num_new == 1 and bool(t.request.output_ids) for t in step.tasks]
+        prompt = sum(t.num_new for t, d in zip(step.tasks, decode, strict=True) if not d)
+        return StepRecord(0.0, sum(decode), prompt, step.overlapped)
 
-    def _launch(self, tasks: list[ScheduledTask], deltas: list[RequestDelta], carried: list[tuple[int, int]] | None = None) -> PendingStep | None:
+    def _launch(self, tasks: list[ScheduledTask], deltas: list[RequestDelta], carried: Sequence[tuple[int, int]] = ()) -> PendingStep | None:
         now = time.monotonic()
         for t in tasks:  # queue time ends when a request's first step is queued, not when it ends
             if t.request.first_scheduled_time is None:
@@ -226,7 +227,7 @@ class Engine:
         try:
             if callable(self.fault_hook):
                 self.fault_hook(tasks)
-            return self.executor.launch(tasks, carried or [])
+            return self.executor.launch(tasks, carried)
         except Exception as e:
             deltas.extend(self._fail(tasks, e))
             return None

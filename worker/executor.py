@@ -7,6 +7,7 @@ It never looks inside the scheduler; the scheduler never touches tensors.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,14 +102,14 @@ class Executor:
         return self.resolve(self.launch(tasks))
 
     @torch.inference_mode()
-    def launch(self, tasks: list[ScheduledTask], carried: list[tuple[int, int]] | None = None) -> PendingStep:
+    def launch(self, tasks: list[ScheduledTask], carried: Sequence[tuple[int, int]] = ()) -> PendingStep:
         """Queue one step on the device without waiting for it: bind, forward, sample, and the
         copy of the sampled ids to the host. The engine schedules the next step meanwhile.
 
         `carried`: (packed input index, row of the previous step's sampled ids) for input
         tokens the previous step sampled and the host has not read yet."""
         try:
-            return self._launch(tasks, carried or [])
+            return self._launch(tasks, carried)
         except BaseException:
             self.discard()
             raise
@@ -133,7 +134,7 @@ class Executor:
         self.cache.invalidate_bind()
         self._sampling = None
 
-    def _launch(self, tasks: list[ScheduledTask], carried: list[tuple[int, int]]) -> PendingStep:
+    def _launch(self, tasks: list[ScheduledTask], carried: Sequence[tuple[int, int]]) -> PendingStep:
         ws = self.workspace
         batch = self.cache.bind_tasks(tasks, carried)
         if batch.steady is not None:
