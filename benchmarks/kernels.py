@@ -6,7 +6,7 @@ calls, cycling over several page sets so that small cases do not run out of L2),
 reported against the copy ceiling: bytes moved / 4.19 TB/s (GPU.md's measured H200
 device-to-device copy). Writes JSON (--out) and prints a table last.
 
-    python benchmarks/kernels.py --out kernels.json [--no-flashinfer] [--quick]
+    python benchmarks/kernels.py --out kernels.json [--flashinfer off] [--quick] [--only prefill]
 """
 
 from __future__ import annotations
@@ -301,51 +301,84 @@ def bench_store_kv() -> list[dict[str, Any]]:
     return rows
 
 
-def _prefill_case(q_len: int, kv_len: int, batch: int) -> dict[str, Any]:
-    pages = math.ceil(kv_len / PAGE)
-    perm = torch.randperm(batch * pages + 8, device=DEV)[: batch * pages].view(batch, pages)
-    pos = torch.arange(pages * PAGE, device=DEV)
-    rt = (perm[:, pos // PAGE] * PAGE + pos % PAGE).to(torch.int32).contiguous()
-    n_slots = (batch * pages + 8) * PAGE
+def _prefill_case(name: str, seqs: list[tuple[int, int]]) -> dict[str, Any]:
+    """One ragged batch, seqs = [(q_len, kv_len)]: kvray at every tiling vs SDPA per sequence."""
+    batch = len(seqs)
+    pages = [math.ceil(kv / PAGE) for _, kv in seqs]
+    width = max(pages) * PAGE
+    perm = torch.randperm(sum(pages) + 8, device=DEV)
+    rt = torch.zeros(batch, width, dtype=torch.int32, device=DEV)
+    first = 0
+    for b, n in enumerate(pages):  # each sequence's pages scattered over the cache
+        pos = torch.arange(n * PAGE, device=DEV)
+        rt[b, : n * PAGE] = (perm[first : first + n][pos // PAGE] * PAGE + pos % PAGE).to(torch.int32)
+        first += n
+    n_slots = (sum(pages) + 8) * PAGE
     k_cache = torch.randn(n_slots, HKV, D, device=DEV, dtype=DTYPE)
     v_cache = torch.randn(n_slots, HKV, D, device=DEV, dtype=DTYPE)
-    q = torch.randn(batch * q_len, HQ, D, device=DEV, dtype=DTYPE)
+    total_q = sum(q for q, _ in seqs)
+    q = torch.randn(total_q, HQ, D, device=DEV, dtype=DTYPE)
     out = torch.empty_like(q)
-    qo = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * q_len
-    lens = torch.full((batch,), kv_len, device=DEV, dtype=torch.int32)
+    qo = torch.tensor([0] + [q for q, _ in seqs], device=DEV, dtype=torch.int32).cumsum(0).to(torch.int32)
+    lens = torch.tensor([kv for _, kv in seqs], device=DEV, dtype=torch.int32)
     rows_idx = torch.arange(batch, device=DEV, dtype=torch.int32)
-    call = partial(
-        cuda_ops.prefill_attention, q, k_cache, v_cache, rt, rows_idx, lens, qo, PAGE, D**-0.5, out
-    )
-    us = graph_time_us([call], min_calls=8)
-    slots = rt[:, :kv_len].long()
-    kc = k_cache[slots].permute(0, 2, 1, 3).contiguous()
-    vc = v_cache[slots].permute(0, 2, 1, 3).contiguous()
-    qc = q.view(batch, q_len, HQ, D).permute(0, 2, 1, 3).contiguous()
-    off = kv_len - q_len
-    keys, queries = torch.arange(kv_len, device=DEV), off + torch.arange(q_len, device=DEV)
-    mask = (keys[None, :] <= queries[:, None]) if off else None
-    sdpa_call = partial(
-        F.scaled_dot_product_attention,
-        qc,
-        kc,
-        vc,
-        attn_mask=mask,
-        is_causal=off == 0,
-        enable_gqa=True,
-    )
-    sdpa = graph_time_us([sdpa_call], min_calls=8)
-    flops = 4 * HQ * D * batch * sum(off + i + 1 for i in range(q_len))
-    return {"batch": batch, "q_len": q_len, "kv_len": kv_len, "kvray_us": us, "sdpa_us": sdpa,
-            "kvray_tflops": flops / us / 1e6, "sdpa_tflops": flops / sdpa / 1e6,
-            "floor_us_at_790_tflops": flops / 790e12 * 1e6}  # fmt: skip
+
+    def kvray_call(variant: int) -> Callable[[], None]:
+        return partial(
+            cuda_ops.prefill_attention, q, k_cache, v_cache, rt, rows_idx, lens, qo, PAGE,
+            D**-0.5, out, variant=variant,
+        )  # fmt: skip
+
+    variants = {str(v): graph_time_us([kvray_call(v)], min_calls=8) for v in range(1, cuda_ops.prefill_variants())}
+    us = graph_time_us([kvray_call(0)], min_calls=8)
+    sdpa_calls, start = [], 0
+    for b, (q_len, kv_len) in enumerate(seqs):  # SDPA on contiguous K/V, one call per sequence
+        slots = rt[b, :kv_len].long()
+        kc = k_cache[slots].permute(1, 0, 2).unsqueeze(0).contiguous()
+        vc = v_cache[slots].permute(1, 0, 2).unsqueeze(0).contiguous()
+        qc = q[start : start + q_len].permute(1, 0, 2).unsqueeze(0).contiguous()
+        start += q_len
+        off = kv_len - q_len
+        keys, queries = torch.arange(kv_len, device=DEV), off + torch.arange(q_len, device=DEV)
+        mask = (keys[None, :] <= queries[:, None]) if off else None
+        sdpa_calls.append(
+            partial(F.scaled_dot_product_attention, qc, kc, vc, attn_mask=mask, is_causal=off == 0, enable_gqa=True)
+        )
+    sdpa = graph_time_us(sdpa_calls, min_calls=8) * len(sdpa_calls)
+    flops = sum(4 * HQ * D * sum(kv - q_len + i + 1 for i in range(q_len)) for q_len, kv in seqs)
+    return {"case": name, "batch": batch, "tokens": total_q, "kv_tokens": int(lens.sum()),
+            "auto_variant": cuda_ops.prefill_variant(batch, total_q, HQ, D, DTYPE), "kvray_us": us,
+            "variant_us": variants, "sdpa_us": sdpa, "kvray_tflops": flops / us / 1e6,
+            "variant_tflops": {v: flops / t / 1e6 for v, t in variants.items()},
+            "sdpa_tflops": flops / sdpa / 1e6, "floor_us_at_790_tflops": flops / 790e12 * 1e6}  # fmt: skip
+
+
+def prefill_cases() -> list[tuple[str, list[tuple[int, int]]]]:
+    gen = torch.Generator().manual_seed(0)
+    ragged = [int(x) for x in torch.randint(100, 1025, (16,), generator=gen)]  # the offline bench's prompts
+    return [
+        ("prompt 1024", [(1024, 1024)]),
+        ("prompt 1920", [(1920, 1920)]),
+        ("prompt 4096", [(4096, 4096)]),
+        ("chunk 512 after 1536", [(512, 2048)]),
+        ("16 x 256", [(256, 256)] * 16),
+        (f"16 prompts, {sum(ragged)} tokens", [(n, n) for n in ragged]),
+        ("64 chunks of 32 after 480", [(32, 512)] * 64),
+    ]
+
+
+def prefill_kernel_info() -> dict[str, Any]:
+    """Rows, residency, registers and spills of every prefill tiling, per dtype and head_dim."""
+    dtypes = {"bf16": DTYPE, "fp16": torch.float16}
+    return {f"{k} d{d}": {v: cuda_ops.prefill_kernel_info(d, dt, v) for v in range(1, cuda_ops.prefill_variants())}
+            for k, dt in dtypes.items() for d in (64, 128)}  # fmt: skip
 
 
 def bench_prefill() -> list[dict[str, Any]]:
     """Ragged causal prefill over the paged cache vs SDPA on contiguous K/V (FLOP view)."""
     rows = []
-    for q_len, kv_len, batch in ((1024, 1024, 1), (512, 2048, 1), (256, 256, 16)):
-        rows.append(_prefill_case(q_len, kv_len, batch))
+    for name, seqs in prefill_cases():
+        rows.append(_prefill_case(name, seqs))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -375,6 +408,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{r['sdpa_contiguous_us']:8.1f} {r['sdpa_contiguous_tbps']:5.2f}")  # fmt: skip
 
 
+def print_prefill_table(rows: list[dict[str, Any]]) -> None:
+    variants = sorted(rows[0]["variant_tflops"], key=int) if rows else []
+    head = " ".join(f"{'v' + v:>6}" for v in variants)
+    print(f"\n{'prefill case (TFLOP/s)':<34} {'auto':>6} {head} {'SDPA':>6} {'auto us':>9}")
+    for r in rows:
+        cols = " ".join(f"{r['variant_tflops'][v]:6.1f}" for v in variants)
+        print(f"{r['case']:<34} {r['kvray_tflops']:6.1f} {cols} {r['sdpa_tflops']:6.1f} {r['kvray_us']:9.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("kernels.json"))
@@ -383,6 +425,9 @@ def main() -> None:
         "--sweep", action="store_true", help="also time every tiling variant and split count"
     )
     ap.add_argument("--quick", action="store_true", help="three decode cases only")
+    ap.add_argument(
+        "--only", choices=("decode", "store_kv", "prefill"), help="run one of the benchmarks"
+    )
     ap.add_argument("--date", default=time.strftime("%Y-%m-%d"))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -411,6 +456,7 @@ def main() -> None:
             str(v): cuda_ops.decode_blocks_per_sm(D, DTYPE, v)
             for v in range(cuda_ops.decode_variants())
         },
+        "prefill_kernel_info": prefill_kernel_info(),
     }
 
     def save() -> None:
@@ -421,6 +467,8 @@ def main() -> None:
         ("store_kv", bench_store_kv),
         ("prefill", bench_prefill),
     ):
+        if args.only not in (None, name):
+            continue
         try:
             result[name] = fn()
         except Exception as exc:
@@ -432,6 +480,8 @@ def main() -> None:
     save()
     if "decode" in result:
         print_table(result["decode"])
+    if "prefill" in result:
+        print_prefill_table(result["prefill"])
 
 
 if __name__ == "__main__":

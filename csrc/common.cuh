@@ -79,16 +79,23 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-__device__ __forceinline__ void ldsm_x4(uint32_t r[4], const void* smem) {
+// ldmatrix x4 from a shared-memory address (smem_addr) or a generic pointer into shared memory.
+__device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(smem)));
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t r[4], const void* smem) { ldsm_x4(r, smem_addr(smem)); }
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
 }
 
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], const void* smem) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(smem)));
+  ldsm_x4_trans(r, smem_addr(smem));
 }
 
 // Element offset of 16-byte chunk `chunk` of row `row` in a [rows][D] 16-bit tile whose
@@ -98,6 +105,12 @@ template <int D>
 __device__ __forceinline__ int swz(int row, int chunk) {
   return row * D + ((chunk ^ (row & 7)) << 3);
 }
+
+// swz<D>(row, 2 * kk + c) for c in {0, 1}, from off = swz<D>(row, c): the row's own bits
+// (row * D, D >= 64) sit above the chunk field and XOR-ing chunk pairs commutes with the
+// swizzle, so one offset per lane serves every chunk pair of every row with the same
+// row & 7 (rows 16 apart: add 16 * D). Keeps ldmatrix addressing to one XOR per load.
+__device__ __forceinline__ int swz_step(int off, int kk) { return off ^ (kk << 4); }
 
 // Slot of position `pos` of a request whose page table row is `rt_row`: pages are
 // contiguous in slot space, so only the entry at the page's first position is read.

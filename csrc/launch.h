@@ -47,6 +47,7 @@ struct PrefillParams {
   int batch, num_tokens, num_q_heads, num_kv_heads, head_dim;
   float scale_log2;
   DType dtype;
+  int variant;  // resolved tiling variant (prefill_resolve_variant), never 0 here
 };
 
 struct StoreParams {
@@ -123,6 +124,12 @@ int decode_blocks_per_sm(DType dtype, int head_dim, int variant);
 
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream);
 cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream);
+int prefill_num_variants();
+// The tiling a batch uses (variant 0 = automatic); blocks_per_sm_2: residency of tiling 2.
+int prefill_resolve_variant(int variant, int batch, int num_tokens, int num_q_heads, int num_sms,
+                            int blocks_per_sm_2);
+// {query rows per block, resident blocks per SM, registers per thread, local (spill) bytes}
+bool prefill_kernel_info(DType dtype, int head_dim, int variant, int out[4]);
 cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream);
 
 bool torch_mean_order(int64_t n, int64_t rows, MeanOrder* order);

@@ -198,10 +198,20 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   check_launch(kvray::launch_decode(p, c10::cuda::getCurrentCUDAStream()), "decode_attention");
 }
 
+// The prefill tiling for a batch of `batch` sequences and `num_tokens` queries in all.
+int resolve_prefill(int64_t variant, int64_t batch, int64_t num_tokens, int64_t num_q_heads,
+                    int64_t head_dim, DType dt) {
+  int info[4] = {0, 0, 0, 0};  // tiling 2's {rows, blocks per SM, registers, spill bytes}
+  kvray::prefill_kernel_info(dt, static_cast<int>(head_dim), 2, info);
+  return kvray::prefill_resolve_variant(static_cast<int>(variant), static_cast<int>(batch),
+                                        static_cast<int>(num_tokens), static_cast<int>(num_q_heads),
+                                        num_sms(), std::max(info[1], 1));
+}
+
 void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                        const at::Tensor& seq_lens, const at::Tensor& qo_indptr, int64_t page_size,
-                       double sm_scale, const at::Tensor& out) {
+                       double sm_scale, const at::Tensor& out, int64_t variant) {
   KV_CHECK(q.is_cuda() && q.dim() == 3, "q must be a CUDA [T, Hq, D] tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const DType dt = dtype_of(q, "q");
@@ -215,6 +225,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   KV_CHECK(out.scalar_type() == q.scalar_type() && out.sizes() == q.sizes(),
            "out must have q's shape and dtype");
   check_aligned(out, "out", 2);
+  KV_CHECK(variant >= 0 && variant < kvray::prefill_num_variants(), "prefill variant out of range");
   kvray::PrefillParams p{kv,
                          q.data_ptr(),
                          q.stride(0),
@@ -229,7 +240,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
                          static_cast<int>(k_cache.size(1)),
                          static_cast<int>(q.size(2)),
                          static_cast<float>(sm_scale * 1.4426950408889634),
-                         dt};
+                         dt,
+                         resolve_prefill(variant, batch, q.size(0), q.size(1), q.size(2), dt)};
   check_launch(kvray::launch_prefill(p, c10::cuda::getCurrentCUDAStream()), "prefill_attention");
 }
 
@@ -394,4 +406,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                            static_cast<int>(head_dim), static_cast<int>(variant));
       },
       "resident blocks per SM of a decode variant (0 if not compiled)");
+  m.def("prefill_num_variants", &kvray::prefill_num_variants, "number of prefill tiling variants");
+  m.def(
+      "prefill_resolve_variant",
+      [](int64_t variant, int64_t batch, int64_t num_tokens, int64_t num_q_heads, int64_t head_dim,
+         bool fp16) {
+        return resolve_prefill(variant, batch, num_tokens, num_q_heads, head_dim,
+                               fp16 ? DType::kFP16 : DType::kBF16);
+      },
+      "the tiling variant prefill_attention uses for a batch (0 = automatic)");
+  m.def(
+      "prefill_kernel_info",
+      [](int64_t head_dim, bool fp16, int64_t variant) {
+        int out[4] = {0, 0, 0, 0};
+        kvray::prefill_kernel_info(fp16 ? DType::kFP16 : DType::kBF16, static_cast<int>(head_dim),
+                                   static_cast<int>(variant), out);
+        return std::vector<int64_t>(out, out + 4);
+      },
+      "[query rows per block, blocks per SM, registers, spill bytes] of a prefill variant");
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
@@ -266,6 +267,7 @@ SEQS = [  # (q_len, kv_len): whole prompts, prefix hits and chunks (kv_len > q_l
     [(5, 1000), (130, 300), (1, 50), (64, 200)],
     [(257, 257), (3, 3)],
     [(70, 403), (1, 1), (129, 129)],
+    [(300, 1000), (2, 2), (200, 200)],
 ]
 
 
@@ -278,8 +280,10 @@ def prefill_cases() -> list[tuple]:
     return cases
 
 
+@pytest.mark.parametrize("variant", range(4))
 @pytest.mark.parametrize(("dtype", "d", "hq", "hkv", "page", "seqs"), prefill_cases())
-def test_prefill_matches_reference(dtype, d, hq, hkv, page, seqs) -> None:
+def test_prefill_matches_reference(dtype, d, hq, hkv, page, seqs, variant: int) -> None:
+    assert variant < cuda_ops.prefill_variants()
     kv = make_paged([kv for _, kv in seqs], page, hkv, d, dtype)
     qo = [0]
     for q_len, _ in seqs:
@@ -290,10 +294,25 @@ def test_prefill_matches_reference(dtype, d, hq, hkv, page, seqs) -> None:
     qo_indptr = torch.tensor(qo, dtype=torch.int32, device=DEV)
     cuda_ops.prefill_attention(
         q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, kv.seq_lens,
-        qo_indptr, page, d**-0.5, out,
+        qo_indptr, page, d**-0.5, out, variant=variant,
     )  # fmt: skip
     torch.cuda.synchronize()
     check_close(out, ref_prefill(q, kv, qo, d**-0.5), dtype)
+
+
+def test_prefill_tiling_choice_and_residency() -> None:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    resident = sms * cuda_ops.prefill_kernel_info(128, torch.bfloat16, 2)["blocks_per_sm"]
+    choose = partial(cuda_ops.prefill_variant, num_q_heads=32, head_dim=128, dtype=torch.bfloat16)
+    long_prompt = 128 * math.ceil(1.5 * resident / 32)  # its 128-query tiles fill the GPU 1.5 times
+    assert choose(1, long_prompt) == 2
+    assert choose(1, long_prompt - 256) == 3  # 128-query tiles, 8 warps of 16 rows
+    assert choose(4, 4 * 100) == 3
+    assert choose(64, 64 * 32) == 1  # prompt chunks next to decodes: 64-query tiles
+    for d in (64, 128):
+        for v in range(1, cuda_ops.prefill_variants()):
+            info = cuda_ops.prefill_kernel_info(d, torch.bfloat16, v)
+            assert info["blocks_per_sm"] >= 1 and info["tile_m"] in (64, 128), (d, v, info)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

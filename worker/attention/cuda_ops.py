@@ -184,24 +184,36 @@ def prefill_attention(
     page_size: int,
     sm_scale: float,
     out: torch.Tensor,
+    *,
+    variant: int = 0,
 ) -> None:
     """Ragged causal attention of packed queries q[T, Hq, D] over paged KV; writes out.
 
     Sequence b owns q rows qo_indptr[b]:qo_indptr[b+1]; seq_lens[b] counts its KV
     including the new tokens (>= its query count), whose K/V must already be stored.
+    The tiling is chosen from T and the batch size (prefill_variant); `variant` forces
+    one, for tests and benchmarks (0 = automatic).
     """
     load().prefill_attention(
-        q,
-        k_cache,
-        v_cache,
-        req_to_token,
-        req_pool_indices,
-        seq_lens,
-        qo_indptr,
-        page_size,
-        sm_scale,
-        out,
-    )
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, qo_indptr, page_size,
+        sm_scale, out, variant,
+    )  # fmt: skip
+
+
+def prefill_variant(batch: int, num_tokens: int, num_q_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """The prefill tiling used for `batch` sequences of `num_tokens` queries in all."""
+    return int(load().prefill_resolve_variant(0, batch, num_tokens, num_q_heads, head_dim, dtype == torch.float16))
+
+
+def prefill_variants() -> int:
+    """Number of prefill tiling variants compiled, 0 (automatic) included."""
+    return int(load().prefill_num_variants())
+
+
+def prefill_kernel_info(head_dim: int, dtype: torch.dtype, variant: int) -> dict[str, int]:
+    """Static facts of a prefill variant on this GPU: tile rows, residency, registers, spills."""
+    rows, blocks, regs, spill = load().prefill_kernel_info(head_dim, dtype == torch.float16, variant)
+    return {"tile_m": rows, "blocks_per_sm": blocks, "registers": regs, "spill_bytes": spill}
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
