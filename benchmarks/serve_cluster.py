@@ -332,6 +332,10 @@ def _hit_rate(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict
         "preemptions": sum(
             a["num_preemptions"] - b["num_preemptions"] for a, b in zip(after, before, strict=True)
         ),
+        "per_replica_generated_tokens": [
+            a["generation_tokens_total"] - b["generation_tokens_total"]
+            for a, b in zip(after, before, strict=True)
+        ],
     }
 
 
@@ -344,6 +348,10 @@ def _show(title: str, summary: dict[str, Any]) -> None:
         f"cpu {summary.get('cpu_cores_busy', {})}",
         flush=True,
     )
+    if "workers" in summary:
+        w = summary["workers"]
+        print(f"    workers: generated {w['per_replica_generated_tokens']}, prefix hit rate "
+              f"{w['prefix_hit_rate']:.3f}, preemptions {w['preemptions']}", flush=True)  # fmt: skip
     for error in summary["errors"]:
         print(f"    error: {error}", flush=True)
 
@@ -397,6 +405,11 @@ def main(argv: list[str] | None = None) -> int:
         args.seed + 7,
     )
     sat_arrivals = np.zeros(len(sat_samples))
+    # The non-streamed load has prompts of its own: the streamed one's are in the replicas'
+    # prefix caches when it starts, and resending them would measure cache hits.
+    nonstream_samples = make_samples(
+        args.sat_prompts * args.replicas, args.input_len, args.output_len, 0.5, 0, vocab, args.seed + 8
+    )
     results: dict[str, Any] = {
         "date": dt.date.today().isoformat(),
         "host": platform.node(),
@@ -423,7 +436,11 @@ def main(argv: list[str] | None = None) -> int:
                 serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "EveryNode"})
                 url = f"http://127.0.0.1:{port}"
                 if "scaling" in phases:
-                    loads = {"lat": (lat_samples, lat_arrivals), "sat": (sat_samples, sat_arrivals)}
+                    loads = {
+                        "lat": (lat_samples, lat_arrivals),
+                        "sat": (sat_samples, sat_arrivals),
+                        "sat_nonstream": (nonstream_samples, sat_arrivals),
+                    }
                     _scaling_phase(args, base, port, url, name, loads, results, save)
                 if "affinity" in phases:
                     results["affinity"] = _affinity_phase(args, base, port, url, name, vocab)
@@ -498,6 +515,7 @@ def _scale_to(
         all_sat[: args.sat_prompts * replicas],
         args.sat_concurrency * replicas,
     )
+    nonstream_samples = loads["sat_nonstream"][0][: args.sat_prompts * replicas]
     config = ClusterConfig.model_validate({**base, "worker_replicas": replicas, "port": port})
     key = f"serve_{replicas}"
     results[key] = {"deploy_s": _deploy(config)}
@@ -513,16 +531,21 @@ def _scale_to(
     if replicas == counts[-1]:
         results[key]["openai_stream"] = _openai_stream(url, name)
         print(f"  openai stream: {results[key]['openai_stream']}", flush=True)
+    before = _worker_stats()
     results[key]["saturation"] = asyncio.run(
         _measured(_http_run_procs(pool, url, name, sat_samples, sat_concurrency))
     )
+    after = _worker_stats()
+    results[key]["saturation"]["workers"] = _hit_rate(before, after)  # each replica's share too
     _show("saturation (stream)", results[key]["saturation"])
     if not args.skip_nonstream:
         results[key]["saturation_nonstream"] = asyncio.run(
-            _measured(_nonstream_run(url, name, sat_samples, sat_concurrency))
+            _measured(_nonstream_run(url, name, nonstream_samples, sat_concurrency))
         )
+        before, after = after, _worker_stats()
+        results[key]["saturation_nonstream"]["workers"] = _hit_rate(before, after)
         _show("saturation (no stream)", results[key]["saturation_nonstream"])
-    results[key]["worker_stats"] = _worker_stats()
+    results[key]["worker_stats"] = after
 
 
 def _affinity_phase(

@@ -4,8 +4,9 @@ Serve runs one HTTP proxy per Ray node, and every streamed token is one SSE chun
 proxy. On a multi-GPU host that one proxy caps streamed throughput (measured on two H200s:
 two replicas behind one proxy delivered 0.81x one replica at 1,024 streams; with one Ray
 node per GPU, 1.82x). `ray_session(nodes=N)` starts N nodes here, each with an equal share of
-the CPUs and GPUs; their proxies bind the same port (SO_REUSEPORT), so the kernel spreads
-client connections over them.
+the CPUs and GPUs (with more nodes than GPUs, the nodes past the GPUs have none: more proxies
+and ingress room without another GPU); their proxies bind the same port (SO_REUSEPORT), so
+the kernel spreads client connections over them.
 """
 
 from __future__ import annotations
@@ -53,17 +54,25 @@ def ray_session(
         cluster.shutdown()
 
 
+def gpus_of_nodes(nodes: int, num_gpus: int) -> list[list[int]]:
+    """GPU ids of each of `nodes` nodes: equal shares (node i: i*k..(i+1)*k-1); with more nodes
+    than GPUs, one GPU each for the first nodes and none for the rest."""
+    per = max(1, num_gpus // nodes)
+    return [list(range(i * per, (i + 1) * per)) if (i + 1) * per <= num_gpus else [] for i in range(nodes)]
+
+
 def _add_nodes(cluster: Any, nodes: int, num_cpus: int | None, dashboard: bool) -> None:
-    """`nodes` nodes with equal shares of the CPUs and GPUs (GPU i*k..(i+1)*k-1 on node i)."""
+    """`nodes` nodes with equal shares of the CPUs, and the GPUs as gpus_of_nodes splits them."""
     cpus = max(1, (num_cpus or os.cpu_count() or 1) // nodes)
-    gpus = _gpu_count() // nodes
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
-        for i in range(nodes):
+        for gpus in gpus_of_nodes(nodes, _gpu_count()):
             node: dict[str, Any] = {"num_cpus": cpus, "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": dashboard}
             if gpus:  # a node takes its GPU ids from CUDA_VISIBLE_DEVICES as it starts
-                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(i * gpus, (i + 1) * gpus))
-                node["num_gpus"] = gpus
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+                node["num_gpus"] = len(gpus)
+            else:
+                node["num_gpus"] = 0
             cluster.add_node(**node)
     finally:
         if visible is None:

@@ -11,7 +11,7 @@ import ray
 from ray import serve
 from ray.serve.schema import ProxyStatus
 
-from cluster.local_ray import ray_session
+from cluster.local_ray import gpus_of_nodes, ray_session
 from tests.cluster.conftest import RayHarness, free_port
 
 
@@ -49,6 +49,14 @@ def test_two_local_nodes_serve_through_a_proxy_each_on_one_port(ray_harness: Ray
         finally:
             serve.shutdown()
     assert not ray.is_initialized()
+
+
+def test_gpus_split_over_local_nodes():
+    assert gpus_of_nodes(2, 2) == [[0], [1]]
+    assert gpus_of_nodes(2, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert gpus_of_nodes(4, 2) == [[0], [1], [], []]  # two CPU-only nodes: proxies and ingress
+    assert gpus_of_nodes(3, 8) == [[0, 1], [2, 3], [4, 5]]  # equal shares; GPUs 6, 7 unused
+    assert gpus_of_nodes(2, 0) == [[], []]
 
 
 def test_local_nodes_cannot_join_an_address():
