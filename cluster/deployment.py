@@ -43,6 +43,7 @@ from worker.request import ScheduledTask
 from worker.streams import OutputStream
 
 HEARTBEAT = encode_deltas([])  # an empty step frame: "still queued, the engine is stepping"
+ANSWERED_MEMORY_S = 600.0  # how long a silent sender's answered count is kept
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,9 @@ class WorkerDeployment:
         self._orphan_timeout_s = orphan_timeout_s
         self._linger_s = linger_s
         self._mailboxes: dict[str, Mailbox] = {}
+        # requests answered (accepted or refused) per sending ingress, and when last: the
+        # routers count what they sent here and this has not answered yet (cluster/router.py)
+        self._answered: dict[str, tuple[int, float]] = {}
         self._stall_threshold_s = stall_threshold_s
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         log.info("worker replica %s ready: %s", self._replica_id, self._engine.config)
@@ -192,6 +196,13 @@ class WorkerDeployment:
     async def submit(self, hint: RouteHint, payload: bytes, ingress_id: str) -> bytes:
         """Queue a batch of requests for `ingress_id`; answers accept or refuse. Their
         deltas come on that ingress's `session`."""
+        try:
+            return self._submit(payload, ingress_id)
+        finally:
+            answered, _ = self._answered.get(hint.sender, (0, 0.0))
+            self._answered[hint.sender] = (answered + hint.num_requests, time.monotonic())
+
+    def _submit(self, payload: bytes, ingress_id: str) -> bytes:
         requests = [
             EngineRequest(r.request_id, r.prompt_token_ids, r.params)
             for r in decode_requests(payload)
@@ -328,7 +339,15 @@ class WorkerDeployment:
             "kv_usage": stats.kv_usage,
             "prefix_keys": self._engine.prefix_summary(self._summary_pages),
             "stalled_s": self._stalled_s(stats),
+            "answered": self._answered_counts(),
         }
+
+    def _answered_counts(self) -> dict[str, int]:
+        """Requests answered per sender; a sender silent for ANSWERED_MEMORY_S is forgotten
+        (ingress replicas come and go; a router caps what it counts by its recent sends)."""
+        now = time.monotonic()
+        self._answered = {k: v for k, v in self._answered.items() if now - v[1] < ANSWERED_MEMORY_S}
+        return {sender: n for sender, (n, _) in self._answered.items()}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         stats = self._engine.stats()

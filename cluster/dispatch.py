@@ -177,6 +177,7 @@ class _Submit:
             page_hashes=tuple(p for g in groups for p in g.page_hashes),
             num_requests=sum(len(g.requests) for g in groups),
             num_tokens=sum(g.num_tokens for g in groups),
+            sender=self.dispatcher.ingress_id,
         )
         payload = encode_requests([r for g in groups for r in g.requests])
         dispatcher = self.dispatcher

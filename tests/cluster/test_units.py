@@ -381,6 +381,38 @@ def test_a_prefix_sent_to_a_replica_stays_there_through_reports_that_predate_its
     assert len(set(chosen)) == 1, chosen
 
 
+def test_calls_a_busy_replica_has_not_answered_yet_count_in_its_load() -> None:
+    """A burst of calls: replica `quick` answers each call at once (its reports count them
+    waiting), replica `slow` is too busy to run the calls it was sent before it reports again.
+    Its reports then show no load; the calls it has not answered must still count, or it
+    looks idle and takes the whole burst (before: the router counted only calls sent after a
+    report's time, and on two H200s one replica got 72 % of a 1,024-request burst)."""
+    import time
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from cluster.router import PrefixLoadRouter
+
+    ReplicaKey = namedtuple("ReplicaKey", "unique_id")
+    router = object.__new__(PrefixLoadRouter)
+    router.initialize_state(imbalance_threshold=8.0, memory_s=10.0)
+    quick = SimpleNamespace(replica_id=ReplicaKey("quick"), routing_stats={})
+    slow = SimpleNamespace(replica_id=ReplicaKey("slow"), routing_stats={})
+    counts = {"quick": 0, "slow": 0}
+    for i in range(100):
+        hint = RouteHint(num_requests=1, num_tokens=50, sender="ingress-1")
+        call = SimpleNamespace(args=[hint], metadata=SimpleNamespace(internal_request_id=f"r{i}"))
+        ranked = asyncio.run(router.choose_replicas([quick, slow], call))  # type: ignore[arg-type]
+        counts[ranked[0][0].replica_id.unique_id] += 1
+        now = time.time() + 0.001
+        quick.routing_stats = {"time": now, "num_waiting": counts["quick"], "answered": {"ingress-1": counts["quick"]}}
+        slow.routing_stats = {"time": now, "num_waiting": 0, "answered": {"ingress-1": 0}}
+    assert abs(counts["quick"] - counts["slow"]) <= 2, counts
+    # once `slow` answers (and reports them waiting), its load is what it reports
+    slow.routing_stats = {"time": time.time() + 0.002, "num_waiting": counts["slow"], "answered": {"ingress-1": counts["slow"]}}
+    assert router._view(slow).load == counts["slow"]  # type: ignore[arg-type]
+
+
 def test_api_keys_never_reach_a_printed_config_or_the_serve_banner() -> None:
     from cluster.cli import _examples
 
