@@ -148,7 +148,9 @@ def run(args: argparse.Namespace) -> int:
             _engine_run(config.engine, samples, arrivals, args.max_concurrency, config.worker_cpu_threads)
         )
     print_report(summaries, vars(args))
-    _write(args, {"args": vars(args), "results": summaries})
+    # the cluster config the run used (its file may be gone later), without the API keys
+    used = config.model_dump(mode="json", exclude={"api_keys"})
+    _write(args, {"args": vars(args), "config": used, "results": summaries})
     return 0
 
 
