@@ -35,6 +35,12 @@ class EngineConfig(BaseModel):
         ge=1,
         description="while requests decode, prompt tokens per step at most this (steadier inter-token latency, later first tokens); None = what token_budget leaves",
     )
+    prefill_slowdown: float | None = Field(
+        None,
+        gt=1,
+        le=100,
+        description="while requests decode, cap a step's prompt tokens so that it takes at most this many times a decode-only step, from measured step times (e.g. 1.8 for inter-token p99 within 2x p50; later first tokens); None = off",
+    )
     backend: Literal["auto", "torch", "cuda"] = Field("auto", description="attention backend; auto = cuda on CUDA with paged cache, else torch")
     cuda_graphs: bool = Field(True, description="capture decode CUDA graphs (CUDA backend only)")
     overlap: bool | None = Field(

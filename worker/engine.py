@@ -190,7 +190,8 @@ class Engine:
                 self._inflight = self._launch(tasks, deltas)
         current, self._inflight = self._inflight, None
         if current is not None:
-            record = self._record(current) if self.step_log is not None else None
+            pacer = self.scheduler.pacer
+            record = self._record(current) if self.step_log is not None or pacer is not None else None
             following = self._continuation(current, deltas) if self.config.overlap else None
             if following is not None:
                 self._inflight = self._launch(following, deltas, carried=_carried(current, following))
@@ -206,9 +207,12 @@ class Engine:
             else:
                 deltas.extend(self._postprocess(current, result))
             self._num_steps += 1
-            if record is not None and self.step_log is not None:  # the list may be unset meanwhile
+            if record is not None:
                 record.seconds = time.perf_counter() - start
-                self.step_log.append(record)
+                if pacer is not None:
+                    pacer.observe(record.seconds, record.num_decodes, record.num_prompt_tokens)
+                if self.step_log is not None:  # the list may be unset meanwhile
+                    self.step_log.append(record)
         self._publish(deltas)
         self._snapshot()
         return deltas

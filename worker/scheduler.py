@@ -5,7 +5,9 @@ prompts take chunks of what the budget leaves, and waiting requests are admitted
 rest while KV pages last (above a watermark). With `prefill_budget` set, prompt chunks
 (and recomputations) take at most that many tokens of a step in which requests decode: a
 step that carries a long prompt chunk next to the decodes is what makes inter-token
-latency spiky. When pages run out mid-decode, the newest
+latency spiky. With `prefill_slowdown` set, that cap is measured instead (PromptPacer):
+as many prompt tokens as keep such a step within that many times a decode-only step.
+When pages run out mid-decode, the newest
 running request is preempted: its pages go back (full ones stay in the prefix cache) and
 it returns to the front of the queue to be recomputed. Nothing is aborted for memory.
 A step's tasks list its one-token rows (decodes) first.
@@ -21,11 +23,48 @@ from worker.config import EngineConfig
 from worker.request import Request, ScheduledTask, Status
 
 
+class PromptPacer:
+    """Prompt tokens a step may carry next to decodes so that it takes at most `slowdown`
+    times a decode-only step: Sarathi-Serve's stall-free batching, with the budget learnt
+    from the engine's own step times rather than configured per machine and model.
+
+    Two running figures, exponential averages over the steps shown to `observe`: the time of
+    a decode-only step, and the time a prompt token adds to a step that also decodes. The
+    budget is (slowdown - 1) x the first / the second, at least `min_tokens` (prompts must
+    advance); None until both figures have been seen.
+    """
+
+    def __init__(self, slowdown: float, min_tokens: int = 16, weight: float = 0.2):
+        if slowdown <= 1:
+            raise ValueError("slowdown must be > 1")
+        self.slowdown, self.min_tokens, self.weight = slowdown, min_tokens, weight
+        self.decode_step_s: float | None = None
+        self.token_s: float | None = None
+
+    def observe(self, seconds: float, num_decodes: int, num_prompt_tokens: int) -> None:
+        if num_decodes == 0:
+            return  # a prompt-only step says nothing about what decodes wait for
+        if num_prompt_tokens == 0:
+            self.decode_step_s = self._mix(self.decode_step_s, seconds)
+        elif self.decode_step_s is not None:
+            extra = max(seconds - self.decode_step_s, 0.0) / num_prompt_tokens
+            self.token_s = self._mix(self.token_s, extra)
+
+    def budget(self) -> int | None:
+        if self.decode_step_s is None or not self.token_s:
+            return None
+        return max(self.min_tokens, round((self.slowdown - 1) * self.decode_step_s / self.token_s))
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.weight * (new - old)
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, cache: KVCache):
         self.cache = cache
         self.token_budget = config.token_budget
         self.prefill_budget = config.prefill_budget
+        self.pacer = PromptPacer(config.prefill_slowdown) if config.prefill_slowdown is not None else None
         self.max_running = config.max_running
         self.watermark_pages = int(config.admission_watermark * cache.num_total_pages)
         self.waiting: deque[Request] = deque()
@@ -52,8 +91,7 @@ class Scheduler:
 
         `skip`: running requests to leave out (they finish with a step still in flight)."""
         budget = self.token_budget
-        decoding = any(r.num_pending == 1 for r in self.running)
-        prefill = self.prefill_budget if decoding and self.prefill_budget is not None else budget
+        prefill = self.prompt_share() if any(r.num_pending == 1 for r in self.running) else budget
         tasks: list[ScheduledTask] = []
         too_long: list[Request] = []
         for request in list(self.running):
@@ -75,6 +113,11 @@ class Scheduler:
                 prefill -= num_new
         self._admit(tasks, budget, prefill)
         return _one_token_rows_first(tasks), too_long
+
+    def prompt_share(self) -> int:
+        """Prompt tokens a step may carry while requests decode."""
+        caps = [self.token_budget, self.prefill_budget, self.pacer.budget() if self.pacer else None]
+        return min(c for c in caps if c is not None)
 
     def _reserve_or_preempt(self, request: Request, num_new: int) -> bool:
         while not self.cache.reserve(request, num_new):

@@ -194,3 +194,36 @@ def test_stats_count_the_requests_of_a_step_that_hangs(engine_factory):
         release.set()
         engine.fault_hook = None
         engine.shutdown()
+
+
+def test_prefill_slowdown_learns_step_times_and_paces_prompt_chunks(engine_factory):
+    """With `prefill_slowdown` the engine feeds every step's time to the scheduler's pacer;
+    once it knows a decode-only step and a prompt token's cost, prompt chunks next to decodes
+    take its share (here forced to its 3-token minimum), and tokens stay the plain engine's."""
+    prompts = random_prompts([9, 30, 30], seed=11)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    reqs = [EngineRequest(f"p{i}", p, sp) for i, p in enumerate(prompts)]
+
+    def run(engine: Engine) -> tuple[dict[str, list[int]], list]:
+        engine.step_log = []
+        streams = [engine.submit(reqs[:1])]
+        for _ in range(4):  # p0 decodes alone: decode-only steps
+            engine.step()
+        streams.append(engine.submit(reqs[1:2]))  # p1's prompt next to p0's decodes
+        engine.step()
+        marker = len(engine.step_log)
+        streams.append(engine.submit(reqs[2:]))
+        got = _run(engine, streams)
+        tokens = {rid: [t for d in ds for t in d.new_token_ids] for rid, ds in got.items()}
+        return tokens, engine.step_log[marker:]
+
+    paced = engine_factory(prefill_slowdown=1.0001)
+    pacer = paced.scheduler.pacer
+    assert pacer is not None
+    pacer.min_tokens = 3
+    paced_tokens, later_steps = run(paced)
+    assert pacer.decode_step_s is not None and pacer.token_s is not None
+    mixed = [s for s in later_steps if s.num_decodes and s.num_prompt_tokens]
+    assert len(mixed) >= 30 // 3 and all(s.num_prompt_tokens <= 3 for s in mixed)  # p2 in 3-token chunks
+    plain_tokens, _ = run(engine_factory())
+    assert paced_tokens == plain_tokens

@@ -9,13 +9,13 @@ from worker.cache import KVStorage, PageCache, ReqToTokenPool
 from worker.config import EngineConfig
 from worker.request import Request, ScheduledTask
 from worker.sampling import SamplingParams
-from worker.scheduler import Scheduler, _one_token_rows_first
+from worker.scheduler import PromptPacer, Scheduler, _one_token_rows_first
 from worker.workspace import InferenceWorkspace
 
 PAGE, PAGES = 4, 128
 
 
-def scheduler(token_budget: int, prefill_budget: int | None) -> Scheduler:
+def scheduler(token_budget: int, prefill_budget: int | None, prefill_slowdown: float | None = None) -> Scheduler:
     dev = torch.device("cpu")
     ws = InferenceWorkspace(max_tokens=256, max_running=8, max_seq_len=256, num_heads=2, head_dim=8,
                             dtype=torch.float32, device=dev, split_kv=False)  # fmt: skip
@@ -24,6 +24,7 @@ def scheduler(token_budget: int, prefill_budget: int | None) -> Scheduler:
     config = EngineConfig.model_construct(
         token_budget=token_budget,
         prefill_budget=prefill_budget,
+        prefill_slowdown=prefill_slowdown,
         max_running=8,
         admission_watermark=0.0,
     )
@@ -103,3 +104,38 @@ def test_decodes_come_first_in_a_step() -> None:
     assert [t.request.request_id for t in ordered] == ["r1", "r3", "r4", "r0", "r2", "r5"]
     in_order = [ScheduledTask(request(f"s{i}", 5), n) for i, n in enumerate([1, 1, 4, 6])]
     assert _one_token_rows_first(in_order) is in_order
+
+
+def test_the_pacer_learns_a_decode_step_and_a_prompt_token_and_sizes_the_share() -> None:
+    pacer = PromptPacer(slowdown=1.8, min_tokens=4)
+    assert pacer.budget() is None
+    pacer.observe(0.5, num_decodes=0, num_prompt_tokens=64)  # prompt alone: no decodes wait on it
+    pacer.observe(0.3, num_decodes=4, num_prompt_tokens=40)  # no decode-only time to compare yet
+    assert pacer.budget() is None
+    pacer.observe(0.100, num_decodes=4, num_prompt_tokens=0)
+    assert pacer.budget() is None  # no prompt token measured yet
+    pacer.observe(0.100 + 64 * 0.0025, num_decodes=4, num_prompt_tokens=64)
+    assert pacer.budget() == 32  # 0.8 x 100 ms / 2.5 ms
+    for _ in range(40):  # the machine gets slower per prompt token: the share shrinks
+        pacer.observe(0.100, num_decodes=4, num_prompt_tokens=0)
+        pacer.observe(0.100 + 32 * 0.010, num_decodes=4, num_prompt_tokens=32)
+    assert 8 <= pacer.budget() <= 9  # -> 0.8 x 100 / 10
+    for _ in range(40):
+        pacer.observe(0.100 + 32 * 0.100, num_decodes=4, num_prompt_tokens=32)
+    assert pacer.budget() == 4  # never below min_tokens: prompts must advance
+
+
+def test_with_a_slowdown_prompt_chunks_next_to_decodes_take_the_pacers_share() -> None:
+    s = scheduler(token_budget=64, prefill_budget=None, prefill_slowdown=1.5)
+    assert s.pacer is not None
+    s.add(request("a", 5))
+    assert step(s) == {"a": 5}
+    s.add(request("long", 63))
+    assert step(s) == {"a": 1, "long": 63}  # nothing learnt yet: what the token budget leaves
+    s.pacer.observe(0.2, num_decodes=2, num_prompt_tokens=0)
+    s.pacer.observe(0.2 + 20 * 0.005, num_decodes=2, num_prompt_tokens=20)
+    assert s.pacer.budget() == 20  # 0.5 x 200 ms / 5 ms
+    s.add(request("next", 30))
+    assert step(s) == {"a": 1, "long": 1, "next": 20}
+    s.prefill_budget = 6  # a configured cap still holds when it is the smaller one
+    assert step(s) == {"a": 1, "long": 1, "next": 6}
