@@ -69,6 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="EngineConfig.prefill_budget: prompt tokens per step while requests decode",
     )
+    p.add_argument(
+        "--prefill-slowdown",
+        type=float,
+        default=None,
+        help="EngineConfig.prefill_slowdown: prompt tokens next to decodes keep a step within this x a decode-only step",
+    )
     p.add_argument("--ingress-replicas", type=int, default=4)
     p.add_argument("--batch-window-ms", type=float, default=2.0)
     p.add_argument("--max-batch-requests", type=int, default=8)
@@ -379,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         max_waiting=4096,
         token_budget=args.token_budget,
         prefill_budget=args.prefill_budget,
+        prefill_slowdown=args.prefill_slowdown,
     )
     base = {
         "engine": engine.model_dump(),

@@ -222,7 +222,7 @@ def test_prefill_slowdown_learns_step_times_and_paces_prompt_chunks(engine_facto
     assert pacer is not None
     pacer.min_tokens = 3
     paced_tokens, later_steps = run(paced)
-    assert pacer.decode_step_s is not None and pacer.token_s is not None
+    assert pacer.decode_step_s(1) is not None and pacer.token_s is not None
     mixed = [s for s in later_steps if s.num_decodes and s.num_prompt_tokens]
     assert len(mixed) >= 30 // 3 and all(s.num_prompt_tokens <= 3 for s in mixed)  # p2 in 3-token chunks
     plain_tokens, _ = run(engine_factory())

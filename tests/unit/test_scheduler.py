@@ -108,21 +108,39 @@ def test_decodes_come_first_in_a_step() -> None:
 
 def test_the_pacer_learns_a_decode_step_and_a_prompt_token_and_sizes_the_share() -> None:
     pacer = PromptPacer(slowdown=1.8, min_tokens=4)
-    assert pacer.budget() is None
+    assert pacer.budget(4) is None
     pacer.observe(0.5, num_decodes=0, num_prompt_tokens=64)  # prompt alone: no decodes wait on it
     pacer.observe(0.3, num_decodes=4, num_prompt_tokens=40)  # no decode-only time to compare yet
-    assert pacer.budget() is None
+    assert pacer.budget(4) is None
     pacer.observe(0.100, num_decodes=4, num_prompt_tokens=0)
-    assert pacer.budget() is None  # no prompt token measured yet
+    assert pacer.budget(4) is None  # no prompt token measured yet
     pacer.observe(0.100 + 64 * 0.0025, num_decodes=4, num_prompt_tokens=64)
-    assert pacer.budget() == 32  # 0.8 x 100 ms / 2.5 ms
+    assert pacer.budget(4) == 32  # 0.8 x 100 ms / 2.5 ms
     for _ in range(40):  # the machine gets slower per prompt token: the share shrinks
         pacer.observe(0.100, num_decodes=4, num_prompt_tokens=0)
         pacer.observe(0.100 + 32 * 0.010, num_decodes=4, num_prompt_tokens=32)
-    assert 8 <= pacer.budget() <= 9  # -> 0.8 x 100 / 10
+    assert 8 <= pacer.budget(4) <= 9  # -> 0.8 x 100 / 10
     for _ in range(40):
         pacer.observe(0.100 + 32 * 0.100, num_decodes=4, num_prompt_tokens=32)
-    assert pacer.budget() == 4  # never below min_tokens: prompts must advance
+    assert pacer.budget(4) == 4  # never below min_tokens: prompts must advance
+
+
+def test_the_pacer_charges_a_big_batchs_decodes_to_the_decodes_not_to_its_prompt_chunk() -> None:
+    """GPU-like: a decode-only step costs 4 ms + 30 us a decode, a prompt token 30 us. The
+    decode-only steps seen are small (4-64 decodes), the mixed ones carry 256 decodes. The
+    line through the small steps prices the 256 decodes (11.7 ms), so the prompt token is
+    priced right and a 256-decode step may take 0.8 x 11.7 ms / 30 us = 311 prompt tokens.
+    (Against the small steps' average, the 256 decodes' extra time was charged to the chunk:
+    the share fell to its minimum and stayed there.)"""
+    pacer = PromptPacer(slowdown=1.8)
+    for b in (4, 8, 16, 32, 64, 8, 4):
+        pacer.observe(0.004 + 30e-6 * b, num_decodes=b, num_prompt_tokens=0)
+    for _ in range(30):
+        share = pacer.budget(256) or 2048
+        pacer.observe(0.004 + 30e-6 * 256 + 30e-6 * share, num_decodes=256, num_prompt_tokens=share)
+    assert abs(pacer.decode_step_s(256) - (0.004 + 30e-6 * 256)) < 1e-6
+    assert 305 <= pacer.budget(256) <= 317
+    assert 0.8 * 0.00412 / 30e-6 - 2 <= pacer.budget(4) <= 0.8 * 0.00412 / 30e-6 + 2  # ~110 at 4 decodes
 
 
 def test_with_a_slowdown_prompt_chunks_next_to_decodes_take_the_pacers_share() -> None:
@@ -134,7 +152,7 @@ def test_with_a_slowdown_prompt_chunks_next_to_decodes_take_the_pacers_share() -
     assert step(s) == {"a": 1, "long": 63}  # nothing learnt yet: what the token budget leaves
     s.pacer.observe(0.2, num_decodes=2, num_prompt_tokens=0)
     s.pacer.observe(0.2 + 20 * 0.005, num_decodes=2, num_prompt_tokens=20)
-    assert s.pacer.budget() == 20  # 0.5 x 200 ms / 5 ms
+    assert s.pacer.budget(2) == 20  # 0.5 x 200 ms / 5 ms
     s.add(request("next", 30))
     assert step(s) == {"a": 1, "long": 1, "next": 20}
     s.prefill_budget = 6  # a configured cap still holds when it is the smaller one
