@@ -36,8 +36,9 @@ def _parser() -> argparse.ArgumentParser:
         "--ray-nodes",
         type=int,
         default=1,
-        help="start this many local Ray nodes, GPUs split evenly, each with its own HTTP proxy on "
-        "the port: streamed throughput past one proxy's limit (e.g. one node per GPU)",
+        help="start this many local Ray nodes, GPUs split evenly (nodes past the GPU count get "
+        "none), each with its own HTTP proxy on the port: streamed throughput past one proxy's "
+        "limit (e.g. one node per GPU, or twice that)",
     )
 
     sub.add_parser("prepare-demo", help="convert the demo model once and print its directory")
