@@ -43,7 +43,7 @@ from worker.request import ScheduledTask
 from worker.streams import OutputStream
 
 HEARTBEAT = encode_deltas([])  # an empty step frame: "still queued, the engine is stepping"
-ANSWERED_MEMORY_S = 600.0  # how long a silent sender's answered count is kept
+ANSWERED_REPORT_S = 600.0  # a sender's answered count is reported while it sent in this window
 
 log = logging.getLogger(__name__)
 
@@ -343,11 +343,11 @@ class WorkerDeployment:
         }
 
     def _answered_counts(self) -> dict[str, int]:
-        """Requests answered per sender; a sender silent for ANSWERED_MEMORY_S is forgotten
-        (ingress replicas come and go; a router caps what it counts by its recent sends)."""
+        """Requests answered per sender that sent in the last ANSWERED_REPORT_S. The counts
+        are kept for good (one small entry per ingress process ever seen): a count that
+        restarted from zero would make a router count its answered sends as unanswered."""
         now = time.monotonic()
-        self._answered = {k: v for k, v in self._answered.items() if now - v[1] < ANSWERED_MEMORY_S}
-        return {sender: n for sender, (n, _) in self._answered.items()}
+        return {sender: n for sender, (n, at) in self._answered.items() if now - at < ANSWERED_REPORT_S}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         stats = self._engine.stats()

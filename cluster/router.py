@@ -133,8 +133,8 @@ class _KnownKeys:
 
 def _unanswered(memory: _ReplicaMemory, answered: Mapping[str, int]) -> int:
     """Requests this router sent to the replica that its last report had not answered. At
-    most those sent in the last `memory_s`: a call lost on the way, or counts a restarted
-    sender's worker no longer holds, must not weigh on the replica for ever."""
+    most those sent in the last `memory_s`: a call lost on the way, or a count the replica
+    does not report (its sender idle for long), must not weigh on the replica for ever."""
     unanswered = sum(max(0, n - answered.get(sender, 0)) for sender, n in memory.sent_total.items())
     return min(unanswered, sum(s.num_requests for s in memory.sent))
 

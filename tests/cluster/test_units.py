@@ -426,6 +426,41 @@ def test_calls_a_busy_replica_has_not_answered_yet_count_in_its_load() -> None:
     assert router._view(slow).load == counts["slow"]  # type: ignore[arg-type]
 
 
+def test_a_senders_count_missing_from_reports_weighs_only_its_recent_sends(monkeypatch) -> None:
+    """A replica reports only the senders of the last 10 minutes, with counts kept from the
+    start. While its report lacks this router's count, the router's recent sends count as
+    unanswered, never its whole history; once reported again, the counts agree."""
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    import cluster.router as router_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(router_mod.time, "time", lambda: clock[0])
+    ReplicaKey = namedtuple("ReplicaKey", "unique_id")
+    router = object.__new__(router_mod.PrefixLoadRouter)
+    router.initialize_state(memory_s=10.0)
+    replica = SimpleNamespace(replica_id=ReplicaKey("a"), routing_stats={})
+
+    def send(i: int) -> None:
+        hint = RouteHint(num_requests=1, sender="ingress-1")
+        call = SimpleNamespace(args=[hint], metadata=SimpleNamespace(internal_request_id=f"r{i}"))
+        asyncio.run(router.choose_replicas([replica], call))  # type: ignore[arg-type]
+
+    for i in range(5):
+        send(i)
+    replica.routing_stats = {"time": clock[0], "answered": {"ingress-1": 5}}
+    assert router._view(replica).load == 0  # type: ignore[arg-type]
+    replica.routing_stats = {"time": clock[0], "answered": {}}  # this sender not reported
+    assert router._view(replica).load == 5  # type: ignore[arg-type]  # its recent sends
+    clock[0] += 11.0
+    assert router._view(replica).load == 0  # type: ignore[arg-type]  # ...not its history
+    send(5)
+    assert router._view(replica).load == 1  # type: ignore[arg-type]
+    replica.routing_stats = {"time": clock[0], "answered": {"ingress-1": 6}}
+    assert router._view(replica).load == 0  # type: ignore[arg-type]
+
+
 def test_api_keys_never_reach_a_printed_config_or_the_serve_banner() -> None:
     from cluster.cli import _examples
 
