@@ -3,7 +3,7 @@
 // Query token i of sequence b sits at position seq_lens[b] - q_len_b + i and sees keys
 // 0..that position, so the same kernel serves whole prompts, prompts behind a prefix-cache
 // hit, and prefill chunks (kv_len >= q_len). One block per (query tile, q head); each of
-// its NW warps owns MT 16-row MMA tiles of the query tile. K/V tiles of BN tokens are
+// its NW warps owns MT 16-row MMA tiles of the query tile. K/V tiles of 64 tokens are
 // gathered page by page from the paged cache through a two-stage cp.async ring shared by
 // the block.
 //
@@ -23,7 +23,7 @@
 namespace kvray {
 namespace {
 
-constexpr int kST = 2;
+constexpr int kBN = 64, kST = 2;  // keys per K/V tile, K/V tiles in flight
 
 // Maps a linear tile index to (sequence, tile within it) by a warp-wide prefix sum of
 // ceil(q_len / BM) over qo_indptr. Returns false when the index is past the last tile.
@@ -54,17 +54,17 @@ __device__ bool find_tile(const int32_t* qo_indptr, int batch, int x, int lane, 
   return false;
 }
 
-template <int D, int MT, int NW, int BN>
+template <int D, int MT, int NW>
 struct Tiling {
-  static constexpr int kBM = 16 * MT * NW;  // query rows per block; BN keys per K/V tile
+  static constexpr int kBM = 16 * MT * NW;  // query rows per block
   static constexpr int kThreads = NW * 32;
-  static constexpr int kSmem = (kBM + kST * 2 * BN) * D * 2;
+  static constexpr int kSmem = (kBM + kST * 2 * kBN) * D * 2;
 };
 
-template <typename T, int D, int MT, int NW, int BN>
+template <typename T, int D, int MT, int NW>
 __global__ void __launch_bounds__(NW * 32) prefill_kernel(const PrefillParams p) {
-  using Tl = Tiling<D, MT, NW, BN>;
-  constexpr int kBM = Tl::kBM, kBN = BN, kThreads = Tl::kThreads;
+  using Tl = Tiling<D, MT, NW>;
+  constexpr int kBM = Tl::kBM, kThreads = Tl::kThreads;
   constexpr int kChunks = D / 8;
   constexpr int kTile = kBN * D;
   extern __shared__ __align__(128) uint8_t smem_raw[];
@@ -269,11 +269,11 @@ struct PrefillInfo {
   int smem, threads, tile_m, blocks_per_sm, num_regs, local_bytes;
 };
 
-template <typename T, int D, int MT, int NW, int BN>
+template <typename T, int D, int MT, int NW>
 const PrefillInfo& info() {
   static const PrefillInfo pi = [] {
-    using Tl = Tiling<D, MT, NW, BN>;
-    auto kern = prefill_kernel<T, D, MT, NW, BN>;
+    using Tl = Tiling<D, MT, NW>;
+    auto kern = prefill_kernel<T, D, MT, NW>;
     cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, Tl::kSmem);
     int blocks = 0;
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kern, Tl::kThreads, Tl::kSmem);
@@ -285,11 +285,11 @@ const PrefillInfo& info() {
   return pi;
 }
 
-template <typename T, int D, int MT, int NW, int BN>
+template <typename T, int D, int MT, int NW>
 cudaError_t run(const PrefillParams& p, cudaStream_t stream) {
-  const PrefillInfo& pi = info<T, D, MT, NW, BN>();
+  const PrefillInfo& pi = info<T, D, MT, NW>();
   dim3 grid(p.num_q_heads, (p.num_tokens + pi.tile_m - 1) / pi.tile_m + p.batch);
-  prefill_kernel<T, D, MT, NW, BN><<<grid, pi.threads, pi.smem, stream>>>(p);
+  prefill_kernel<T, D, MT, NW><<<grid, pi.threads, pi.smem, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -298,9 +298,9 @@ constexpr int kNumVariants = 4;  // 0 (automatic) and the tilings 1..3
 template <typename T, int D>
 cudaError_t dispatch(const PrefillParams& p, cudaStream_t stream) {
   switch (p.variant) {
-    case 1: return run<T, D, 1, 4, 64>(p, stream);
-    case 2: return run<T, D, 2, 4, 64>(p, stream);
-    case 3: return run<T, D, 1, 8, 64>(p, stream);
+    case 1: return run<T, D, 1, 4>(p, stream);
+    case 2: return run<T, D, 2, 4>(p, stream);
+    case 3: return run<T, D, 1, 8>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -308,9 +308,9 @@ cudaError_t dispatch(const PrefillParams& p, cudaStream_t stream) {
 template <typename T, int D>
 const PrefillInfo* variant_info(int variant) {
   switch (variant) {
-    case 1: return &info<T, D, 1, 4, 64>();
-    case 2: return &info<T, D, 2, 4, 64>();
-    case 3: return &info<T, D, 1, 8, 64>();
+    case 1: return &info<T, D, 1, 4>();
+    case 2: return &info<T, D, 2, 4>();
+    case 3: return &info<T, D, 1, 8>();
     default: return nullptr;
   }
 }
