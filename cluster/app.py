@@ -152,12 +152,4 @@ def build_app(
         cfg.model_name,
         "autoscaling" if cfg.autoscaling else f"{cfg.worker_replicas} worker replica(s)",
     )
-    return ingress.bind(ingress_config(cfg), _worker(cfg))
-
-
-def ingress_config(config: ClusterConfig) -> ClusterConfig:
-    """The config the ingress is built with: the worker count left out. The ingress never
-    reads it, and a changed init argument makes Serve replace every ingress replica, so a
-    redeploy from one worker replica to two (or a new autoscaling range) restarted all of
-    them (147 s on the two-GPU host, 2026-11-30); now it only adds a worker."""
-    return config.model_copy(update={"worker_replicas": 1, "autoscaling": None})
+    return ingress.bind(cfg, _worker(cfg))

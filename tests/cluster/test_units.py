@@ -268,19 +268,6 @@ def test_one_yaml_builds_the_app_for_kvray_serve_run_and_rayservice(tmp_path) ->
         assert isinstance(build_app(source), Application)
 
 
-def test_the_worker_count_is_not_an_ingress_init_argument() -> None:
-    """Serve replaces the replicas of a deployment whose init arguments change: scaling the
-    workers must not restart every ingress replica."""
-    from cluster.app import ingress_config
-
-    base = {"engine": {"model": "demo", "num_pages": 64}, "ingress_replicas": 3}
-    one = ClusterConfig.model_validate({**base, "worker_replicas": 1})
-    two = ClusterConfig.model_validate({**base, "worker_replicas": 2})
-    scaled = ClusterConfig.model_validate({**base, "autoscaling": {"min_replicas": 1, "max_replicas": 4}})
-    assert ingress_config(one) == ingress_config(two) == ingress_config(scaled)
-    assert ingress_config(two).engine == two.engine and ingress_config(two).ingress_replicas == 3
-
-
 # -- the ingress side of a call ------------------------------------------------------------------
 
 
