@@ -107,7 +107,8 @@ class Scheduler:
 
         `skip`: running requests to leave out (they finish with a step still in flight)."""
         budget = self.token_budget
-        decoding = sum(r.num_pending == 1 for r in self.running if r not in skip)
+        decodes = (r.num_pending == 1 for r in self.running if r not in skip)
+        decoding = sum(decodes) if self.pacer else int(any(decodes))  # only the pacer needs the count
         prefill = self.prompt_share(decoding) if decoding else budget
         tasks: list[ScheduledTask] = []
         too_long: list[Request] = []
