@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--ingress-replicas", type=int, default=4)
     p.add_argument("--batch-window-ms", type=float, default=2.0)
+    p.add_argument("--http-proxy", choices=["serve", "haproxy"], default="serve",
+                   help="HTTP in front of the ingress replicas (ClusterConfig.http_proxy)")  # fmt: skip
     p.add_argument("--max-batch-requests", type=int, default=8)
     p.add_argument("--replicas", type=int, default=2, help="the scaled-out replica count")
     p.add_argument("--input-len", type=int, default=512)
@@ -367,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from ray import serve
 
-    from cluster.app import checkout_runtime_env, set_serve_env
+    from cluster.app import cluster_runtime_env, set_serve_env
     from worker.config import EngineConfig
     from worker.model.demo import resolve_model_path
     from worker.tokenizer import Tokenizer
@@ -396,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_batch_requests": args.max_batch_requests,
         },
         "limits": {"accept_timeout_s": 600, "stall_timeout_s": 600},
+        "http_proxy": args.http_proxy,
     }
     lat_samples = make_samples(
         args.lat_prompts, args.input_len, args.lat_output_len, 0.5, 0, vocab, args.seed
@@ -435,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     phases = set(args.phases.split(","))
     if phases & {"scaling", "affinity"}:
         set_serve_env()
-        with ray_session(nodes=args.ray_nodes, num_cpus=args.ray_num_cpus, runtime_env=checkout_runtime_env(),
+        with ray_session(nodes=args.ray_nodes, num_cpus=args.ray_num_cpus, runtime_env=cluster_runtime_env(ClusterConfig.model_validate(base)),
                          include_dashboard=False, log_to_driver=False):  # fmt: skip
             try:
                 port = _free_port()

