@@ -349,8 +349,8 @@ def _hit_rate(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict
 
 def _show(title: str, summary: dict[str, Any]) -> None:
     t, i, p = summary["ttft_ms"], summary["itl_ms"], summary["tpot_ms"]
-    print(
-        f"  {title:34} {summary['completed']:4d} ok {summary['failed']:3d} failed  "
+    print(  # a line of its own: progress bars before it end without a newline
+        f"\n  {title:34} {summary['completed']:4d} ok {summary['failed']:3d} failed  "
         f"out {summary['output_throughput']:9.1f} tok/s  TTFT p50 {t['p50']:8.2f} p99 {t['p99']:8.2f}  "
         f"TPOT p50 {p['p50']:6.2f}  ITL p50 {i['p50']:6.2f} p99 {i['p99']:7.2f} ms  "
         f"cpu {summary.get('cpu_cores_busy', {})}",
@@ -360,6 +360,8 @@ def _show(title: str, summary: dict[str, Any]) -> None:
         w = summary["workers"]
         print(f"    workers: generated {w['per_replica_generated_tokens']}, prefix hit rate "
               f"{w['prefix_hit_rate']:.3f}, preemptions {w['preemptions']}", flush=True)  # fmt: skip
+    if "pacer" in summary:
+        print(f"    pacer: {summary['pacer']}", flush=True)
     for error in summary["errors"]:
         print(f"    error: {error}", flush=True)
 

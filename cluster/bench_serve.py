@@ -388,6 +388,8 @@ async def _engine_run(
     try:
         await asyncio.gather(*(one(s) for s in samples[:2]))
         summary, _ = await _drive(samples, arrivals, concurrency, one)
+        if engine.scheduler.pacer is not None:  # what EngineConfig.prefill_slowdown learnt
+            summary["pacer"] = engine.scheduler.pacer.describe()
         return summary
     finally:
         engine.shutdown()

@@ -28,51 +28,110 @@ class PromptPacer:
     times a decode-only step: Sarathi-Serve's stall-free batching, with the budget learnt
     from the engine's own step times rather than configured per machine and model.
 
-    A decode-only step's time is modelled as a line in its number of decodes, a + b x B: a
-    least-squares fit over the decode-only steps shown to `observe`, each older one weighing
-    `decay` times less. A prompt token's cost is an exponential average, over steps that carry
-    both, of (step time - the line at the step's decodes) / its prompt tokens. The budget of a
-    step with B decodes is (slowdown - 1) x (a + b x B) / that cost, at least `min_tokens`
-    (prompts must advance); None until both are known. (A first version compared every step
-    with the average decode-only step: on an H200 the 250 decodes of a saturated step were
-    charged to its prompt chunk, whose share then fell to the minimum, and a saturated engine
-    made 8x fewer tokens.)
+    Two least-squares lines, each observation weighing `decay` times less than the next:
+    - a decode-only step's time in its number of decodes B: a + b x B;
+    - a mixed step's extra time over that line in its prompt tokens P: E + c x P. E is what
+      any mixed step costs whatever its chunk (on a GPU: the eager, not graph-captured,
+      forward and the prefill metadata); c is a prompt token's cost.
+    The budget of a step with B decodes is ((slowdown - 1) x (a + b x B) - E) / c, at least
+    `min_tokens` (prompts must advance); None (no cap) until both lines are known, and None
+    when E alone breaks the bound: then no chunk size keeps a mixed step within it, and a
+    small one would only starve the queue. (Measured failures of earlier versions: against the
+    average decode-only step, the 250 decodes of a saturated H200 step were charged to its
+    prompt chunk; with E charged to the chunk's tokens, an 8B engine at 8 req/s on an H200
+    let in too few prompt tokens a step to keep up and its TTFT p50 reached 11 s.)
     """
 
-    def __init__(self, slowdown: float, min_tokens: int = 16, weight: float = 0.2, decay: float = 0.97):
+    def __init__(self, slowdown: float, min_tokens: int = 16, decay: float = 0.97):
         if slowdown <= 1:
             raise ValueError("slowdown must be > 1")
-        self.slowdown, self.min_tokens, self.weight, self.decay = slowdown, min_tokens, weight, decay
-        self._sums = [0.0] * 5  # weighted sums of 1, B, B^2, t, B*t over decode-only steps
-        self.token_s: float | None = None
+        self.slowdown, self.min_tokens, self.decay = slowdown, min_tokens, decay
+        self._decode = _DecayingFit(decay)  # step time ~ decodes, over decode-only steps
+        self._prompt = _DecayingFit(decay)  # extra time ~ prompt tokens, over mixed steps
 
     def observe(self, seconds: float, num_decodes: int, num_prompt_tokens: int) -> None:
         if num_decodes == 0:
             return  # a prompt-only step says nothing about what decodes wait for
         if num_prompt_tokens == 0:
-            b, t = float(num_decodes), seconds
-            self._sums = [self.decay * s + x for s, x in zip(self._sums, (1.0, b, b * b, t, b * t), strict=True)]
+            self._decode.add(num_decodes, seconds)
             return
         base = self.decode_step_s(num_decodes)
         if base is not None:
-            extra = max(seconds - base, 0.0) / num_prompt_tokens
-            self.token_s = extra if self.token_s is None else self.token_s + self.weight * (extra - self.token_s)
+            self._prompt.add(num_prompt_tokens, max(seconds - base, 0.0))
 
     def decode_step_s(self, num_decodes: int) -> float | None:
-        """The fitted time of a decode-only step of `num_decodes` decodes (slope at least 0)."""
-        n, sb, sbb, st, sbt = self._sums
-        if n == 0:
+        """The fitted time of a decode-only step of `num_decodes` decodes."""
+        line = self._decode.line()
+        if line is None:
             return None
-        mean_b, mean_t = sb / n, st / n
-        var = sbb / n - mean_b * mean_b
-        slope = max(0.0, (sbt / n - mean_b * mean_t) / var) if var > 1e-9 else 0.0
-        return max(mean_t + slope * (num_decodes - mean_b), 0.0)
+        fixed, per_decode = line if line[1] >= 0 else (self._decode.mean_y, 0.0)
+        return max(fixed + per_decode * num_decodes, 0.0)
+
+    def prompt_cost(self) -> tuple[float, float] | None:
+        """(E, c): a mixed step's fixed extra seconds and the seconds per prompt token."""
+        line = self._prompt.line()
+        if line is None:
+            return None
+        fixed, per_token = line
+        if per_token <= 0:  # the chunks seen do not separate the two: all of it per token
+            return 0.0, self._prompt.mean_y / self._prompt.mean_x if self._prompt.mean_x else 0.0
+        return fixed, per_token
 
     def budget(self, num_decodes: int) -> int | None:
-        base = self.decode_step_s(num_decodes)
-        if base is None or not self.token_s:
+        base, cost = self.decode_step_s(num_decodes), self.prompt_cost()
+        if base is None or cost is None or cost[1] <= 0:
             return None
-        return max(self.min_tokens, round((self.slowdown - 1) * base / self.token_s))
+        fixed, per_token = cost
+        room = (self.slowdown - 1) * base - fixed
+        if room <= 0:
+            return None  # any mixed step breaks the bound: do not starve prompts for nothing
+        return max(self.min_tokens, round(room / per_token))
+
+
+    def describe(self, batches: tuple[int, ...] = (1, 16, 64, 256)) -> dict[str, object]:
+        """What the pacer has learnt (for benchmarks and logs)."""
+        cost = self.prompt_cost()
+        return {
+            "decode_step_ms": {b: _ms(self.decode_step_s(b)) for b in batches},
+            "mixed_step_fixed_ms": None if cost is None else 1e3 * cost[0],
+            "prompt_token_us": None if cost is None else 1e6 * cost[1],
+            "budget": {b: self.budget(b) for b in batches},
+        }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
+
+
+class _DecayingFit:
+    """Weighted least squares y ~ a + b x, each observation `decay` times less than the next.
+    With too little spread in x the slope is 0 and the line is the mean."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self._sums = [0.0] * 5  # weighted sums of 1, x, x^2, y, x*y
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self._sums = [d * s + v for s, v in zip(self._sums, (1.0, x, x * x, y, x * y), strict=True)]
+
+    @property
+    def mean_x(self) -> float:
+        return self._sums[1] / self._sums[0] if self._sums[0] else 0.0
+
+    @property
+    def mean_y(self) -> float:
+        return self._sums[3] / self._sums[0] if self._sums[0] else 0.0
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b), or None before any observation; b >= 0 is not enforced here."""
+        n, sx, sxx, sy, sxy = self._sums
+        if n == 0:
+            return None
+        mx, my = sx / n, sy / n
+        var = sxx / n - mx * mx
+        slope = (sxy / n - mx * my) / var if var > 1e-9 * max(1.0, mx * mx) else 0.0
+        return my - slope * mx, slope
 
 
 class Scheduler:

@@ -217,12 +217,21 @@ def test_prefill_slowdown_learns_step_times_and_paces_prompt_chunks(engine_facto
         tokens = {rid: [t for d in ds for t in d.new_token_ids] for rid, ds in got.items()}
         return tokens, engine.step_log[marker:]
 
-    paced = engine_factory(prefill_slowdown=1.0001)
+    paced = engine_factory(prefill_slowdown=1.5)
     pacer = paced.scheduler.pacer
     assert pacer is not None
-    pacer.min_tokens = 3
+    asked: list[int] = []
+
+    def pinned(num_decodes: int) -> int:
+        """The share, pinned at 3 tokens so the chunking shows whatever this CPU's times are
+        (the pacer's own arithmetic: tests/unit/test_scheduler.py)."""
+        asked.append(num_decodes)
+        return 3
+
+    pacer.budget = pinned  # type: ignore[method-assign]
     paced_tokens, later_steps = run(paced)
-    assert pacer.decode_step_s(1) is not None and pacer.token_s is not None
+    assert pacer.decode_step_s(1) is not None and pacer.prompt_cost() is not None  # the engine fed it
+    assert asked and all(b >= 1 for b in asked)
     mixed = [s for s in later_steps if s.num_decodes and s.num_prompt_tokens]
     assert len(mixed) >= 30 // 3 and all(s.num_prompt_tokens <= 3 for s in mixed)  # p2 in 3-token chunks
     plain_tokens, _ = run(engine_factory())

@@ -143,6 +143,39 @@ def test_the_pacer_charges_a_big_batchs_decodes_to_the_decodes_not_to_its_prompt
     assert 0.8 * 0.00412 / 30e-6 - 2 <= pacer.budget(4) <= 0.8 * 0.00412 / 30e-6 + 2  # ~110 at 4 decodes
 
 
+def _gpu_like(pacer: PromptPacer, fixed_s: float, steps: int = 60) -> None:
+    """Decode-only steps of 4 ms + 30 us a decode; mixed steps of 64 decodes add `fixed_s`
+    (eager forward, prefill metadata) + 25 us a prompt token. Chunks are the pacer's share,
+    or a prompt's remainder now and then."""
+    for b in (8, 16, 32, 64, 48, 24):
+        pacer.observe(0.004 + 30e-6 * b, num_decodes=b, num_prompt_tokens=0)
+    for i in range(steps):
+        share = pacer.budget(64) or 512
+        chunk = share if i % 3 else max(1, share // 3)
+        pacer.observe(0.004 + 30e-6 * 64 + fixed_s + 25e-6 * chunk, num_decodes=64, num_prompt_tokens=chunk)
+        pacer.observe(0.004 + 30e-6 * 64, num_decodes=64, num_prompt_tokens=0)
+
+
+def test_the_pacer_separates_a_mixed_steps_fixed_cost_from_its_prompt_tokens() -> None:
+    """0.8 x 5.92 ms = 4.74 ms of room, 2 ms of it fixed: (4.74 - 2) ms / 25 us = 109 tokens.
+    (Charging the fixed 2 ms to the chunk's tokens drove the share down to its minimum on an
+    H200, and the engine no longer kept up with 8 requests a second.)"""
+    pacer = PromptPacer(slowdown=1.8)
+    _gpu_like(pacer, fixed_s=0.002)
+    fixed, per_token = pacer.prompt_cost()
+    assert abs(fixed - 0.002) < 1e-5 and abs(per_token - 25e-6) < 1e-7
+    assert 107 <= pacer.budget(64) <= 111
+
+
+def test_the_pacer_does_not_cap_prompts_when_no_chunk_can_meet_the_bound() -> None:
+    """A mixed step's fixed cost alone (6 ms) is more than 0.8 x a 5.92 ms decode step: no
+    chunk keeps it within 1.8x, so the pacer lets prompts through rather than starve them."""
+    pacer = PromptPacer(slowdown=1.8)
+    _gpu_like(pacer, fixed_s=0.006)
+    assert abs(pacer.prompt_cost()[0] - 0.006) < 1e-5
+    assert pacer.budget(64) is None
+
+
 def test_with_a_slowdown_prompt_chunks_next_to_decodes_take_the_pacers_share() -> None:
     s = scheduler(token_budget=64, prefill_budget=None, prefill_slowdown=1.5)
     assert s.pacer is not None
