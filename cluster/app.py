@@ -103,6 +103,14 @@ def cluster_runtime_env(config: ClusterConfig | None = None) -> dict[str, Any]:
     return {"env_vars": env}
 
 
+def _haproxy_enabled() -> bool:
+    """Whether the cluster's processes run with HAProxy: set in this process's environment
+    (a Ray node, a RayService pod) or in the job's runtime_env (cluster_runtime_env)."""
+    key = "RAY_SERVE_ENABLE_HA_PROXY"
+    job_env = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {} if ray.is_initialized() else {}
+    return os.environ.get(key) == "1" or job_env.get(key) == "1"
+
+
 def _cluster_has_gpus() -> bool:
     return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
@@ -177,6 +185,11 @@ def build_app(
 ) -> serve.Application:
     """The kvray application: an OpenAI ingress in front of the worker deployment."""
     cfg = load_config(config)
+    if cfg.http_proxy == "haproxy" and not _haproxy_enabled():
+        log.warning(
+            "http_proxy is haproxy, but RAY_SERVE_ENABLE_HA_PROXY=1 is not set for this Ray "
+            "cluster: Serve's own proxy takes HTTP (docs/serving.md, HAProxy in front of the ingress)"
+        )
     ingress = serve.deployment(
         name=INGRESS_NAME,
         num_replicas=cfg.ingress_replicas,
