@@ -198,8 +198,10 @@ class Engine:
                 if self._inflight is not None:
                     self._inflight.overlapped = True
                 self.num_overlapped_steps += 1
+            device_s = None
             try:
                 result = self.executor.resolve(current)
+                device_s = current.device_seconds() if pacer is not None else None
             except Exception as e:
                 queued = self._inflight.tasks if self._inflight is not None else []
                 self._inflight = None  # it ran on the failed step's state
@@ -209,8 +211,8 @@ class Engine:
             self._num_steps += 1
             if record is not None:
                 record.seconds = time.perf_counter() - start
-                if pacer is not None:
-                    pacer.observe(record.seconds, record.num_decodes, record.num_prompt_tokens)
+                if pacer is not None:  # on CUDA the step's own span on the device, not its wall time
+                    pacer.observe(device_s or record.seconds, record.num_decodes, record.num_prompt_tokens)
                 if self.step_log is not None:  # the list may be unset meanwhile
                     self.step_log.append(record)
         self._publish(deltas)

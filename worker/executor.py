@@ -49,6 +49,15 @@ class PendingStep:
     sampled: SamplerOutput | None = None  # kept when logprobs were asked for (read at resolve)
     overlapped: bool = False  # queued before the previous step's tokens were read
     advanced: bool = False  # its requests were advanced past it before its results were read
+    started: torch.cuda.Event | None = None  # recorded before its first kernel (CUDA only)
+
+    def device_seconds(self) -> float | None:
+        """The step's span on the device stream, from its first queued work to the copy of its
+        sampled ids (after `resolve`; None off CUDA). With overlapped scheduling this, not the
+        wall time of `Engine.step`, is the step's own time."""
+        if self.started is None or self.done is None:
+            return None
+        return self.started.elapsed_time(self.done) / 1e3
 
     @property
     def needs_host_logprobs(self) -> bool:
@@ -81,7 +90,9 @@ class Executor:
         self._sampling: SamplingBatchInfo | None = None
         cuda = self.device.type == "cuda"
         self._host_ids = [torch.zeros(config.max_running, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
-        self._done = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        # timed events: a step's device span (PendingStep.device_seconds) for the prompt pacer
+        self._started = [torch.cuda.Event(enable_timing=True) if cuda else None for _ in range(2)]
+        self._done = [torch.cuda.Event(enable_timing=True) if cuda else None for _ in range(2)]
         self._flip = 0
         self.graphs: DecodeGraphRunner | None = None
         if config.cuda_graphs and self.backend.supports_graph:
@@ -136,6 +147,10 @@ class Executor:
 
     def _launch(self, tasks: list[ScheduledTask], carried: Sequence[tuple[int, int]]) -> PendingStep:
         ws = self.workspace
+        slot = self._flip ^ 1  # the buffers of the step before this one may still be in use
+        started = self._started[slot]
+        if started is not None:
+            started.record()
         batch = self.cache.bind_tasks(tasks, carried)
         if batch.steady is not None:
             ws.input_ids[: batch.steady.batch_size].copy_(ws.next_token_ids[: batch.steady.batch_size])
@@ -158,13 +173,13 @@ class Executor:
             sampled = out if info.max_logprobs is not None else None
         # The one device-to-host copy of a step, into pinned memory, two buffers in turn: it
         # is queued behind the step and waited for only when the step is resolved.
-        self._flip ^= 1
-        host = self._host_ids[self._flip][: len(rows)]
+        self._flip = slot
+        host = self._host_ids[slot][: len(rows)]
         host.copy_(next_ids, non_blocking=True)
-        done = self._done[self._flip]
+        done = self._done[slot]
         if done is not None:
             done.record()
-        return PendingStep(tasks, rows, self._host_ids[self._flip], done, sampled)
+        return PendingStep(tasks, rows, self._host_ids[slot], done, sampled, started=started)
 
     def _sampling_info(self, tasks: list[ScheduledTask], rows: list[int], steady: bool) -> SamplingBatchInfo:
         """Built once per task set; reused while the batch is steady (its counters advance on device)."""

@@ -252,3 +252,30 @@ def test_demo_greedy_matches_transformers_in_bf16():
                 break
     print(f"demo bf16 parity: {len(prompts)} prompts, divergences after near-ties: {report}")
     assert "Paris" in outs[0].text
+
+
+def test_the_pacer_learns_from_each_steps_device_span(shape_dir):
+    """With `prefill_slowdown` on CUDA the pacer sees each step's span on the device stream
+    (timed events around it), not the wall time of `Engine.step`, which with overlapped
+    scheduling also covers queueing the next step."""
+    engine = _engine(shape_dir, prefill_slowdown=1.8)
+    spans: list[float] = []
+    resolve = engine.executor.resolve
+
+    def timed(pending):
+        result = resolve(pending)
+        spans.append(pending.device_seconds())
+        return result
+
+    engine.executor.resolve = timed
+    prompts = random_prompts([300, 40, 700, 90], vocab=49152, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    stream = engine.submit([EngineRequest(f"s{i}", p, params) for i, p in enumerate(prompts[:2])])
+    for _ in range(6):
+        engine.step()
+    engine.submit([EngineRequest(f"t{i}", p, params) for i, p in enumerate(prompts[2:])], into=stream)
+    while not stream.finished:
+        engine.step()
+    assert spans and all(s is not None and 0 < s < 1.0 for s in spans)
+    pacer = engine.scheduler.pacer
+    assert pacer.decode_step_s(4) is not None and pacer.prompt_cost() is not None
