@@ -276,6 +276,7 @@ def test_the_pacer_learns_from_each_steps_device_span(shape_dir):
     engine.submit([EngineRequest(f"t{i}", p, params) for i, p in enumerate(prompts[2:])], into=stream)
     while not stream.finished:
         engine.step()
-    assert spans and all(s is not None and 0 < s < 1.0 for s in spans)
+    timed_spans = [s for s in spans if s is not None]  # a step that samples nothing has none
+    assert len(timed_spans) >= 24 and all(0 < s < 1.0 for s in timed_spans)
     pacer = engine.scheduler.pacer
     assert pacer.decode_step_s(4) is not None and pacer.prompt_cost() is not None
