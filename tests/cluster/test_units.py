@@ -473,26 +473,3 @@ def test_merge_steps_gives_one_delta_per_request_in_step_order() -> None:
     assert (b.request_id, b.new_token_ids, b.finish_reason) == ("b", [9], "abort")
     assert merge_steps([steps[0]]) == steps[0]
 
-
-def test_the_worker_router_keeps_serves_queue_length_cache() -> None:
-    """Serve probes a replica's queue length before every call unless its router keeps the
-    cache (one round trip more per worker call: 5.1-5.4 against 3.2-3.4 ms from the routing
-    decision to the worker's method on the 2-core CPU). The router asks for the cache however
-    Serve builds it; the cache then counts the calls it sends."""
-    from collections import namedtuple
-    from types import SimpleNamespace
-
-    from ray.serve.request_router import ReplicaID
-
-    from cluster.router import PrefixLoadRouter
-
-    deployment = namedtuple("DeploymentID", "name app_name")("KvrayWorker", "kvray")  # Serve's is private
-    router = PrefixLoadRouter(
-        deployment_id=deployment,
-        handle_source=SimpleNamespace(value="test"),
-        use_replica_queue_len_cache=False,  # what Serve passes without strict max_ongoing_requests
-    )
-    replica = ReplicaID("r1", deployment)
-    router.on_send_request(replica)
-    router.on_send_request(replica)
-    assert router.replica_queue_len_cache.get(replica) == 2
