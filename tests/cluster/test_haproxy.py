@@ -93,3 +93,19 @@ def _finished_by_ingress(text: str) -> dict[str, float]:
         if ingress:
             counts[ingress.group(1)] = counts.get(ingress.group(1), 0.0) + float(m.group(2))
     return counts
+
+
+def test_haproxy_settings_reach_the_cluster_not_the_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`http_proxy: haproxy` puts Serve's HAProxy settings into the job's runtime_env; the
+    driver's own environment keeps Serve's defaults, and a value the user exported wins."""
+    from cluster.app import HAPROXY_ENV, cluster_runtime_env
+    from cluster.config import ClusterConfig
+
+    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
+    monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "7")
+    plain = cluster_runtime_env(ClusterConfig())["env_vars"]
+    assert not set(HAPROXY_ENV) & set(plain)
+    env = cluster_runtime_env(ClusterConfig(http_proxy="haproxy"))["env_vars"]
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "7"
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ
