@@ -41,7 +41,8 @@ SERVE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
 # through the job's runtime_env rather than this process's environment: HAProxy in front of
 # ingress replicas that serve HTTP themselves (no Python proxy hop), and Serve's request
 # handling and handle routing on each replica's main event loop (no thread hop per call).
-# On the 2-core CPU this cut the Serve path of a lone request from 18-21 ms to 7-8 ms
+# On the 2-core CPU this cut the Serve path of a lone request from 17.5-21 ms to 7-10 ms,
+# and on two H200s Serve's added p50 TTFT from +17-20 ms to +7.9 ms
 # (benchmarks/README.md, "Where a lone request's time goes"). Not the default: HAProxy is
 # reloaded whenever the ingress replicas change, and a client's idle keep-alive connection
 # closed by that reload fails its next request (a test that kills an ingress replica sees it).

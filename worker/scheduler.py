@@ -31,15 +31,17 @@ class PromptPacer:
     Two least-squares lines, each observation weighing `decay` times less than the next:
     - a decode-only step's time in its number of decodes B: a + b x B;
     - a mixed step's extra time over that line in its prompt tokens P: E + c x P. E is what
-      any mixed step costs whatever its chunk (on a GPU: the eager, not graph-captured,
-      forward and the prefill metadata); c is a prompt token's cost.
+      any mixed step costs whatever its chunk (5-7 ms on an H200 with the 8B shape, most
+      likely the launches of its eager, not graph-captured, forward); c is a prompt token's
+      cost.
     The budget of a step with B decodes is ((slowdown - 1) x (a + b x B) - E) / c, at least
     `min_tokens` (prompts must advance); None (no cap) until both lines are known, and None
     when E alone breaks the bound: then no chunk size keeps a mixed step within it, and a
     small one would only starve the queue. (Measured failures of earlier versions: against the
     average decode-only step, the 250 decodes of a saturated H200 step were charged to its
-    prompt chunk; with E charged to the chunk's tokens, an 8B engine at 8 req/s on an H200
-    let in too few prompt tokens a step to keep up and its TTFT p50 reached 11 s.)
+    prompt chunk; with no E, so that all of a mixed step's extra time was charged to its
+    chunk's tokens, an 8B engine at 8 req/s on an H200 let in too few prompt tokens a step to
+    keep up and its TTFT p50 reached 11 s.)
     """
 
     def __init__(self, slowdown: float, min_tokens: int = 16, decay: float = 0.97):
@@ -86,7 +88,6 @@ class PromptPacer:
         if room <= 0:
             return None  # any mixed step breaks the bound: do not starve prompts for nothing
         return max(self.min_tokens, round(room / per_token))
-
 
     def describe(self, batches: tuple[int, ...] = (1, 16, 64, 256)) -> dict[str, object]:
         """What the pacer has learnt (for benchmarks and logs)."""
