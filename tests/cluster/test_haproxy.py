@@ -1,5 +1,6 @@
 """The app behind HAProxy (`ClusterConfig.http_proxy: haproxy`): HAProxy takes HTTP and
-forwards to ingress replicas that serve it themselves; no Serve proxy actor runs."""
+forwards to ingress replicas that serve it themselves; Serve's own proxy stays only as a
+fallback on the head node."""
 
 from __future__ import annotations
 
