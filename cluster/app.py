@@ -108,8 +108,12 @@ def _haproxy_enabled() -> bool:
     """Whether the cluster's processes run with HAProxy: set in this process's environment
     (a Ray node, a RayService pod) or in the job's runtime_env (cluster_runtime_env)."""
     key = "RAY_SERVE_ENABLE_HA_PROXY"
-    job_env = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {} if ray.is_initialized() else {}
-    return os.environ.get(key) == "1" or job_env.get(key) == "1"
+    if os.environ.get(key) == "1":
+        return True
+    if not ray.is_initialized():
+        return False
+    job_env = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
+    return job_env.get(key) == "1"
 
 
 def _cluster_has_gpus() -> bool:

@@ -90,9 +90,11 @@ class Executor:
         self._sampling: SamplingBatchInfo | None = None
         cuda = self.device.type == "cuda"
         self._host_ids = [torch.zeros(config.max_running, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
-        # timed events: a step's device span (PendingStep.device_seconds) for the prompt pacer
-        self._started = [torch.cuda.Event(enable_timing=True) if cuda else None for _ in range(2)]
-        self._done = [torch.cuda.Event(enable_timing=True) if cuda else None for _ in range(2)]
+        # With the prompt pacer, timed events give each step's device span
+        # (PendingStep.device_seconds); without it a step records one untimed event, as before.
+        timed = cuda and config.prefill_slowdown is not None
+        self._started = [torch.cuda.Event(enable_timing=True) if timed else None for _ in range(2)]
+        self._done = [torch.cuda.Event(enable_timing=timed) if cuda else None for _ in range(2)]
         self._flip = 0
         self.graphs: DecodeGraphRunner | None = None
         if config.cuda_graphs and self.backend.supports_graph:
