@@ -70,9 +70,11 @@ _ROUND_TRIP_CHARS = st.characters(max_codepoint=0x3FFFF, exclude_categories=("Cc
 @settings(max_examples=60, deadline=None)
 @given(text=st.text(_ROUND_TRIP_CHARS, min_size=1, max_size=40), chunk=st.integers(1, 5))
 def test_detokenizer_any_text(tok: Tokenizer, text: str, chunk: int):
+    # Hypothesis also draws string literals from the source tree, such as "<|im_end|>":
+    # encode turns those into special tokens, so they are kept for the round trip.
     ids = tok.encode(text, add_special_tokens=False)
-    pieces = stream(tok.detokenizer(), ids, chunk)
-    assert "".join(pieces) == tok.decode(ids) == text
+    pieces = stream(tok.detokenizer(skip_special_tokens=False), ids, chunk)
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=False) == text
     if "\ufffd" not in text:
         assert not any("\ufffd" in piece for piece in pieces)
 
