@@ -34,13 +34,15 @@ COPY_TBPS = 4.19e12
 BF16_FLOPS = 790e12
 
 
-def _engine(shape: str, max_running: int, context: int, steps: int, extra_tokens: int = 0) -> Engine:
-    """`extra_tokens`: room for other requests (pages, and the longest prompt) beside the batch."""
+def _engine(shape: str, max_running: int, context: int, steps: int, extra_tokens: int = 0, **overrides) -> Engine:
+    """`extra_tokens`: room for other requests (pages, and the longest prompt) beside the batch;
+    `overrides`: other EngineConfig fields."""
     path = Path(tempfile.mkdtemp(prefix=f"kvray-{shape}-"))
     (path / "config.json").write_text(json.dumps(hf_config(get_shape(shape), "bfloat16")))
     pages = max_running * ((context + steps + 64) // 16 + 1) + extra_tokens // 16 + 16
     cfg = EngineConfig(model=str(path), load_format="random", dtype="bfloat16", device="cuda", max_running=max_running,
-                       max_seq_len=max(context, extra_tokens) + steps + 128, num_pages=pages, token_budget=8192)  # fmt: skip
+                       max_seq_len=max(context, extra_tokens) + steps + 128, num_pages=pages, token_budget=8192,
+                       **overrides)  # fmt: skip
     return Engine(cfg)
 
 

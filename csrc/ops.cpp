@@ -386,6 +386,13 @@ void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out) {
   check_launch(kvray::launch_silu_and_mul(p, c10::cuda::getCurrentCUDAStream()), "silu_and_mul");
 }
 
+// A tensor over t's memory that does not own it. The piecewise prompt graphs keep one for
+// each attention input they hand out, so that their memory pool can reuse that memory later
+// in the capture the way an eager forward's allocator would.
+at::Tensor alias(const at::Tensor& t) {
+  return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), t.options());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -397,6 +404,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) over the last dim ([T, N] or [T, H, N])");
   m.def("rotary", &rotary, "rotate-half RoPE on q and k in place");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up for gate_up = [gate | up]");
+  m.def("alias", &alias, "a tensor over another's memory that does not own it");
   m.def("decode_plan", &decode_plan, "(resolved variant, splits) decode uses for a batch");
   m.def("decode_num_variants", &kvray::decode_num_variants, "number of decode tiling variants");
   m.def(

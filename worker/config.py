@@ -43,6 +43,11 @@ class EngineConfig(BaseModel):
     )
     backend: Literal["auto", "torch", "cuda"] = Field("auto", description="attention backend; auto = cuda on CUDA with paged cache, else torch")
     cuda_graphs: bool = Field(True, description="capture decode CUDA graphs (CUDA backend only)")
+    prompt_graph_tokens: int = Field(
+        0,
+        ge=0,
+        description="with cuda_graphs, also capture piecewise graphs (attention runs eagerly between the pieces) for steps that carry prompt tokens, up to this many tokens a step, e.g. 2048; 0 = such steps run eagerly (the default until measured on a GPU)",
+    )
     overlap: bool | None = Field(
         None,
         description="schedule and queue each step on the device before the previous step's tokens are read, so host bookkeeping overlaps the device; None = on for CUDA",
@@ -77,6 +82,7 @@ class EngineConfig(BaseModel):
                 backend=backend,
                 max_seq_len=max_seq_len,
                 cuda_graphs=self.cuda_graphs and backend == "cuda",
+                prompt_graph_tokens=min(self.prompt_graph_tokens, self.token_budget) if self.cuda_graphs and backend == "cuda" else 0,
                 overlap=is_cuda if self.overlap is None else self.overlap,
                 prefix_cache=self.prefix_cache and cache == "paged",
             )

@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 
 from worker.attention import BACKENDS
+from worker.attention.cuda import CudaBackend
 from worker.batch import ForwardBatch
 from worker.config import EngineConfig
-from worker.graphs import DecodeGraphRunner
+from worker.graphs import DecodeGraphRunner, PromptGraphRunner
 from worker.kv_sizing import build_cache
 from worker.model.config import ModelConfig
 from worker.model.loader import load_model
@@ -97,17 +98,26 @@ class Executor:
         self._done = [torch.cuda.Event(enable_timing=timed) if cuda else None for _ in range(2)]
         self._flip = 0
         self.graphs: DecodeGraphRunner | None = None
+        self.prompt_graphs: PromptGraphRunner | None = None
         if config.cuda_graphs and self.backend.supports_graph:
             self.graphs = DecodeGraphRunner(self.model, self.backend, self.cache, self.workspace)
             self.graphs.capture()
+            if config.prompt_graph_tokens and isinstance(self.backend, CudaBackend):
+                self.prompt_graphs = PromptGraphRunner(
+                    self.model, self.backend, self.cache, self.workspace, config.prompt_graph_tokens
+                )
+                self.prompt_graphs.capture()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, all_logits: bool = False) -> torch.Tensor:
         """Logits (float32) at each request's last new token, or at every token."""
         if self.graphs is not None and batch.is_decode and not all_logits and self.graphs.bucket(batch.batch_size):
             return self.graphs.run(batch)
-        self.backend.prepare(batch, self.cache)
-        hidden = self.model(batch.input_ids, batch.positions, self.cache, self.backend)
+        if self.prompt_graphs is not None and self.prompt_graphs.bucket(batch.num_tokens):
+            hidden = self.prompt_graphs.run(batch)
+        else:
+            self.backend.prepare(batch, self.cache)
+            hidden = self.model(batch.input_ids, batch.positions, self.cache, self.backend)
         return self.model.compute_logits(hidden if all_logits else hidden[batch.logits_indices])
 
     def step(self, tasks: list[ScheduledTask]) -> StepResult:

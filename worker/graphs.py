@@ -1,22 +1,32 @@
-"""Decode CUDA graphs: captured once at engine start, replayed for every pure-decode step.
+"""CUDA graphs, captured once at engine start.
 
-Batch buckets 1, 2, 4, 8, then steps of 8 up to max_running, captured largest first into
-one shared memory pool, each after a live forward. Every input and output address comes
-from the InferenceWorkspace. Replay pads the batch to its bucket with dummy requests whose
-KV reads and writes land on the scratch page (page 0, through the pool's scratch row).
+Decode graphs replay every pure-decode step whole. Batch buckets 1, 2, 4, 8, then steps of
+8 up to max_running, captured largest first into one shared memory pool, each after a live
+forward. Every input and output address comes from the InferenceWorkspace. Replay pads the
+batch to its bucket with dummy requests whose KV reads and writes land on the scratch page
+(page 0, through the pool's scratch row).
+
+Prompt graphs serve the steps that carry prompt tokens, piecewise: attention's launch
+depends on the batch's shape, so it runs eagerly, and the graphs hold everything between
+one layer's attention and the next (see PromptGraphRunner).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
+from torch.cuda import _POOL_HANDLE
 from tqdm import tqdm
 
+from worker.attention import cuda_ops
 from worker.attention.base import AttentionBackend
+from worker.attention.cuda import CudaBackend
 from worker.batch import ForwardBatch
 from worker.cache import KVCache
+from worker.cache_view import CacheView
 from worker.model.llama import LlamaForCausalLM
 from worker.workspace import InferenceWorkspace
 
@@ -93,3 +103,124 @@ class DecodeGraphRunner:
             kv_indptr=ws.kv_indptr[: bs + 1], logits_indices=ws.logits_indices[:bs], q_lens=[1] * bs,
             seq_lens_host=[1] * bs,
         )  # fmt: skip
+
+
+def prompt_graph_buckets(max_tokens: int) -> list[int]:
+    """Token counts of the prompt graphs: 8, 16, steps of 32 up to 512, then of 128. A step
+    runs in the smallest that holds it; padding costs at most 31 (then 127) tokens' work."""
+    sizes = [s for s in (8, 16, *range(32, 513, 32), *range(640, max_tokens + 1, 128)) if s <= max_tokens]
+    if not sizes or sizes[-1] != max_tokens:
+        sizes.append(max_tokens)
+    return sizes
+
+
+class _PieceBoundary(AttentionBackend):
+    """Stands in for attention while a forward is captured piece by piece: each layer's call
+    ends the current graph and begins the next one, and hands back the fixed buffer that the
+    real attention will fill at replay. With `pool` None it only hands back the buffer (the
+    live forward before a capture)."""
+
+    def __init__(self, out: torch.Tensor, pool: _POOL_HANDLE | None):
+        self.out, self.pool = out, pool
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def begin(self) -> None:
+        if self.pool is not None:
+            self.graphs.append(torch.cuda.CUDAGraph())
+            self.graphs[-1].capture_begin(pool=self.pool)
+
+    def end(self) -> None:
+        if self.pool is not None:
+            self.graphs[-1].capture_end()
+
+    def prepare(self, batch: ForwardBatch, view: CacheView) -> None:
+        pass
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: CacheView) -> torch.Tensor:
+        if self.pool is not None:
+            self.end()
+            # Non-owning: the pool may reuse this memory later in the capture, as an eager
+            # forward would once attention has read it; replay keeps that order.
+            self.inputs.append((cuda_ops.alias(q), cuda_ops.alias(k), cuda_ops.alias(v)))
+            self.begin()
+        return self.out[: q.shape[0]]
+
+    def fwd_decode(self, layer: int, q: torch.Tensor, view: CacheView) -> torch.Tensor:
+        raise AssertionError("a piece boundary never attends")
+
+    fwd_prefill = fwd_decode
+
+
+@dataclass(frozen=True, slots=True)
+class _Pieces:
+    """One token bucket's graphs (before layer 0's attention, between each pair of layers,
+    after the last one), each attention call's q, k, v, and the final hidden states."""
+
+    graphs: list[torch.cuda.CUDAGraph]
+    inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    hidden: torch.Tensor
+
+
+class PromptGraphRunner:
+    """Piecewise CUDA graphs for steps that carry prompt tokens (prompt chunks, with or
+    without decodes beside them), up to `max_tokens` tokens.
+
+    Eagerly such a step launches a few hundred small kernels from Python, and on a GPU that
+    finishes them faster than Python launches them the step takes the launches' time: it
+    was the fixed cost every mixed step paid over a decode step. Here the step's tokens are
+    padded to a bucket and each layer costs one graph launch plus its attention kernels,
+    which run eagerly on the real tokens only, writing into a fixed buffer that the next
+    piece reads. Padded rows hold stale but finite tokens and positions; every op is
+    row-wise, so they touch nothing but themselves, and they never reach the KV cache.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, backend: CudaBackend, cache: KVCache, workspace: InferenceWorkspace, max_tokens: int):
+        self.model, self.backend, self.cache, self.ws = model, backend, cache, workspace
+        self.buckets = prompt_graph_buckets(min(max_tokens, workspace.max_tokens))
+        cfg = model.config
+        dtype = model.model.embed_tokens.weight.dtype
+        self.attn_out = torch.zeros((self.buckets[-1], cfg.num_heads, cfg.head_dim), dtype=dtype, device=workspace.device)
+        self.pieces: dict[int, _Pieces] = {}
+
+    def bucket(self, num_tokens: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_tokens), None)
+
+    def capture(self) -> None:
+        start, before = time.perf_counter(), torch.cuda.memory_reserved()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        with torch.inference_mode():
+            stream.wait_stream(torch.cuda.current_stream())
+            for t in tqdm(sorted(self.buckets, reverse=True), desc="capturing prompt graphs", leave=False):
+                ids, positions = self.ws.input_ids[:t], self.ws.positions[:t]
+                boundary = _PieceBoundary(self.attn_out, pool)
+                with torch.cuda.stream(stream):  # the live forward warms up the capture's stream
+                    self.model(ids, positions, self.cache, _PieceBoundary(self.attn_out, None))
+                    stream.synchronize()
+                    boundary.begin()
+                    hidden = self.model(ids, positions, self.cache, boundary)
+                    boundary.end()
+                self.pieces[t] = _Pieces(boundary.graphs, boundary.inputs, cuda_ops.alias(hidden))
+                del hidden
+            torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        log.info(
+            "captured prompt CUDA graphs for %d token counts up to %d (%d pieces each) in %.1fs, %.0f MiB",
+            len(self.buckets), self.buckets[-1], self.model.config.num_layers + 1, time.perf_counter() - start,
+            (torch.cuda.memory_reserved() - before) / 2**20,
+        )  # fmt: skip
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states `[T, hidden]` after the final norm, as the model's forward gives them."""
+        n = batch.num_tokens
+        bucket = self.bucket(n)
+        assert bucket is not None
+        pieces = self.pieces[bucket]
+        out = self.attn_out[:n]
+        self.backend.prepare(batch, self.cache)
+        for layer, (q, k, v) in enumerate(pieces.inputs):
+            pieces.graphs[layer].replay()
+            self.backend.forward(layer, q[:n], k[:n], v[:n], self.cache, out)
+        pieces.graphs[-1].replay()
+        return pieces.hidden[:n]

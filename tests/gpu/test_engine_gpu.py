@@ -1,5 +1,6 @@
-"""The engine on a GPU: CUDA graphs vs eager, CudaBackend vs torch, allocation-free and
-copy-free steady decode, demo-model greedy parity with transformers in bf16."""
+"""The engine on a GPU: CUDA graphs (decode and piecewise prompt graphs) vs eager,
+CudaBackend vs torch, allocation-free and copy-free steady decode, demo-model greedy parity
+with transformers in bf16."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.factories.tiny_models import random_prompts
 from worker import LLM, SamplingParams
 from worker.config import EngineConfig
 from worker.engine import Engine, EngineRequest
-from worker.graphs import graph_buckets
+from worker.graphs import graph_buckets, prompt_graph_buckets
 from worker.model.random_model import get_shape, hf_config
 from worker.request import Request, ScheduledTask
 
@@ -41,6 +42,12 @@ def graph_engine(shape_dir):
 
 
 @pytest.fixture(scope="module")
+def prompt_graph_engine(shape_dir):
+    """Decode graphs and piecewise prompt graphs (opt-in: `prompt_graph_tokens`)."""
+    return _engine(shape_dir, prompt_graph_tokens=2048)
+
+
+@pytest.fixture(scope="module")
 def eager_engine(shape_dir):
     return _engine(shape_dir, cuda_graphs=False)
 
@@ -57,15 +64,66 @@ def _greedy(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[l
     return [out[r] for r in stream.request_ids]
 
 
-def test_graphs_capture_every_bucket(graph_engine):
-    assert graph_engine.executor.graphs is not None
+def test_graphs_capture_every_bucket(graph_engine, prompt_graph_engine):
+    assert graph_engine.executor.graphs is not None and graph_engine.executor.prompt_graphs is None
     assert sorted(graph_engine.executor.graphs.graphs) == graph_buckets(MAX_RUNNING) == [1, 2, 4, 8, 16, 24, 32]
+    runner = prompt_graph_engine.executor.prompt_graphs
+    assert runner is not None and sorted(runner.pieces) == prompt_graph_buckets(2048)
+    layers = prompt_graph_engine.model_config.num_layers
+    for pieces in runner.pieces.values():
+        assert len(pieces.graphs) == layers + 1 and len(pieces.inputs) == layers
 
 
 @pytest.mark.parametrize("batch", graph_buckets(MAX_RUNNING))
 def test_graph_greedy_is_bit_identical_to_eager(graph_engine, eager_engine, batch):
     prompts = random_prompts([5 + (7 * i) % 90 for i in range(batch)], vocab=49152, seed=batch)
     assert _greedy(graph_engine, prompts, 24) == _greedy(eager_engine, prompts, 24)
+
+
+def _prompt_logits(engine: Engine, prompts: list[list[int]]) -> torch.Tensor:
+    """Logits at every token of one step that prefills `prompts` whole."""
+    ex, cache = engine.executor, engine.executor.cache
+    reqs = [Request(f"p{i}-{id(prompts)}", p, SamplingParams()) for i, p in enumerate(prompts)]
+    for r in reqs:
+        assert cache.admit(r) and cache.reserve(r, r.num_pending) and r.num_pending == len(r.prompt_ids)
+    logits = ex.forward(cache.bind_tasks([ScheduledTask(r, r.num_pending) for r in reqs]), all_logits=True).clone()
+    for r in reqs:
+        cache.release(r)
+    cache.invalidate_bind()
+    return logits
+
+
+@pytest.mark.parametrize("lengths", [[96], [50, 40, 38], [700, 500, 300, 100, 61, 3]])
+def test_prompt_graphs_are_bit_identical_to_eager_at_a_bucket(prompt_graph_engine, eager_engine, lengths):
+    """A step whose tokens fill a bucket exactly runs the same kernels on the same shapes as
+    the eager forward, so every logit has the same bits."""
+    assert sum(lengths) in prompt_graph_engine.executor.prompt_graphs.buckets
+    prompts = random_prompts(lengths, vocab=49152, seed=100 + sum(lengths))
+    ours, ref = _prompt_logits(prompt_graph_engine, prompts), _prompt_logits(eager_engine, prompts)
+    assert ours.shape == (sum(lengths), 49152) and torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("lengths", [[77], [300, 41, 9], [1000, 601]])
+def test_prompt_graphs_between_buckets_match_eager(prompt_graph_engine, eager_engine, lengths):
+    """Padded to the next bucket, the step's GEMMs (and torch's norm order, which
+    follows the row count) may round differently; logits agree within bf16 noise."""
+    assert sum(lengths) not in prompt_graph_engine.executor.prompt_graphs.buckets
+    prompts = random_prompts(lengths, vocab=49152, seed=200 + sum(lengths))
+    ours, ref = _prompt_logits(prompt_graph_engine, prompts), _prompt_logits(eager_engine, prompts)
+    assert ours.shape == ref.shape == (sum(lengths), 49152)
+    assert (ours - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.97
+
+
+def test_mixed_steps_at_a_bucket_are_bit_identical_to_eager(prompt_graph_engine, eager_engine):
+    """Decodes next to a prompt chunk through the prompt graphs: a 224-token prefill, then
+    five decodes beside a 91-token prompt (96 tokens), in either row order."""
+    for chunk_first in (False, True):  # fresh prompts for each: no prefix-cache hits
+        prompts = random_prompts([3, 40, 17, 100, 64], vocab=49152, seed=41 + chunk_first)
+        chunk = random_prompts([91], vocab=49152, seed=43 + chunk_first)[0]
+        ours = _mixed_logits(prompt_graph_engine, prompts, chunk, chunk_first)
+        ref = _mixed_logits(eager_engine, prompts, chunk, chunk_first)
+        assert torch.equal(ours, ref), chunk_first
 
 
 def test_overlap_gives_the_tokens_of_stepping_in_turn(graph_engine, shape_dir):
@@ -78,15 +136,17 @@ def test_overlap_gives_the_tokens_of_stepping_in_turn(graph_engine, shape_dir):
     assert graph_engine.num_overlapped_steps - before > 30 and plain.num_overlapped_steps == 0
 
 
-def test_overlap_through_changing_batches_gives_the_tokens_of_stepping_in_turn(shape_dir):
+@pytest.mark.parametrize("prompt_graph_tokens", [0, 64])
+def test_overlap_through_changing_batches_gives_the_tokens_of_stepping_in_turn(shape_dir, prompt_graph_tokens):
     """Requests arriving mid-run, prompts in chunks of a 64-token budget, and requests ending
     at different lengths: each step is queued before its predecessor is read, its carried
-    inputs gathered on the device; greedy tokens equal the plain engine's bit for bit."""
+    inputs gathered on the device; greedy tokens equal the plain engine's bit for bit (with
+    the prompt graphs too, their carried inputs landing in the graphs' input buffer)."""
     prompts = random_prompts([5 + (37 * i) % 150 for i in range(20)], vocab=49152, seed=33)
     lengths = [4 + (13 * i) % 45 for i in range(20)]
     got = {}
     for overlap in (False, True):
-        engine = _engine(shape_dir, overlap=overlap, token_budget=64, max_running=16)
+        engine = _engine(shape_dir, overlap=overlap, token_budget=64, max_running=16, prompt_graph_tokens=prompt_graph_tokens)
         engine.step_log = []
         reqs = [
             EngineRequest(f"v{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
@@ -165,9 +225,12 @@ def _mixed_logits(engine: Engine, prompts: list[list[int]], chunk: list[int], ch
     return logits  # one row per task, at its last token
 
 
-def test_mixed_steps_match_the_torch_backend(graph_engine, shape_dir):
+@pytest.mark.parametrize("engine_fixture", ["graph_engine", "prompt_graph_engine"])
+def test_mixed_steps_match_the_torch_backend(request, engine_fixture, shape_dir):
     """Decodes next to a prompt chunk: leading one-token rows go to the decode kernel, the
-    rest to the prefill kernel; either order matches the torch backend."""
+    rest to the prefill kernel; either order matches the torch backend, eagerly and through
+    the prompt graphs (their steps padded to buckets: 253 prompt tokens run as 256 at first)."""
+    graph_engine = request.getfixturevalue(engine_fixture)
     torch_engine = _engine(shape_dir, backend="torch", cuda_graphs=False, max_running=8)
     prompts = random_prompts([3, 40, 17, 129, 64], vocab=49152, seed=9)
     chunk = random_prompts([77], vocab=49152, seed=10)[0]

@@ -236,3 +236,23 @@ def test_prefill_slowdown_learns_step_times_and_paces_prompt_chunks(engine_facto
     assert len(mixed) >= 30 // 3 and all(s.num_prompt_tokens <= 3 for s in mixed)  # p2 in 3-token chunks
     plain_tokens, _ = run(engine_factory())
     assert paced_tokens == plain_tokens
+
+
+def test_prompt_graph_buckets_cover_every_step_size_with_bounded_padding():
+    from worker.graphs import prompt_graph_buckets
+
+    buckets = prompt_graph_buckets(2048)
+    assert buckets[:4] == [8, 16, 32, 64] and buckets[-1] == 2048 and buckets == sorted(set(buckets))
+    for tokens in range(1, 2049):
+        bucket = next(b for b in buckets if b >= tokens)
+        assert bucket - tokens < (32 if tokens <= 512 else 128)
+    assert prompt_graph_buckets(100)[-1] == 100 and prompt_graph_buckets(5) == [5]
+
+
+def test_prompt_graphs_are_a_cuda_option_capped_by_the_token_budget():
+    on_cpu = EngineConfig(device="cpu", prompt_graph_tokens=2048).resolve()
+    assert on_cpu.prompt_graph_tokens == 0 and not on_cpu.cuda_graphs
+    assert EngineConfig(device="cpu").resolve().prompt_graph_tokens == 0
+    assert EngineConfig().prompt_graph_tokens == 0  # opt-in
+    cuda = EngineConfig(device="cuda", prompt_graph_tokens=4096, token_budget=1024).resolve()
+    assert cuda.prompt_graph_tokens == 1024

@@ -42,27 +42,34 @@ class CudaBackend(AttentionBackend):
             if d:
                 self._rest_qo_indptr = batch.qo_indptr[d:] - d  # each leading row holds one token
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: CacheView) -> torch.Tensor:
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: CacheView,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """As the protocol's; `out` `[T, Hq, D]` receives the result (the piecewise prompt
+        graphs read it from a fixed address)."""
         assert self._batch is not None
         cuda_ops.store_kv(k, v, view.k_cache[layer], view.v_cache[layer], self._batch.out_cache_loc)
         if self._decode:
-            return self.fwd_decode(layer, q, view)
-        return self.fwd_prefill(layer, q, view)
+            return self.fwd_decode(layer, q, view, out)
+        return self.fwd_prefill(layer, q, view, out)
 
-    def fwd_decode(self, layer: int, q: torch.Tensor, view: CacheView) -> torch.Tensor:
+    def fwd_decode(self, layer: int, q: torch.Tensor, view: CacheView, out: torch.Tensor | None = None) -> torch.Tensor:
         b, ws = self._batch, self.ws
         assert b is not None
-        out = ws.decode_out[: q.shape[0]]
+        if out is None:
+            out = ws.decode_out[: q.shape[0]]
         cuda_ops.decode_attention(
             q, view.k_cache[layer], view.v_cache[layer], view.req_to_token, b.req_pool_indices, b.seq_lens,
             view.page_size, self.scale, out, ws.decode_o_part, ws.decode_ml_part,
         )  # fmt: skip
         return out
 
-    def fwd_prefill(self, layer: int, q: torch.Tensor, view: CacheView) -> torch.Tensor:
+    def fwd_prefill(self, layer: int, q: torch.Tensor, view: CacheView, out: torch.Tensor | None = None) -> torch.Tensor:
         b, ws, d = self._batch, self.ws, self._num_leading_decodes
         assert b is not None
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         k_cache, v_cache = view.k_cache[layer], view.v_cache[layer]
         if d == 0:
             cuda_ops.prefill_attention(

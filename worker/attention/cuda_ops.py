@@ -241,6 +241,12 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     load().silu_and_mul(gate_up, out)
 
 
+def alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over t's memory (same shape and strides) that does not keep it allocated:
+    reading it is valid only while the caller knows what that memory holds."""
+    return load().alias(t)
+
+
 def decode_variants() -> int:
     """Number of decode tiling variants compiled (for the benchmark sweep)."""
     return int(load().decode_num_variants())
