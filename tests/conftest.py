@@ -1,6 +1,20 @@
+import os
+
 import pytest
 
 from tests.factories.tiny_models import SPECS, build_tiny_model
+
+try:
+    from hypothesis import settings
+except ModuleNotFoundError:  # the GPU machine's tests use no property tests
+    pass
+else:
+    # Property tests draw the same examples on every run of a given tree, so a commit's CI
+    # result is one anyone can reproduce (a random draw once failed CI on a test bug that
+    # earlier runs had not drawn). KVRAY_HYPOTHESIS=explore draws fresh examples each run.
+    settings.register_profile("repeatable", derandomize=True, database=None)
+    settings.register_profile("explore")
+    settings.load_profile(os.environ.get("KVRAY_HYPOTHESIS", "repeatable"))
 
 try:
     from cluster.app import set_serve_env
