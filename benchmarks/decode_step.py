@@ -115,11 +115,16 @@ def _ttft(engine: Engine, context: int) -> float:
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
-def run(shapes: list[str], batches: list[int], context: int, steps: int) -> dict:
-    results: dict = {
+def result_header(context: int, steps: int) -> dict:
+    """What every GPU step benchmark's JSON starts with: when, where, and the run's shape."""
+    return {
         "date": date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "host": platform.node(), "context": context, "steps": steps, "rows": [], "prefill": [],
+        "host": platform.node(), "context": context, "steps": steps, "rows": [],
     }  # fmt: skip
+
+
+def run(shapes: list[str], batches: list[int], context: int, steps: int) -> dict:
+    results = {**result_header(context, steps), "prefill": []}
     for shape in shapes:
         engine = _engine(shape, max(batches), context, steps)
         weights = sum(p.numel() * p.element_size() for p in engine.executor.model.parameters())

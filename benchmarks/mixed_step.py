@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 
-from benchmarks.decode_step import _engine, run_until_decoding
+from benchmarks.decode_step import _engine, result_header, run_until_decoding
 from worker.engine import Engine, EngineRequest
 from worker.sampling import SamplingParams
 
@@ -53,10 +51,7 @@ def _mixed_ms(engine: Engine, batch: int, prompt: int, steps: int, seed: int) ->
 
 
 def run(shapes: list[str], batches: list[int], prompts: list[int], context: int, steps: int) -> dict:
-    results: dict = {
-        "date": date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "host": platform.node(), "context": context, "steps": steps, "rows": [],
-    }  # fmt: skip
+    results = result_header(context, steps)
     for shape in shapes:
         start = time.perf_counter()
         engine = _engine(shape, max(batches) + 4, context, 64 * steps, extra_tokens=4 * max(prompts), prompt_graph_tokens=2048)
