@@ -113,8 +113,8 @@ class Executor:
         """Logits (float32) at each request's last new token, or at every token."""
         if self.graphs is not None and batch.is_decode and not all_logits and self.graphs.bucket(batch.batch_size):
             return self.graphs.run(batch)
-        if self.prompt_graphs is not None and self.prompt_graphs.bucket(batch.num_tokens):
-            hidden = self.prompt_graphs.run(batch)
+        if self.prompt_graphs is not None and (bucket := self.prompt_graphs.bucket(batch.num_tokens)):
+            hidden = self.prompt_graphs.run(batch, bucket)
         else:
             self.backend.prepare(batch, self.cache)
             hidden = self.model(batch.input_ids, batch.positions, self.cache, self.backend)

@@ -211,11 +211,10 @@ class PromptGraphRunner:
             (torch.cuda.memory_reserved() - before) / 2**20,
         )  # fmt: skip
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states `[T, hidden]` after the final norm, as the model's forward gives them."""
+    def run(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
+        """Hidden states `[T, hidden]` after the final norm, as the model's forward gives them,
+        from the pieces of `bucket` (`self.bucket(T)`)."""
         n = batch.num_tokens
-        bucket = self.bucket(n)
-        assert bucket is not None
         pieces = self.pieces[bucket]
         out = self.attn_out[:n]
         self.backend.prepare(batch, self.cache)
