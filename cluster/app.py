@@ -182,6 +182,7 @@ def _worker(config: ClusterConfig) -> Any:
         min(5.0, config.limits.stall_timeout_s / 4),
         # a live ingress opens its session right after a submit is accepted
         max(10.0, 2 * config.limits.accept_timeout_s),
+        frame_socket=config.frame_socket,
     )
 
 

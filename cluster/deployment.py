@@ -11,6 +11,8 @@ per engine step for the pair, not one per call (see transport.py). Each ingress 
 - A session the ingress cancels, or a mailbox no session reads for `orphan_timeout_s` (its
   ingress died), aborts what is left.
 - `generate` does the same in one call with a stream of its own (direct use, tests).
+- With `frame_socket`, a session can also be read over a plain TCP connection to this
+  replica (transport.py); closing it is what cancelling a session call does.
 
 A replica reports its load and prefix-cache keys to routers (`record_routing_stats`), its
 queue depth and KV usage to the autoscaler (`record_autoscaling_stats`), and counts as
@@ -22,20 +24,30 @@ make its next engine steps raise or stall.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any
 
+import ray
 import torch
 from ray import serve
 
 from cluster.dispatch import rss_bytes
 from cluster.router import RouteHint
-from cluster.transport import decode_requests, encode_accepted, encode_deltas, encode_refused
+from cluster.transport import (
+    decode_hello,
+    decode_requests,
+    encode_accepted,
+    encode_deltas,
+    encode_refused,
+    read_frame,
+    write_frame,
+)
 from worker.config import EngineConfig
 from worker.engine import Engine, EngineFull, EngineRequest, EngineStats
 from worker.outputs import merge_steps
@@ -106,6 +118,25 @@ class Mailbox:
     wake: asyncio.Event | None = None  # the reading session's wakeup
 
 
+async def _pump(frames: AsyncGenerator[bytes, None], writer: asyncio.StreamWriter) -> None:
+    """A session's frames onto its socket; closing the session if this ends first (the
+    socket failed, or the task was cancelled) is what makes it abort what is unfinished."""
+    try:
+        async for frame in frames:
+            write_frame(writer, frame)
+            await writer.drain()
+    finally:
+        await frames.aclose()
+
+
+def _node_ip() -> str:
+    """This node's address as Ray knows it (pods and hosts reach each other on it)."""
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:  # no Ray here (unit tests): this host only
+        return "127.0.0.1"
+
+
 class WorkerDeployment:
     """The body of the worker deployment; `app.build_app` wraps it with `serve.deployment`."""
 
@@ -119,6 +150,7 @@ class WorkerDeployment:
         heartbeat_s: float = 5.0,
         orphan_timeout_s: float = 60.0,
         linger_s: float = 2.0,
+        frame_socket: bool = False,
     ):
         _set_cpu_threads(engine_config, cpu_threads)
         self._engine = Engine(engine_config)
@@ -135,6 +167,9 @@ class WorkerDeployment:
         # routers count what they sent here and this has not answered yet (cluster/router.py)
         self._answered: dict[str, tuple[int, float]] = {}
         self._stall_threshold_s = stall_threshold_s
+        self._frame_socket = frame_socket
+        self._frame_server: asyncio.Task[tuple[str, int] | None] | None = None
+        self._socket_sessions = 0  # open sessions on the frame socket
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         log.info("worker replica %s ready: %s", self._replica_id, self._engine.config)
 
@@ -197,12 +232,12 @@ class WorkerDeployment:
         """Queue a batch of requests for `ingress_id`; answers accept or refuse. Their
         deltas come on that ingress's `session`."""
         try:
-            return self._submit(payload, ingress_id)
+            return self._submit(payload, ingress_id, await self._frames_at())
         finally:
             answered, _ = self._answered.get(hint.sender, (0, 0.0))
             self._answered[hint.sender] = (answered + hint.num_requests, time.monotonic())
 
-    def _submit(self, payload: bytes, ingress_id: str) -> bytes:
+    def _submit(self, payload: bytes, ingress_id: str, frames_at: tuple[str, int] | None) -> bytes:
         requests = [
             EngineRequest(r.request_id, r.prompt_token_ids, r.params)
             for r in decode_requests(payload)
@@ -218,9 +253,58 @@ class WorkerDeployment:
             return encode_refused("invalid", str(exc))
         if not box.attached:
             self._reap_later(ingress_id, box)
-        return encode_accepted(self._replica_id)
+        return encode_accepted(self._replica_id, frames_at)
 
-    async def session(self, hint: RouteHint, ingress_id: str) -> AsyncIterator[bytes]:
+    async def _frames_at(self) -> tuple[str, int] | None:
+        """Where this replica serves sessions over a socket (the server starts on the first
+        submit, on the loop that runs the sessions), or None."""
+        if not self._frame_socket:
+            return None
+        if self._frame_server is None:
+            self._frame_server = asyncio.ensure_future(self._start_frame_server())
+        return await asyncio.shield(self._frame_server)
+
+    async def _start_frame_server(self) -> tuple[str, int] | None:
+        host = _node_ip()
+        try:
+            server = await asyncio.start_server(self._frames_connection, host=host, port=0)
+        except OSError as exc:
+            log.warning("no frame socket on %s (%r): sessions stay on Serve streams", host, exc)
+            return None
+        port = server.sockets[0].getsockname()[1]
+        log.info("worker replica %s serves session frames on %s:%d", self._replica_id, host, port)
+        return host, port
+
+    async def _frames_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One session over the frame socket: the ingress says who it is, then reads what
+        `session` yields. The worker closes the connection when the session ends; the
+        ingress closing it (it gave up, or died) ends the session as a cancelled call would:
+        what is unfinished is aborted."""
+        try:
+            async with asyncio.timeout(10.0):
+                hello = await read_frame(reader)
+            if hello is None:
+                return
+            ingress_id, replica_id = decode_hello(hello)
+        except (TimeoutError, ConnectionError, ValueError, KeyError, TypeError) as exc:
+            log.warning("frame socket: a connection without a valid hello: %r", exc)
+            writer.close()
+            return
+        frames = self.session(RouteHint(replica_id=replica_id), ingress_id)
+        pump = asyncio.ensure_future(_pump(frames, writer))
+        closed = asyncio.ensure_future(reader.read(1))  # the ingress sends nothing more: EOF
+        self._socket_sessions += 1
+        try:
+            await asyncio.wait({pump, closed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            pump.cancel()
+            closed.cancel()
+            with contextlib.suppress(BaseException):
+                await pump
+            writer.close()
+            self._socket_sessions -= 1
+
+    async def session(self, hint: RouteHint, ingress_id: str) -> AsyncGenerator[bytes, None]:
         """The deltas of everything `ingress_id` queued here: an accept frame, then one
         frame per engine step (the steps since the last frame, if this reader lags), and a
         heartbeat after `heartbeat_s` of silence in which the engine stepped. Ends once
@@ -375,7 +459,20 @@ class WorkerDeployment:
         since = max(stats.last_step_time, self._engine.work_since)
         return time.monotonic() - since if busy else 0.0
 
-    def __del__(self) -> None:
+    def __del__(self) -> Awaitable[None] | None:  # type: ignore[override]
+        """Serve calls this when the replica stops, once its own calls have drained, and
+        awaits what it returns (within graceful_shutdown_timeout_s). Sessions on the frame
+        socket are not Serve calls: while any is open, the engine stops only after they
+        end, so the requests they carry finish (a scale-down or an upgrade drains them)."""
         engine = getattr(self, "_engine", None)
-        if engine is not None:
-            engine.shutdown()
+        if engine is None:
+            return None
+        if getattr(self, "_socket_sessions", 0):
+            return self._stop_after_socket_sessions()
+        engine.shutdown()
+        return None
+
+    async def _stop_after_socket_sessions(self) -> None:
+        while self._socket_sessions:
+            await asyncio.sleep(0.05)
+        self._engine.shutdown()

@@ -6,7 +6,7 @@ returns the group's `GroupStream` at once and sends the group either alone (the 
 idle for a window, or the window is 0) or together with every group that arrives within
 `window_s` (a request batch: one `submit` call, one routing decision). An accepted group's
 deltas come on the `_Session` this ingress holds with that replica: one long-lived Serve
-stream per (ingress, worker) pair, one item per engine step for all of this ingress's
+stream (or frame socket, transport.py) per (ingress, worker) pair, one item per engine step for all of this ingress's
 requests there, however many calls brought them. (A stream per call would cost the worker
 and the ingress one Ray item per call per step: at 512 running requests that, not the GPU,
 set the step time.) A session ends when nothing of this ingress is left unfinished on its
@@ -33,12 +33,25 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from cluster.router import RouteHint
-from cluster.transport import Refused, WireRequest, decode_deltas, decode_first, encode_requests
+from cluster.transport import (
+    Accepted,
+    Refused,
+    WireRequest,
+    decode_deltas,
+    decode_first,
+    encode_hello,
+    encode_requests,
+    read_frame,
+    write_frame,
+)
 from worker.outputs import RequestDelta
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# A worker's frame socket answers a connect at once, or refuses it (its replica is gone); a
+# network that drops the packets would otherwise hold a session's first frame this long.
+FRAME_SOCKET_CONNECT_S = 2.0
 ErrorKind = Literal["full", "invalid", "internal", "unavailable"]
 
 
@@ -146,7 +159,7 @@ class _Submit:
 
     async def run(self) -> None:
         try:
-            replica_id = await self._submit()
+            accepted = await self._submit()
         except CallError as error:
             self._fail(error)
             return
@@ -161,17 +174,17 @@ class _Submit:
             log.warning("worker call failed: %r", exc)
             self._fail(CallError("unavailable", f"worker failed: {type(exc).__name__}: {exc}"))
             return
-        if replica_id is not None:
-            self.dispatcher.session(replica_id).add(self.streams)
+        if accepted is not None:
+            self.dispatcher.session(accepted.replica_id).add(self.streams, accepted.frames_at)
             for stream in self.streams:
-                stream._on_accept(replica_id)
+                stream._on_accept(accepted.replica_id)
 
     def _fail(self, error: CallError) -> None:
         self.dispatcher.forget(self.streams)
         _fail(self.streams, error)
 
-    async def _submit(self) -> str | None:
-        """The accepting replica's id, or None when the batch was refused (and handled)."""
+    async def _submit(self) -> Accepted | None:
+        """The accepting replica's answer, or None when the batch was refused (and handled)."""
         groups = [s.group for s in self.streams]
         hint = RouteHint(
             page_hashes=tuple(p for g in groups for p in g.page_hashes),
@@ -194,7 +207,7 @@ class _Submit:
         if isinstance(answer, Refused):
             self._refused(answer)
             return None
-        return answer.replica_id
+        return answer
 
     def _refused(self, refusal: Refused) -> None:
         if refusal.kind in ("invalid", "full") and len(self.streams) > 1:
@@ -215,11 +228,15 @@ class _Session:
         self.dispatcher = dispatcher
         self.replica_id = replica_id
         self.request_ids: set[str] = set()  # accepted here, not yet finished on the worker
+        self.frames_at: tuple[str, int] | None = None  # the replica's frame socket, if any
         self._task: asyncio.Task[None] | None = None
 
-    def add(self, streams: list[GroupStream]) -> None:
+    def add(self, streams: list[GroupStream], frames_at: tuple[str, int] | None = None) -> None:
         """Requests accepted by this replica (those whose last delta came already excepted:
-        an open session can deliver before the submit's answer is read)."""
+        an open session can deliver before the submit's answer is read); `frames_at`: where
+        the replica serves sessions over a socket, as its answer said."""
+        if frames_at is not None:
+            self.frames_at = frames_at
         live = self.dispatcher.live
         self.request_ids.update(
             r.request_id for s in streams for r in s.group.requests if r.request_id in live
@@ -251,7 +268,56 @@ class _Session:
             self.dispatcher.session_ended(self)
 
     async def _read(self) -> bool:
-        """One session call, read to its end; whether it delivered anything."""
+        """One session, read to its end; whether it delivered anything. Over the replica's
+        frame socket when it has one, else (or when no connection can be made to it: a
+        network that allows only Ray's ports) as a Serve streaming call."""
+        if self.frames_at is not None and self.frames_at not in self.dispatcher.unreachable:
+            host, port = self.frames_at
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(host, port), FRAME_SOCKET_CONNECT_S
+                )
+            except (OSError, TimeoutError) as exc:
+                log.warning("no frame socket to %s at %s:%d (%r): reading a Serve stream", self.replica_id, host, port, exc)
+                self.dispatcher.unreachable.add(self.frames_at)
+            else:
+                try:
+                    return await self._read_socket(reader, writer)
+                finally:
+                    writer.close()
+        return await self._read_serve()
+
+    async def _read_socket(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        limits = self.dispatcher.limits
+        write_frame(writer, encode_hello(self.dispatcher.ingress_id, self.replica_id))
+        try:
+            async with asyncio.timeout(limits.accept_timeout_s):
+                first = await read_frame(reader)
+        except TimeoutError:
+            raise CallError(
+                "unavailable", f"worker replica {self.replica_id} did not answer in time"
+            ) from None
+        if first is None:
+            raise CallError("unavailable", f"worker replica {self.replica_id} closed the session")
+        answer = decode_first(first)
+        if isinstance(answer, Refused):
+            raise CallError("unavailable", answer.message)
+        delivered = False
+        while True:
+            try:
+                async with asyncio.timeout(limits.stall_timeout_s):
+                    frame = await read_frame(reader)
+            except TimeoutError:
+                raise CallError(
+                    "unavailable", f"the worker sent nothing for {limits.stall_timeout_s:.0f} s"
+                ) from None
+            if frame is None:  # the worker ended the session
+                return delivered
+            deltas = decode_deltas(frame)
+            delivered = delivered or bool(deltas)
+            self._deliver(deltas)
+
+    async def _read_serve(self) -> bool:
         limits = self.dispatcher.limits
         response = self.dispatcher.session_handle.remote(
             RouteHint(replica_id=self.replica_id), self.dispatcher.ingress_id
@@ -339,6 +405,7 @@ class Dispatcher:
         # every request sent and not yet finished on its worker, by id: a session delivers
         # through this, so deltas that outrun their submit's answer still find their stream
         self.live: dict[str, GroupStream] = {}
+        self.unreachable: set[tuple[str, int]] = set()  # frame sockets that could not be reached
         self._abort_handle = worker_handle.options(method_name="abort")
         self.limits = limits
         self._window_s = window_s

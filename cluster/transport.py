@@ -9,10 +9,18 @@ still one delta per request: `worker.outputs.merge_steps`), and an empty frame (
 keeps moving. (`generate`, for direct use, is a submit and a stream of its own in one
 call.) Every frame is plain msgpack so neither side unpickles anything the other sent, and
 a frame costs one small bytes object on the Serve stream.
+
+The session's frames can also travel over a plain TCP connection to the worker instead of a
+Serve stream (`ClusterConfig.frame_socket`): the accept frame of a submit then names the
+address, the ingress connects and sends a hello (its id and the replica it expects), and
+reads the same frames, each prefixed with its length (4 bytes, big-endian). A Serve stream
+item crosses gRPC and Serve's streaming machinery in two Python processes; a socket write
+does not.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -36,9 +44,11 @@ class WireRequest:
 
 @dataclass(frozen=True, slots=True)
 class Accepted:
-    """The worker queued every request of the call."""
+    """The worker queued every request of the call; `frames_at` is where it serves session
+    frames over a plain socket (host, port), if it does."""
 
     replica_id: str
+    frames_at: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +73,10 @@ def decode_requests(payload: bytes) -> list[WireRequest]:
     return [WireRequest(rid, list(ids), SamplingParams(**params)) for rid, ids, params in rows]
 
 
-def encode_accepted(replica_id: str) -> bytes:
-    return msgpack.packb({"accepted": replica_id})
+def encode_accepted(replica_id: str, frames_at: tuple[str, int] | None = None) -> bytes:
+    if frames_at is None:
+        return msgpack.packb({"accepted": replica_id})
+    return msgpack.packb({"accepted": replica_id, "frames_at": list(frames_at)})
 
 
 def encode_refused(kind: RefusalKind, message: str) -> bytes:
@@ -74,8 +86,46 @@ def encode_refused(kind: RefusalKind, message: str) -> bytes:
 def decode_first(frame: bytes) -> Accepted | Refused:
     data = msgpack.unpackb(frame)
     if "accepted" in data:
-        return Accepted(data["accepted"])
+        at = data.get("frames_at")
+        return Accepted(data["accepted"], None if at is None else (str(at[0]), int(at[1])))
     return Refused(data["refused"], data["message"])
+
+
+# -- the session over a plain socket ---------------------------------------------------------
+
+_LENGTH_BYTES = 4
+MAX_SOCKET_FRAME = 1 << 30  # a frame is one engine step's deltas: far below this
+
+
+def encode_hello(ingress_id: str, replica_id: str) -> bytes:
+    return msgpack.packb({"ingress": ingress_id, "replica": replica_id})
+
+
+def decode_hello(frame: bytes) -> tuple[str, str]:
+    """(ingress id, the replica id the ingress expects)."""
+    data = msgpack.unpackb(frame)
+    return str(data["ingress"]), str(data["replica"])
+
+
+def write_frame(writer: asyncio.StreamWriter, frame: bytes) -> None:
+    writer.write(len(frame).to_bytes(_LENGTH_BYTES, "big") + frame)
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
+    """The next length-prefixed frame, or None when the other side closed between frames."""
+    try:
+        header = await reader.readexactly(_LENGTH_BYTES)
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise ConnectionError("the connection closed inside a frame header") from None
+        return None
+    size = int.from_bytes(header, "big")
+    if size > MAX_SOCKET_FRAME:
+        raise ConnectionError(f"a frame of {size} bytes: not a kvray session")
+    try:
+        return await reader.readexactly(size)
+    except asyncio.IncompleteReadError:
+        raise ConnectionError("the connection closed inside a frame") from None
 
 
 def _pack_logprobs(logprobs: list[TokenLogprobs] | None) -> list[Any] | None:

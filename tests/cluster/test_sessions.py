@@ -20,7 +20,10 @@ from cluster.transport import (
     WireRequest,
     decode_deltas,
     decode_first,
+    encode_hello,
     encode_requests,
+    read_frame,
+    write_frame,
 )
 from tests.factories.tiny_models import random_prompts
 from worker.config import EngineConfig
@@ -200,3 +203,55 @@ def test_a_lagging_session_merges_steps_into_one_delta_per_request(make_worker) 
     assert tokens_by_request(deltas) == {"lag0": 12, "lag1": 12}
     assert any(len(d.new_token_ids) > 1 for d in deltas)  # steps were merged
     assert sorted(d.request_id for d in deltas if d.finish_reason == "length") == ["lag0", "lag1"]
+
+
+# -- the session over the frame socket -----------------------------------------------------------
+
+
+async def open_socket_session(worker: WorkerDeployment, body: bytes, ingress: str = "ing-a"):
+    """Submit, then connect to the address the accept frame names and say hello."""
+    answer = decode_first(await worker.submit(RouteHint(), body, ingress))
+    assert isinstance(answer, Accepted) and answer.frames_at is not None, answer
+    reader, writer = await asyncio.open_connection(*answer.frames_at)
+    write_frame(writer, encode_hello(ingress, REPLICA))
+    first = decode_first(await read_frame(reader))  # type: ignore[arg-type]
+    assert isinstance(first, Accepted) and first.replica_id == REPLICA
+    return reader, writer
+
+
+def test_a_session_reads_the_same_frames_over_the_frame_socket(make_worker) -> None:
+    worker = make_worker(linger_s=0.2, frame_socket=True)
+
+    async def run() -> list[RequestDelta]:
+        reader, writer = await open_socket_session(worker, payload("s", 3))
+        deltas = []
+        while (frame := await read_frame(reader)) is not None:  # the worker closes at the end
+            deltas.extend(decode_deltas(frame))
+        writer.close()
+        return deltas
+
+    deltas = asyncio.run(run())
+    assert tokens_by_request(deltas) == {"s0": 12, "s1": 12, "s2": 12}
+    assert sorted(d.request_id for d in deltas if d.finished) == ["s0", "s1", "s2"]
+    assert idle_and_free(worker)
+
+
+def test_closing_the_frame_socket_aborts_the_sessions_requests(make_worker) -> None:
+    worker = make_worker(fault_injection=True, frame_socket=True)
+    worker._faults.arm(steps=10_000, stall_s=0.01)  # slow steps: 100 tokens take over 1 s
+
+    async def run() -> None:
+        reader, writer = await open_socket_session(worker, payload("long", 2, max_tokens=100))
+        assert decode_deltas(await read_frame(reader))  # type: ignore[arg-type]  # running
+        writer.close()  # the ingress gave up, or died
+        await wait_until(lambda: idle_and_free(worker))
+
+    asyncio.run(run())
+    assert worker._engine.stats().generation_tokens_total < 200
+
+
+def test_a_worker_without_the_frame_socket_names_no_address(make_worker) -> None:
+    worker = make_worker()
+    answer = decode_first(asyncio.run(worker.submit(RouteHint(), payload("n", 1, max_tokens=2), "ing-a")))
+    assert isinstance(answer, Accepted) and answer.frames_at is None
+    asyncio.run(read(worker.session(HERE, "ing-a")))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from typing import Any
 
@@ -108,6 +109,41 @@ def test_a_call_that_fails_before_it_is_accepted_is_retried_once() -> None:
     replica, frames, calls = asyncio.run(run())
     assert (replica, calls) == ("live", {"submit": 2, "session": 1})
     assert [d.finish_reason for d in frames] == ["length"]
+
+
+class _UnreachableSocketHandle(_Handle):
+    """A live replica that names a frame socket nobody listens on."""
+
+    def __init__(self, request_id: str, port: int):
+        super().__init__(request_id)
+        self.port = port
+
+    def options(self, method_name: str, stream: bool = False) -> _Handle:
+        handle = _UnreachableSocketHandle(self._request_id, self.port)
+        handle.calls, handle._method = self.calls, method_name
+        return handle
+
+    async def _submit(self, attempt: int) -> bytes:
+        return encode_accepted("live", ("127.0.0.1", self.port))
+
+
+def test_a_frame_socket_that_cannot_be_reached_falls_back_to_a_serve_stream() -> None:
+    with socket.socket() as probe:  # a port that was free a moment ago: connects are refused
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    async def run() -> tuple[list[RequestDelta], dict[str, int], set[tuple[str, int]]]:
+        handle = _UnreachableSocketHandle("r-3", port)
+        dispatcher = Dispatcher(handle, 0.0, 8, RequestLimits())
+        stream = dispatcher.submit(_group("r-3"))
+        await stream.accepted()
+        frames = [d async for frame in stream for d in frame]
+        stream.close()
+        return frames, handle.calls, dispatcher.unreachable
+
+    frames, calls, unreachable = asyncio.run(run())
+    assert [d.finish_reason for d in frames] == ["length"]
+    assert calls == {"submit": 1, "session": 1} and unreachable == {("127.0.0.1", port)}
 
 
 def test_draining_dispatcher_counts_open_requests_until_closed() -> None:
