@@ -28,7 +28,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -282,18 +282,34 @@ class _Session:
                 self.dispatcher.unreachable.add(self.frames_at)
             else:
                 try:
-                    return await self._read_socket(reader, writer)
+                    write_frame(writer, encode_hello(self.dispatcher.ingress_id, self.replica_id))
+                    return await self._consume(lambda: read_frame(reader), writer.close)
                 finally:
                     writer.close()
-        return await self._read_serve()
+        response = self.dispatcher.session_handle.remote(
+            RouteHint(replica_id=self.replica_id), self.dispatcher.ingress_id
+        )
+        iterator = response.__aiter__()
 
-    async def _read_socket(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        async def next_item() -> bytes | None:
+            try:
+                return await iterator.__anext__()
+            except StopAsyncIteration:
+                return None
+
+        return await self._consume(next_item, response.cancel)
+
+    async def _consume(
+        self, next_frame: Callable[[], Awaitable[bytes | None]], cancel: Callable[[], object]
+    ) -> bool:
+        """A session's frames, from its accept frame to its end (`next_frame` gives None);
+        whether any delivered deltas. `cancel` gives up on the session after a timeout."""
         limits = self.dispatcher.limits
-        write_frame(writer, encode_hello(self.dispatcher.ingress_id, self.replica_id))
         try:
             async with asyncio.timeout(limits.accept_timeout_s):
-                first = await read_frame(reader)
+                first = await next_frame()
         except TimeoutError:
+            cancel()
             raise CallError(
                 "unavailable", f"worker replica {self.replica_id} did not answer in time"
             ) from None
@@ -306,45 +322,14 @@ class _Session:
         while True:
             try:
                 async with asyncio.timeout(limits.stall_timeout_s):
-                    frame = await read_frame(reader)
+                    frame = await next_frame()
             except TimeoutError:
+                cancel()
                 raise CallError(
                     "unavailable", f"the worker sent nothing for {limits.stall_timeout_s:.0f} s"
                 ) from None
             if frame is None:  # the worker ended the session
                 return delivered
-            deltas = decode_deltas(frame)
-            delivered = delivered or bool(deltas)
-            self._deliver(deltas)
-
-    async def _read_serve(self) -> bool:
-        limits = self.dispatcher.limits
-        response = self.dispatcher.session_handle.remote(
-            RouteHint(replica_id=self.replica_id), self.dispatcher.ingress_id
-        )
-        iterator = response.__aiter__()
-        try:
-            async with asyncio.timeout(limits.accept_timeout_s):
-                first = decode_first(await iterator.__anext__())
-        except TimeoutError:
-            response.cancel()
-            raise CallError(
-                "unavailable", f"worker replica {self.replica_id} did not answer in time"
-            ) from None
-        if isinstance(first, Refused):
-            raise CallError("unavailable", first.message)
-        delivered = False
-        while True:
-            try:
-                async with asyncio.timeout(limits.stall_timeout_s):
-                    frame = await iterator.__anext__()
-            except StopAsyncIteration:
-                return delivered
-            except TimeoutError:
-                response.cancel()
-                raise CallError(
-                    "unavailable", f"the worker sent nothing for {limits.stall_timeout_s:.0f} s"
-                ) from None
             deltas = decode_deltas(frame)
             delivered = delivered or bool(deltas)
             self._deliver(deltas)
