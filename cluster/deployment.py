@@ -170,6 +170,7 @@ class WorkerDeployment:
         self._frame_socket = frame_socket
         self._frame_server: asyncio.Task[tuple[str, int] | None] | None = None
         self._socket_sessions = 0  # open sessions on the frame socket
+        self._server: asyncio.Server | None = None
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         log.info("worker replica %s ready: %s", self._replica_id, self._engine.config)
 
@@ -271,6 +272,7 @@ class WorkerDeployment:
         except OSError as exc:
             log.warning("no frame socket on %s (%r): sessions stay on Serve streams", host, exc)
             return None
+        self._server = server  # held for the replica's life
         port = server.sockets[0].getsockname()[1]
         log.info("worker replica %s serves session frames on %s:%d", self._replica_id, host, port)
         return host, port
@@ -284,7 +286,7 @@ class WorkerDeployment:
             async with asyncio.timeout(10.0):
                 hello = await read_frame(reader)
             if hello is None:
-                return
+                raise ConnectionError("closed before its hello")
             ingress_id, replica_id = decode_hello(hello)
         except (TimeoutError, ConnectionError, ValueError, KeyError, TypeError) as exc:
             log.warning("frame socket: a connection without a valid hello: %r", exc)
