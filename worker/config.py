@@ -44,9 +44,9 @@ class EngineConfig(BaseModel):
     backend: Literal["auto", "torch", "cuda"] = Field("auto", description="attention backend; auto = cuda on CUDA with paged cache, else torch")
     cuda_graphs: bool = Field(True, description="capture decode CUDA graphs (CUDA backend only)")
     prompt_graph_tokens: int = Field(
-        0,
+        2048,
         ge=0,
-        description="with cuda_graphs, also capture piecewise graphs (attention runs eagerly between the pieces) for steps that carry prompt tokens, up to this many tokens a step, e.g. 2048; 0 = such steps run eagerly (the default until measured on a GPU)",
+        description="with cuda_graphs, also capture piecewise graphs (attention runs eagerly between the pieces) for steps that carry prompt tokens, up to this many tokens a step (capped by token_budget); 0 = such steps run eagerly",
     )
     overlap: bool | None = Field(
         None,

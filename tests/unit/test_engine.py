@@ -253,6 +253,6 @@ def test_prompt_graphs_are_a_cuda_option_capped_by_the_token_budget():
     on_cpu = EngineConfig(device="cpu", prompt_graph_tokens=2048).resolve()
     assert on_cpu.prompt_graph_tokens == 0 and not on_cpu.cuda_graphs
     assert EngineConfig(device="cpu").resolve().prompt_graph_tokens == 0
-    assert EngineConfig().prompt_graph_tokens == 0  # opt-in
+    assert EngineConfig(device="cuda").resolve().prompt_graph_tokens == 2048  # on by default on CUDA
     cuda = EngineConfig(device="cuda", prompt_graph_tokens=4096, token_budget=1024).resolve()
     assert cuda.prompt_graph_tokens == 1024
