@@ -40,6 +40,7 @@ from cluster.bench_stats import (
     make_plans,
     make_samples,
     print_report,
+    step_summary,
     summarize,
     tally,
 )
@@ -145,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
             )
     if not args.skip_engine:
         summaries["in-process engine"] = asyncio.run(
-            _engine_run(config.engine, samples, arrivals, args.max_concurrency, config.worker_cpu_threads)
+            _engine_run(
+                config.engine, samples, arrivals, args.max_concurrency, config.worker_cpu_threads
+            )
         )
     print_report(summaries, vars(args))
     # the cluster config the run used (its file may be gone later), without the API keys
@@ -205,7 +208,9 @@ def local_app(config: Any) -> Iterator[str]:
         ray.shutdown()
 
 
-def http_client(base_url: str, concurrency: int, timeout_s: float, api_key: str | None = None) -> Any:
+def http_client(
+    base_url: str, concurrency: int, timeout_s: float, api_key: str | None = None
+) -> Any:
     """The load generator's HTTP session (aiohttp, which Ray Serve brings).
 
     Not httpx: its connection pool costs CPU per request that grows with the connections
@@ -339,7 +344,9 @@ async def _read_events(
     if result.outcome == "error":
         return
     if not done or finish is None:
-        missing = " and ".join(m for m, ok in (("a finish_reason", finish), ("[DONE]", done)) if not ok)
+        missing = " and ".join(
+            m for m, ok in (("a finish_reason", finish), ("[DONE]", done)) if not ok
+        )
         result.outcome = "lost"
         result.error = f"the stream ended after {chunks} chunks without {missing}"
     else:
@@ -355,9 +362,11 @@ async def _engine_run(
     arrivals: np.ndarray,
     concurrency: int,
     cpu_threads: int | None = None,
+    step_log: bool = False,
 ) -> dict[str, Any]:
     """The same load against an engine in this process; `cpu_threads` as a worker replica's
-    (`ClusterConfig.worker_cpu_threads`), so both sides compute with the same torch threads."""
+    (`ClusterConfig.worker_cpu_threads`), so both sides compute with the same torch threads.
+    `step_log`: the summary's "steps" say how long the load's steps took (`step_summary`)."""
     import torch
 
     from worker.engine import Engine, EngineRequest
@@ -387,7 +396,11 @@ async def _engine_run(
 
     try:
         await asyncio.gather(*(one(s) for s in samples[:2]))
+        if step_log:
+            engine.step_log = []
         summary, _ = await _drive(samples, arrivals, concurrency, one)
+        if engine.step_log is not None:
+            summary["steps"] = step_summary(list(engine.step_log))
         if engine.scheduler.pacer is not None:  # what EngineConfig.prefill_slowdown learnt
             summary["pacer"] = engine.scheduler.pacer.describe()
         return summary
