@@ -146,9 +146,7 @@ def run(args: argparse.Namespace) -> int:
             )
     if not args.skip_engine:
         summaries["in-process engine"] = asyncio.run(
-            _engine_run(
-                config.engine, samples, arrivals, args.max_concurrency, config.worker_cpu_threads
-            )
+            _engine_run(config.engine, samples, arrivals, args.max_concurrency, config.worker_cpu_threads)
         )
     print_report(summaries, vars(args))
     # the cluster config the run used (its file may be gone later), without the API keys
@@ -208,9 +206,7 @@ def local_app(config: Any) -> Iterator[str]:
         ray.shutdown()
 
 
-def http_client(
-    base_url: str, concurrency: int, timeout_s: float, api_key: str | None = None
-) -> Any:
+def http_client(base_url: str, concurrency: int, timeout_s: float, api_key: str | None = None) -> Any:
     """The load generator's HTTP session (aiohttp, which Ray Serve brings).
 
     Not httpx: its connection pool costs CPU per request that grows with the connections
@@ -344,9 +340,7 @@ async def _read_events(
     if result.outcome == "error":
         return
     if not done or finish is None:
-        missing = " and ".join(
-            m for m, ok in (("a finish_reason", finish), ("[DONE]", done)) if not ok
-        )
+        missing = " and ".join(m for m, ok in (("a finish_reason", finish), ("[DONE]", done)) if not ok)
         result.outcome = "lost"
         result.error = f"the stream ended after {chunks} chunks without {missing}"
     else:

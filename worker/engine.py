@@ -50,6 +50,7 @@ class StepRecord:
     num_decodes: int  # requests advancing by one token of their output
     num_prompt_tokens: int  # prompt (or recomputed) tokens in the step
     overlapped: bool  # queued on the device before its predecessor's tokens were read
+    launch_seconds: float = 0.0  # host time that queued it (bind, forward, sampling launched)
 
 
 class EngineFull(RuntimeError):
@@ -223,7 +224,7 @@ class Engine:
     def _record(step: PendingStep) -> StepRecord:
         decode = [t.num_new == 1 and bool(t.request.output_ids) for t in step.tasks]
         prompt = sum(t.num_new for t, d in zip(step.tasks, decode, strict=True) if not d)
-        return StepRecord(0.0, sum(decode), prompt, step.overlapped)
+        return StepRecord(0.0, sum(decode), prompt, step.overlapped, step.launch_seconds)
 
     def _launch(self, tasks: list[ScheduledTask], deltas: list[RequestDelta], carried: Sequence[tuple[int, int]] = ()) -> PendingStep | None:
         now = time.monotonic()

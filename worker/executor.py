@@ -7,6 +7,7 @@ It never looks inside the scheduler; the scheduler never touches tensors.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,7 @@ class PendingStep:
     overlapped: bool = False  # queued before the previous step's tokens were read
     advanced: bool = False  # its requests were advanced past it before its results were read
     started: torch.cuda.Event | None = None  # recorded before its first kernel (CUDA only)
+    launch_seconds: float = 0.0  # host time of `Executor.launch` (bind, forward, sampling queued)
 
     def device_seconds(self) -> float | None:
         """The step's span on the device stream, from its first queued work to the copy of its
@@ -131,11 +133,14 @@ class Executor:
 
         `carried`: (packed input index, row of the previous step's sampled ids) for input
         tokens the previous step sampled and the host has not read yet."""
+        start = time.perf_counter()
         try:
-            return self._launch(tasks, carried)
+            pending = self._launch(tasks, carried)
         except BaseException:
             self.discard()
             raise
+        pending.launch_seconds = time.perf_counter() - start
+        return pending
 
     def resolve(self, pending: PendingStep) -> StepResult:
         """Wait for a launched step; its sampled ids (and logprobs) on the host."""

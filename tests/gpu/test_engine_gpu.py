@@ -31,8 +31,10 @@ def shape_dir(tmp_path_factory):
 
 
 def _engine(path, **overrides) -> Engine:
+    """Prompt steps run eagerly here unless a test asks for prompt graphs (on by default in
+    EngineConfig): the tests below compare the two paths."""
     cfg = dict(model=str(path), load_format="random", dtype="bfloat16", device="cuda", max_running=MAX_RUNNING,
-               max_seq_len=2048, num_pages=2048, page_size=16)  # fmt: skip
+               max_seq_len=2048, num_pages=2048, page_size=16, prompt_graph_tokens=0)  # fmt: skip
     return Engine(EngineConfig(**{**cfg, **overrides}))
 
 
@@ -43,7 +45,7 @@ def graph_engine(shape_dir):
 
 @pytest.fixture(scope="module")
 def prompt_graph_engine(shape_dir):
-    """Decode graphs and piecewise prompt graphs (opt-in: `prompt_graph_tokens`)."""
+    """Decode graphs and piecewise prompt graphs (`prompt_graph_tokens`, EngineConfig's default)."""
     return _engine(shape_dir, prompt_graph_tokens=2048)
 
 
