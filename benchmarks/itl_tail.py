@@ -102,7 +102,7 @@ def _show(variant: str, s: dict[str, Any]) -> None:
     for name, k in rows.items():
         print(
             f"    {name:26} {k['steps']:5} steps  p50 {k['p50']:6.2f} p99 {k['p99']:6.2f} ms  "
-            f"over 2x decode p50: {k['over_2x_decode_p50']}  launch p50 {k['launch_ms']['p50']:.2f} ms",
+            f"over 2x decode p50: {k['over_2x_decode_p50']}  launch p50 {k['launch_ms']['p50']:.2f} ms, schedule p50 {k['schedule_ms']['p50']:.2f} ms",
             flush=True,
         )
     print(f"    slow decode-only steps: {steps['slow_decode_only']}", flush=True)

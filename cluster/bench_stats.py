@@ -145,9 +145,10 @@ def _stats_ms(values: list[float]) -> dict[str, float]:
 
 def step_summary(steps: list[Any]) -> dict[str, Any]:
     """Where inter-token gaps come from: an engine's resolved steps (`Engine.step_log`:
-    `seconds`, `num_decodes`, `num_prompt_tokens`, `overlapped`, `launch_seconds`),
-    decode-only vs carrying prompt tokens (by prompt tokens), how many of each took over
-    twice the decode-only median, and the host time that launched them."""
+    `seconds`, `num_decodes`, `num_prompt_tokens`, `overlapped`, `launch_seconds`,
+    `schedule_seconds`), decode-only vs carrying prompt tokens (by prompt tokens), how many
+    of each took over twice the decode-only median, and the host time that chose and
+    launched them."""
     decode = [s.seconds for s in steps if s.num_prompt_tokens == 0]
     floor = 2.0 * float(np.median(decode)) if decode else float("inf")
 
@@ -158,6 +159,7 @@ def step_summary(steps: list[Any]) -> dict[str, Any]:
             **_stats_ms(secs),
             "over_2x_decode_p50": sum(x > floor for x in secs),
             "launch_ms": _stats_ms([s.launch_seconds for s in chosen]),
+            "schedule_ms": _stats_ms([s.schedule_seconds for s in chosen]),
         }
 
     mixed = [s for s in steps if s.num_prompt_tokens > 0]
@@ -182,6 +184,7 @@ def step_summary(steps: list[Any]) -> dict[str, Any]:
             "decodes_p50": float(np.median([steps[i].num_decodes for i in slow])) if slow else float("nan"),
             # the launch of the step after each: with overlap it runs inside the slow step's call
             "next_launch_ms": _stats_ms([steps[i + 1].launch_seconds for i in slow if i + 1 < len(steps)]),
+            "next_schedule_ms": _stats_ms([steps[i + 1].schedule_seconds for i in slow if i + 1 < len(steps)]),
         },
     }
 

@@ -51,6 +51,7 @@ class StepRecord:
     num_prompt_tokens: int  # prompt (or recomputed) tokens in the step
     overlapped: bool  # queued on the device before its predecessor's tokens were read
     launch_seconds: float = 0.0  # host time that queued it (bind, forward, sampling launched)
+    schedule_seconds: float = 0.0  # host time that chose its tasks (and drained inputs, unless overlapped)
 
 
 class EngineFull(RuntimeError):
@@ -189,15 +190,19 @@ class Engine:
                 deltas.append(self._finish(request, "length"))
             if tasks:
                 self._inflight = self._launch(tasks, deltas)
+                if self._inflight is not None:
+                    self._inflight.schedule_seconds = time.perf_counter() - start - self._inflight.launch_seconds
         current, self._inflight = self._inflight, None
         if current is not None:
             pacer = self.scheduler.pacer
             record = self._record(current) if self.step_log is not None or pacer is not None else None
+            scheduled_at = time.perf_counter()
             following = self._continuation(current, deltas) if self.config.overlap else None
             if following is not None:
                 self._inflight = self._launch(following, deltas, carried=_carried(current, following))
                 if self._inflight is not None:
                     self._inflight.overlapped = True
+                    self._inflight.schedule_seconds = time.perf_counter() - scheduled_at - self._inflight.launch_seconds
                 self.num_overlapped_steps += 1
             device_s = None
             try:
@@ -224,7 +229,7 @@ class Engine:
     def _record(step: PendingStep) -> StepRecord:
         decode = [t.num_new == 1 and bool(t.request.output_ids) for t in step.tasks]
         prompt = sum(t.num_new for t, d in zip(step.tasks, decode, strict=True) if not d)
-        return StepRecord(0.0, sum(decode), prompt, step.overlapped, step.launch_seconds)
+        return StepRecord(0.0, sum(decode), prompt, step.overlapped, step.launch_seconds, step.schedule_seconds)
 
     def _launch(self, tasks: list[ScheduledTask], deltas: list[RequestDelta], carried: Sequence[tuple[int, int]] = ()) -> PendingStep | None:
         now = time.monotonic()

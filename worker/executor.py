@@ -53,6 +53,7 @@ class PendingStep:
     advanced: bool = False  # its requests were advanced past it before its results were read
     started: torch.cuda.Event | None = None  # recorded before its first kernel (CUDA only)
     launch_seconds: float = 0.0  # host time of `Executor.launch` (bind, forward, sampling queued)
+    schedule_seconds: float = 0.0  # host time the engine spent choosing its tasks (Engine.step)
 
     def device_seconds(self) -> float | None:
         """The step's span on the device stream, from its first queued work to the copy of its

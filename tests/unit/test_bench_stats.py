@@ -41,5 +41,6 @@ def test_engine_step_log_records_each_steps_launch_time(tiny_model):
     assert len(engine.step_log) == 6 and engine.step_log[0].num_prompt_tokens == 23
     # on CPU nothing overlaps: each step is launched and read in one call
     assert all(not s.overlapped and 0 < s.launch_seconds <= s.seconds for s in engine.step_log)
+    assert all(0 < s.schedule_seconds < s.seconds for s in engine.step_log)
     summary = step_summary(engine.step_log)
     assert summary["with_prompt"]["steps"] == 1 and summary["decode_only"]["launch_ms"]["p50"] > 0
