@@ -77,6 +77,7 @@ class Ingress:
             router.max_batch_requests,
             config.limits,
             on_call=self._metrics.observe_call,
+            submit_socket=config.frame_socket and config.submit_socket,
         )
         self._created = now()
         self._info: dict[str, Any] | None = None

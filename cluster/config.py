@@ -199,6 +199,12 @@ class ClusterConfig(BaseModel):
         "replica, on its node's address) rather than a Serve stream: less latency and CPU per frame; an ingress that cannot "
         "connect reads a Serve stream instead",
     )
+    submit_socket: bool = Field(
+        True,
+        description="with frame_socket, ingress replicas also send submits over a connection to the worker replica the router "
+        "picked (Serve's choose_replica, Ray >= 2.60) rather than a Serve call: one socket write each way on a request's "
+        "way to its first token; a replica that cannot be reached gets Serve calls",
+    )
     host: str = Field("127.0.0.1", description="HTTP host of the Serve proxy")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the Serve proxy")
     route_prefix: str = Field("/", description="route prefix of the application")

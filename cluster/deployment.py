@@ -12,7 +12,10 @@ per engine step for the pair, not one per call (see transport.py). Each ingress 
   ingress died), aborts what is left.
 - `generate` does the same in one call with a stream of its own (direct use, tests).
 - With `frame_socket`, a session can also be read over a plain TCP connection to this
-  replica (transport.py); closing it is what cancelling a session call does.
+  replica (transport.py); closing it is what cancelling a session call does. The same port
+  takes submit links (submits and their answers, no Serve call) and is published, from the
+  replica's start, in its Serve replica metadata (`frames_at`), which an ingress's router
+  sees with its choice of replica.
 
 A replica reports its load and prefix-cache keys to routers (`record_routing_stats`), its
 queue depth and KV usage to the autoscaler (`record_autoscaling_stats`), and counts as
@@ -42,9 +45,11 @@ from cluster.router import RouteHint
 from cluster.transport import (
     decode_hello,
     decode_requests,
+    decode_submit,
     encode_accepted,
     encode_deltas,
     encode_refused,
+    encode_submit_answer,
     read_frame,
     write_frame,
 )
@@ -170,6 +175,9 @@ class WorkerDeployment:
         self._frame_socket = frame_socket
         self._frame_server: asyncio.Task[tuple[str, int] | None] | None = None
         self._socket_sessions = 0  # open sessions on the frame socket
+        self._submit_links: set[asyncio.StreamWriter] = set()  # open submit links
+        self._draining = False  # Serve is stopping this replica
+        self._link_submits = 0  # submits that came over submit links (the rest: Serve calls)
         self._server: asyncio.Server | None = None
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         log.info("worker replica %s ready: %s", self._replica_id, self._engine.config)
@@ -277,20 +285,30 @@ class WorkerDeployment:
         log.info("worker replica %s serves session frames on %s:%d", self._replica_id, host, port)
         return host, port
 
+    async def record_replica_metadata(self) -> dict[str, Any]:
+        """Serve asks once, when the replica is ready: the frame socket's address, which an
+        ingress's router hands back with its choice of this replica (submit links)."""
+        frames_at = await self._frames_at()
+        return {} if frames_at is None else {"frames_at": list(frames_at)}
+
     async def _frames_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One session over the frame socket: the ingress says who it is, then reads what
-        `session` yields. The worker closes the connection when the session ends; the
-        ingress closing it (it gave up, or died) ends the session as a cancelled call would:
-        what is unfinished is aborted."""
+        """One connection to the frame socket: the ingress says who it is and what the
+        connection carries. A session: it reads what `session` yields; the worker closes the
+        connection when the session ends, and the ingress closing it (it gave up, or died)
+        ends the session as a cancelled call would: what is unfinished is aborted. A submit
+        link: `_submit_link`."""
         try:
             async with asyncio.timeout(10.0):
                 hello = await read_frame(reader)
             if hello is None:
                 raise ConnectionError("closed before its hello")
-            ingress_id, replica_id = decode_hello(hello)
+            ingress_id, replica_id, kind = decode_hello(hello)
         except (TimeoutError, ConnectionError, ValueError, KeyError, TypeError) as exc:
             log.warning("frame socket: a connection without a valid hello: %r", exc)
             writer.close()
+            return
+        if kind == "submit":
+            await self._submit_link(reader, writer, ingress_id)
             return
         frames = self.session(RouteHint(replica_id=replica_id), ingress_id)
         pump = asyncio.ensure_future(_pump(frames, writer))
@@ -305,6 +323,27 @@ class WorkerDeployment:
                 await pump
             writer.close()
             self._socket_sessions -= 1
+
+    async def _submit_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ingress_id: str) -> None:
+        """Submits from one ingress over a connection of their own, each answered as the
+        `submit` call answers, with the id it came with, in order. The link carries no
+        deltas: those come on the ingress's session. It ends when the ingress closes it."""
+        if self._draining:
+            writer.close()
+            return
+        self._submit_links.add(writer)
+        try:
+            while (frame := await read_frame(reader)) is not None and not self._draining:
+                submit_id, num_requests, sender, payload = decode_submit(frame)
+                self._link_submits += 1
+                answer = await self.submit(RouteHint(num_requests=num_requests, sender=sender), payload, ingress_id)
+                write_frame(writer, encode_submit_answer(submit_id, answer))
+                await writer.drain()
+        except (ConnectionError, ValueError, TypeError) as exc:
+            log.warning("submit link from ingress %s ended: %r", ingress_id, exc)
+        finally:
+            self._submit_links.discard(writer)
+            writer.close()
 
     async def session(self, hint: RouteHint, ingress_id: str) -> AsyncGenerator[bytes, None]:
         """The deltas of everything `ingress_id` queued here: an accept frame, then one
@@ -409,6 +448,7 @@ class WorkerDeployment:
         return {
             "replica_id": self._replica_id,
             "faults_injected": self._faults.injected,
+            "link_submits": self._link_submits,
             "rss_bytes": rss_bytes(),
             "stalled_s": self._stalled_s(stats),
             **dataclasses.asdict(stats),
@@ -469,12 +509,22 @@ class WorkerDeployment:
         engine = getattr(self, "_engine", None)
         if engine is None:
             return None
-        if getattr(self, "_socket_sessions", 0):
+        self._draining = True
+        for link in getattr(self, "_submit_links", ()):  # a submit sent meanwhile is sent again elsewhere
+            link.close()
+        if self._holds_socket_work():
             return self._stop_after_socket_sessions()
         engine.shutdown()
         return None
 
+    def _holds_socket_work(self) -> bool:
+        """Open frame-socket sessions, or requests accepted and unfinished (a submit over a
+        link is not a Serve call, and its session opens only after its answer)."""
+        if not getattr(self, "_frame_socket", False):
+            return False
+        return self._socket_sessions > 0 or any(not box.stream.finished for box in self._mailboxes.values())
+
     async def _stop_after_socket_sessions(self) -> None:
-        while self._socket_sessions:
+        while self._holds_socket_work():
             await asyncio.sleep(0.05)
         self._engine.shutdown()

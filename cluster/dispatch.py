@@ -39,8 +39,10 @@ from cluster.transport import (
     WireRequest,
     decode_deltas,
     decode_first,
+    decode_submit_answer,
     encode_hello,
     encode_requests,
+    encode_submit,
     read_frame,
     write_frame,
 )
@@ -197,9 +199,7 @@ class _Submit:
         timeout_s = dispatcher.limits.accept_timeout_s
         try:
             async with asyncio.timeout(timeout_s):
-                answer = decode_first(
-                    await dispatcher.submit_handle.remote(hint, payload, dispatcher.ingress_id)
-                )
+                answer = decode_first(await dispatcher.call_submit(hint, payload))
         except TimeoutError:
             raise CallError(
                 "unavailable", f"no worker accepted the request within {timeout_s:.0f} s"
@@ -218,6 +218,74 @@ class _Submit:
             return
         kind = "unavailable" if refusal.kind == "gone" else refusal.kind
         self._fail(CallError(kind, refusal.message))
+
+
+class _SubmitLink:
+    """Submits to one worker replica over a connection to its frame socket (a submit link,
+    transport.py): each is written with an id, and its answer, the bytes a `submit` call
+    returns, is matched by that id. When the connection fails every submit waiting on it
+    fails with ConnectionError, as a Serve call to a dead replica fails, and the next
+    submit opens a new link."""
+
+    def __init__(self, dispatcher: Dispatcher, frames_at: tuple[str, int]):
+        self.dispatcher = dispatcher
+        self.frames_at = frames_at
+        self._writer: asyncio.Future[asyncio.StreamWriter] | None = None
+        self._waiting: dict[int, asyncio.Future[bytes]] = {}
+        self._ids = 0
+        self.closed = False
+
+    async def submit(self, hint: RouteHint, payload: bytes) -> bytes:
+        if self._writer is None:
+            self._writer = asyncio.ensure_future(self._connect())
+        writer = await asyncio.shield(self._writer)
+        if self.closed:
+            raise ConnectionError(f"the submit link to {self.frames_at} closed")
+        self._ids += 1
+        answer = self._waiting[self._ids] = asyncio.get_running_loop().create_future()
+        write_frame(writer, encode_submit(self._ids, hint.num_requests, hint.sender, payload))
+        return await answer
+
+    @property
+    def never_connected(self) -> bool:
+        """The connection could not be opened (not: it opened and failed later)."""
+        w = self._writer
+        return w is not None and w.done() and not w.cancelled() and w.exception() is not None
+
+    async def _connect(self) -> asyncio.StreamWriter:
+        host, port = self.frames_at
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), FRAME_SOCKET_CONNECT_S)
+        except BaseException:
+            self.close(None)
+            raise
+        write_frame(writer, encode_hello(self.dispatcher.ingress_id, "", kind="submit"))
+        self.dispatcher._spawn(self._read(reader, writer))
+        return writer
+
+    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        error: BaseException = ConnectionError(f"the worker at {self.frames_at} closed the submit link")
+        try:
+            while (frame := await read_frame(reader)) is not None:
+                submit_id, answer = decode_submit_answer(frame)
+                waiting = self._waiting.pop(submit_id, None)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(answer)
+        except Exception as exc:
+            error = exc
+        finally:
+            writer.close()
+            self.close(error)
+
+    def close(self, error: BaseException | None) -> None:
+        """Fail what waits on this link, and let the dispatcher open a new one next time."""
+        self.closed = True
+        if self.dispatcher._links.get(self.frames_at) is self:
+            del self.dispatcher._links[self.frames_at]
+        for waiting in self._waiting.values():
+            if not waiting.done():
+                waiting.set_exception(error or ConnectionError("the submit link closed"))
+        self._waiting.clear()
 
 
 class _Session:
@@ -380,10 +448,16 @@ class Dispatcher:
         max_batch: int,
         limits: Any,
         on_call: Callable[[int], None] = lambda num_requests: None,
+        submit_socket: bool = False,
     ):
-        """`on_call(num_requests)` is told the size of every call sent (a metric)."""
+        """`on_call(num_requests)` is told the size of every call sent (a metric).
+        `submit_socket`: send submits over a submit link to the chosen replica when it
+        publishes a frame socket (`call_submit`)."""
         self._on_call = on_call
         self.submit_handle = worker_handle.options(method_name="submit")
+        # Serve's choice of replica without a call to it (Ray >= 2.60)
+        self._choose = getattr(self.submit_handle, "choose_replica", None) if submit_socket else None
+        self._links: dict[tuple[str, int], _SubmitLink] = {}
         self.session_handle = worker_handle.options(method_name="session", stream=True)
         self.ingress_id = uuid.uuid4().hex[:16]  # names this ingress's mailbox on each worker
         self._sessions: dict[str, _Session] = {}
@@ -440,6 +514,41 @@ class Dispatcher:
             for r in stream.group.requests:
                 self.live[r.request_id] = stream
         self._spawn(_Submit(self, streams, attempt).run())
+
+    async def call_submit(self, hint: RouteHint, payload: bytes) -> bytes:
+        """One submit, answered with the worker's accept or refuse frame.
+
+        With submit links, the router picks the replica as it would for a Serve call
+        (`choose_replica`, without reserving a slot there: the worker's own queue limit
+        answers for it), and the submit goes over the link to that replica's frame socket:
+        one socket write each way instead of a Serve call. A replica without a reachable
+        socket gets a Serve call, routed afresh."""
+        if self._choose is not None:
+            async with self._choose(hint, _reserve=False) as selection:
+                at = (selection.replica_metadata or {}).get("frames_at")
+                frames_at = (str(at[0]), int(at[1])) if at else None
+                if frames_at is not None and frames_at not in self.unreachable:
+                    answer = await self._link_submit(frames_at, hint, payload)
+                    if answer is not None:
+                        return answer
+        response: bytes = await self.submit_handle.remote(hint, payload, self.ingress_id)
+        return response
+
+    async def _link_submit(self, frames_at: tuple[str, int], hint: RouteHint, payload: bytes) -> bytes | None:
+        """The answer over the replica's submit link; None when no link could be opened
+        (the address joins `unreachable`). A link that fails after it opened raises, as a
+        Serve call to a replica that died does (the submit is then sent once more)."""
+        link = self._links.get(frames_at)
+        if link is None:
+            link = self._links[frames_at] = _SubmitLink(self, frames_at)
+        try:
+            return await link.submit(hint, payload)
+        except (OSError, TimeoutError) as exc:
+            if not link.never_connected:
+                raise
+            log.warning("no submit link to %s (%r): Serve calls instead", frames_at, exc)
+            self.unreachable.add(frames_at)
+            return None
 
     def session(self, replica_id: str) -> _Session:
         """The session with a replica, open or about to open."""

@@ -15,7 +15,9 @@ Serve stream (`ClusterConfig.frame_socket`): the accept frame of a submit then n
 address, the ingress connects and sends a hello (its id and the replica it expects), and
 reads the same frames, each prefixed with its length (4 bytes, big-endian). A Serve stream
 item crosses gRPC and Serve's streaming machinery in two Python processes; a socket write
-does not.
+does not. Submits can take the same way (a *submit link*: a connection whose hello says
+`submit`): the ingress's router picks the replica as for a Serve call, and the submit and its
+answer travel over the link, matched by an id.
 """
 
 from __future__ import annotations
@@ -97,14 +99,42 @@ _LENGTH_BYTES = 4
 MAX_SOCKET_FRAME = 1 << 30  # a frame is one engine step's deltas: far below this
 
 
-def encode_hello(ingress_id: str, replica_id: str) -> bytes:
-    return msgpack.packb({"ingress": ingress_id, "replica": replica_id})
+HelloKind = Literal["session", "submit"]
 
 
-def decode_hello(frame: bytes) -> tuple[str, str]:
-    """(ingress id, the replica id the ingress expects)."""
+def encode_hello(ingress_id: str, replica_id: str, kind: HelloKind = "session") -> bytes:
+    if kind == "session":
+        return msgpack.packb({"ingress": ingress_id, "replica": replica_id})
+    return msgpack.packb({"ingress": ingress_id, "replica": replica_id, "kind": kind})
+
+
+def decode_hello(frame: bytes) -> tuple[str, str, HelloKind]:
+    """(ingress id, the replica id the ingress expects, what the connection carries)."""
     data = msgpack.unpackb(frame)
-    return str(data["ingress"]), str(data["replica"])
+    kind = data.get("kind", "session")
+    if kind not in ("session", "submit"):
+        raise ValueError(f"a connection for {kind!r}")
+    return str(data["ingress"]), str(data["replica"]), kind
+
+
+def encode_submit(submit_id: int, num_requests: int, sender: str, payload: bytes) -> bytes:
+    """A submit over a submit link: the payload of a `submit` call, with what the worker
+    counts per sender (RouteHint.num_requests, .sender), and an id its answer repeats."""
+    return msgpack.packb([submit_id, num_requests, sender, payload])
+
+
+def decode_submit(frame: bytes) -> tuple[int, int, str, bytes]:
+    submit_id, num_requests, sender, payload = msgpack.unpackb(frame)
+    return int(submit_id), int(num_requests), str(sender), bytes(payload)
+
+
+def encode_submit_answer(submit_id: int, answer: bytes) -> bytes:
+    return msgpack.packb([submit_id, answer])
+
+
+def decode_submit_answer(frame: bytes) -> tuple[int, bytes]:
+    submit_id, answer = msgpack.unpackb(frame)
+    return int(submit_id), bytes(answer)
 
 
 def write_frame(writer: asyncio.StreamWriter, frame: bytes) -> None:

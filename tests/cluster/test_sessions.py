@@ -6,13 +6,17 @@ or an orphaned mailbox aborts its requests and frees their pages."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from types import SimpleNamespace
 
 import pytest
 
 import cluster.deployment as deployment
+from cluster.config import RequestLimits
 from cluster.deployment import WorkerDeployment
+from cluster.dispatch import Dispatcher, Group
 from cluster.router import RouteHint
 from cluster.transport import (
     Accepted,
@@ -20,8 +24,10 @@ from cluster.transport import (
     WireRequest,
     decode_deltas,
     decode_first,
+    decode_submit_answer,
     encode_hello,
     encode_requests,
+    encode_submit,
     read_frame,
     write_frame,
 )
@@ -255,3 +261,143 @@ def test_a_worker_without_the_frame_socket_names_no_address(make_worker) -> None
     answer = decode_first(asyncio.run(worker.submit(RouteHint(), payload("n", 1, max_tokens=2), "ing-a")))
     assert isinstance(answer, Accepted) and answer.frames_at is None
     asyncio.run(read(worker.session(HERE, "ing-a")))
+
+
+async def open_submit_link(worker: WorkerDeployment, ingress: str = "ing-a") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    at = (await worker.record_replica_metadata())["frames_at"]
+    reader, writer = await asyncio.open_connection(at[0], at[1])
+    write_frame(writer, encode_hello(ingress, "", kind="submit"))
+    return reader, writer
+
+
+def test_submits_over_a_submit_link_are_answered_by_id_and_deliver_on_the_session(make_worker) -> None:
+    worker = make_worker(linger_s=0.2, frame_socket=True)
+
+    async def run() -> tuple[list[tuple[int, Accepted | Refused]], list[RequestDelta]]:
+        reader, writer = await open_submit_link(worker)
+        write_frame(writer, encode_submit(7, 2, "ing-a", payload("a", 2)))
+        write_frame(writer, encode_submit(8, 1, "ing-a", payload("b", 1)))
+        answers = []
+        for _ in range(2):
+            submit_id, answer = decode_submit_answer(await read_frame(reader))  # type: ignore[arg-type]
+            answers.append((submit_id, decode_first(answer)))
+        at = answers[0][1].frames_at  # type: ignore[union-attr]
+        s_reader, s_writer = await asyncio.open_connection(*at)
+        write_frame(s_writer, encode_hello("ing-a", REPLICA))
+        assert isinstance(decode_first(await read_frame(s_reader)), Accepted)  # type: ignore[arg-type]
+        deltas = []
+        while (frame := await read_frame(s_reader)) is not None:
+            deltas.extend(decode_deltas(frame))
+        s_writer.close()
+        writer.close()
+        return answers, deltas
+
+    answers, deltas = asyncio.run(run())
+    assert [i for i, _ in answers] == [7, 8]
+    assert all(isinstance(a, Accepted) and a.replica_id == REPLICA for _, a in answers)
+    assert tokens_by_request(deltas) == {"a0": 12, "a1": 12, "b0": 12}
+    assert worker._answered["ing-a"][0] == 3  # the routers' load accounting sees link submits too
+    assert idle_and_free(worker)
+
+
+def test_a_refused_submit_on_a_link_keeps_the_link_open(make_worker) -> None:
+    worker = make_worker(frame_socket=True)
+
+    async def run() -> list[Accepted | Refused]:
+        reader, writer = await open_submit_link(worker)
+        bad = encode_requests([WireRequest("x", [], SamplingParams(max_tokens=2))])  # an empty prompt
+        answers = []
+        for i, body in enumerate((bad, payload("ok", 1, max_tokens=2))):
+            write_frame(writer, encode_submit(i, 1, "ing-a", body))
+            answers.append(decode_first(decode_submit_answer(await read_frame(reader))[1]))  # type: ignore[arg-type]
+        await read(worker.session(HERE, "ing-a"))
+        writer.close()
+        return answers
+
+    first, second = asyncio.run(run())
+    assert isinstance(first, Refused) and first.kind == "invalid"
+    assert isinstance(second, Accepted)
+
+
+def test_a_draining_worker_closes_its_submit_links_and_takes_no_new_ones(make_worker) -> None:
+    worker = make_worker(frame_socket=True)
+
+    async def run() -> tuple[bytes | None, bytes | None]:
+        reader, writer = await open_submit_link(worker)
+        write_frame(writer, encode_submit(1, 1, "ing-a", payload("d", 1, max_tokens=2)))
+        assert isinstance(decode_first(decode_submit_answer(await read_frame(reader))[1]), Accepted)  # type: ignore[arg-type]
+        stopping = worker.__del__()  # Serve stops the replica; its request is unfinished
+        closed = await read_frame(reader)  # the link closes: a submit sent now is sent elsewhere
+        late_reader, _ = await open_submit_link(worker)
+        refused = await read_frame(late_reader)
+        await read(worker.session(HERE, "ing-a"))  # the accepted request still finishes
+        assert stopping is not None
+        await stopping
+        return closed, refused
+
+    assert asyncio.run(run()) == (None, None)
+
+
+class _ChoosingHandle:
+    """A worker handle in front of one in-process worker, with Serve's `choose_replica`
+    (its replica metadata naming `frames_at`): counts the Serve calls made through it."""
+
+    def __init__(self, worker: WorkerDeployment, frames_at: list[object], calls: dict[str, int] | None = None, method: str = ""):
+        self.worker, self.frames_at, self.method = worker, frames_at, method
+        self.calls: dict[str, int] = {} if calls is None else calls
+
+    def options(self, method_name: str, stream: bool = False) -> _ChoosingHandle:
+        return _ChoosingHandle(self.worker, self.frames_at, self.calls, method_name)
+
+    @contextlib.asynccontextmanager
+    async def choose_replica(self, hint: RouteHint, _reserve: bool = True) -> AsyncIterator[object]:
+        assert not _reserve
+        yield SimpleNamespace(replica_id=REPLICA, replica_metadata={"frames_at": self.frames_at})
+
+    async def remote(self, *args: object) -> bytes:
+        self.calls[self.method] = self.calls.get(self.method, 0) + 1
+        assert self.method == "submit", self.method
+        return await self.worker.submit(*args)  # type: ignore[arg-type]
+
+
+def _dispatch(handle: _ChoosingHandle, request_id: str) -> Awaitable[tuple[list[RequestDelta], Dispatcher]]:
+    async def run() -> tuple[list[RequestDelta], Dispatcher]:
+        dispatcher = Dispatcher(handle, 0.0, 8, RequestLimits(), submit_socket=True)
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        stream = dispatcher.submit(Group([WireRequest(request_id, random_prompts([9])[0], params)], ()))
+        assert await stream.accepted() == REPLICA
+        deltas = [d async for frame in stream for d in frame]
+        stream.close()
+        return deltas, dispatcher
+
+    return run()
+
+
+def test_the_dispatcher_submits_over_the_chosen_replicas_link_without_a_serve_call(make_worker) -> None:
+    worker = make_worker(linger_s=0.2, frame_socket=True)
+
+    async def run() -> tuple[list[RequestDelta], dict[str, int]]:
+        at = (await worker.record_replica_metadata())["frames_at"]
+        handle = _ChoosingHandle(worker, at)
+        deltas, _ = await _dispatch(handle, "l-1")
+        return deltas, handle.calls
+
+    deltas, calls = asyncio.run(run())
+    assert tokens_by_request(deltas) == {"l-1": 5} and calls == {}
+    assert idle_and_free(worker)
+
+
+def test_a_link_that_cannot_be_opened_falls_back_to_a_serve_call(make_worker) -> None:
+    worker = make_worker(linger_s=0.2, frame_socket=True)
+    with socket.socket() as probe:  # a port that was free a moment ago: connects are refused
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    async def run() -> tuple[list[RequestDelta], dict[str, int], set[tuple[str, int]]]:
+        handle = _ChoosingHandle(worker, ["127.0.0.1", port])
+        deltas, dispatcher = await _dispatch(handle, "f-1")
+        return deltas, handle.calls, dispatcher.unreachable
+
+    deltas, calls, unreachable = asyncio.run(run())
+    assert tokens_by_request(deltas) == {"f-1": 5} and calls == {"submit": 1}
+    assert unreachable == {("127.0.0.1", port)}

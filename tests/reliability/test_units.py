@@ -216,6 +216,7 @@ def test_metrics_show_a_hung_step_as_stalled_seconds() -> None:
     replica._engine = _HungEngine(work_age_s=120.0)  # type: ignore[assignment]
     replica._replica_id = "w-hung"
     replica._faults = FaultInjector(enabled=False)
+    replica._link_submits = 0
     stats = asyncio.run(replica.stats())
     assert 119.0 < stats["stalled_s"] < 130.0
     text = Metrics("m", "ing-1").render([stats]).decode()
