@@ -525,7 +525,7 @@ class Dispatcher:
         socket gets a Serve call, routed afresh."""
         if self._choose is not None:
             async with self._choose(hint, _reserve=False) as selection:
-                at = (selection.replica_metadata or {}).get("frames_at")
+                at = (getattr(selection, "replica_metadata", None) or {}).get("frames_at")
                 frames_at = (str(at[0]), int(at[1])) if at else None
                 if frames_at is not None and frames_at not in self.unreachable:
                     answer = await self._link_submit(frames_at, hint, payload)
