@@ -4,7 +4,9 @@ stream per worker replica.
 An OpenAI request becomes a `Group` (its n x prompts engine requests). `Dispatcher.submit`
 returns the group's `GroupStream` at once and sends the group either alone (the ingress was
 idle for a window, or the window is 0) or together with every group that arrives within
-`window_s` (a request batch: one `submit` call, one routing decision). An accepted group's
+`window_s` (a request batch: one `submit`, one routing decision). A submit is a Serve call,
+or, with submit links, the router's choice of replica and a write on a connection to that
+replica's frame socket (`Dispatcher.call_submit`). An accepted group's
 deltas come on the `_Session` this ingress holds with that replica: one long-lived Serve
 stream (or frame socket, transport.py) per (ingress, worker) pair, one item per engine step for all of this ingress's
 requests there, however many calls brought them. (A stream per call would cost the worker
@@ -242,9 +244,13 @@ class _SubmitLink:
         if self.closed:
             raise ConnectionError(f"the submit link to {self.frames_at} closed")
         self._ids += 1
-        answer = self._waiting[self._ids] = asyncio.get_running_loop().create_future()
-        write_frame(writer, encode_submit(self._ids, hint.num_requests, hint.sender, payload))
-        return await answer
+        submit_id = self._ids
+        answer = self._waiting[submit_id] = asyncio.get_running_loop().create_future()
+        write_frame(writer, encode_submit(submit_id, hint.num_requests, hint.sender, payload))
+        try:
+            return await answer
+        finally:  # answered, failed, or given up (the accept timeout)
+            self._waiting.pop(submit_id, None)
 
     @property
     def never_connected(self) -> bool:
