@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--http-proxy", choices=["serve", "haproxy"], default="serve",
                    help="HTTP in front of the ingress replicas (ClusterConfig.http_proxy)")  # fmt: skip
     p.add_argument("--max-batch-requests", type=int, default=8)
+    p.add_argument("--submit-socket", choices=["on", "off"], default="on",
+                   help="ClusterConfig.submit_socket: submits over links to the workers' frame sockets, or Serve calls")  # fmt: skip
     p.add_argument("--replicas", type=int, default=2, help="the scaled-out replica count")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
@@ -401,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "limits": {"accept_timeout_s": 600, "stall_timeout_s": 600},
         "http_proxy": args.http_proxy,
+        "submit_socket": args.submit_socket == "on",
     }
     lat_samples = make_samples(
         args.lat_prompts, args.input_len, args.lat_output_len, 0.5, 0, vocab, args.seed

@@ -31,6 +31,10 @@ class ForwardBatch:
     q_lens: list[int]
     seq_lens_host: list[int]
     steady: DecodeSteadyState | None = None
+    # [S] int64: the requests that sample this step, in order; None when all of them do. A
+    # device tensor staged with the metadata, because indexing the logits with a host list
+    # would copy it from pageable memory, and that copy waits for the whole device stream.
+    sample_rows: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

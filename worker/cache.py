@@ -213,6 +213,7 @@ class KVCache(CacheView):
         b = len(tasks)
         q_lens = [t.num_new for t in tasks]
         n_tokens = sum(q_lens)
+        sample_rows = None
         if steady:
             ws.positions[:b] += 1
             ws.seq_lens[:b] += 1
@@ -222,7 +223,7 @@ class KVCache(CacheView):
             torch.index_select(self.req_to_token.view(-1), 0, ws.flat_loc[:b], out=ws.loc_i32[:b])
             ws.out_cache_loc[:b].copy_(ws.loc_i32[:b])
         else:
-            self._bind_from_host(tasks, rows, starts, seq_lens, n_tokens, carried)
+            sample_rows = self._bind_from_host(tasks, rows, starts, seq_lens, n_tokens, carried)
         self._task_len[rows] = seq_lens
         self.batch = ForwardBatch(
             input_ids=ws.input_ids[:n_tokens],
@@ -236,12 +237,14 @@ class KVCache(CacheView):
             q_lens=q_lens,
             seq_lens_host=seq_lens,
             steady=DecodeSteadyState(b) if steady else None,
+            sample_rows=sample_rows,
         )
         return self.batch
 
-    def _bind_from_host(self, tasks, rows, starts, seq_lens, n_tokens: int, carried: Sequence[tuple[int, int]]) -> None:
+    def _bind_from_host(self, tasks, rows, starts, seq_lens, n_tokens: int, carried: Sequence[tuple[int, int]]) -> torch.Tensor | None:
         """Every buffer from the host lists, with whole-batch numpy ops (a batch of 256 decodes
-        binds in ~0.3 ms on CPU; one small op per request took 1.7 ms)."""
+        binds in ~0.3 ms on CPU; one small op per request took 1.7 ms). Returns the rows of the
+        tasks that sample when some do not (`ForwardBatch.sample_rows`), else None."""
         ws, b = self.ws, len(tasks)
         if self._staged is not None:
             self._staged.synchronize()
@@ -270,6 +273,13 @@ class KVCache(CacheView):
         ws.kv_indptr[: b + 1].copy_(ws.host_i32[3, : b + 1], non_blocking=True)
         ws.logits_indices[:b].copy_(ws.host_logits[:b], non_blocking=True)
         ws.row_base[:b].copy_(ws.host_logits[b : 2 * b], non_blocking=True)
+        sampling = np.flatnonzero(np.fromiter((t.samples for t in tasks), dtype=bool, count=b))
+        sample_rows = None
+        if len(sampling) < b:  # a prompt chunk that does not end its prompt samples nothing
+            k = len(sampling)
+            hl[2 * b : 2 * b + k] = sampling
+            sample_rows = ws.sample_rows[:k]
+            sample_rows.copy_(ws.host_logits[2 * b : 2 * b + k], non_blocking=True)
         if carried:  # input_ids[at] = next_token_ids[row], over the host's placeholders
             n = len(carried)
             ws.host_carry.numpy()[:, :n] = np.asarray(carried, dtype=np.int64).T
@@ -278,6 +288,7 @@ class KVCache(CacheView):
             ws.input_ids.index_copy_(0, ws.carry[0, :n], ws.carried_ids[:n])
         if self._staged is not None:
             self._staged.record()
+        return sample_rows
 
     def invalidate_bind(self) -> None:
         """Forget the last bind (after an aborted step), so the next one rebuilds everything."""

@@ -178,7 +178,8 @@ class Executor:
             self._sampling = None
             return PendingStep(tasks, rows)
         if len(rows) < len(tasks):
-            logits = logits[rows]
+            assert batch.sample_rows is not None and len(batch.sample_rows) == len(rows)
+            logits = logits.index_select(0, batch.sample_rows)
         info = self._sampling_info(tasks, rows, batch.steady is not None)
         next_ids = ws.next_token_ids[: len(rows)]
         sampled = None

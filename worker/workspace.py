@@ -41,6 +41,7 @@ class InferenceWorkspace:
         self.qo_indptr = i32(max_running + 1)
         self.kv_indptr = i32(max_running + 1)
         self.logits_indices = i64(max_running)
+        self.sample_rows = i64(max_running)  # tasks that sample, when some do not (prompt chunks)
         self.next_token_ids = i64(max_running)
         self.arange = torch.arange(max_running + 1, dtype=torch.int32, device=device)
         self.row_base = i64(max_running)  # row * max_seq_len, for the steady slot lookup
@@ -57,5 +58,5 @@ class InferenceWorkspace:
         pin = device.type == "cuda"
         self.host_i64 = torch.zeros((3, max_tokens), dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
         self.host_i32 = torch.zeros((4, max_running + 1), dtype=torch.int32, pin_memory=pin)  # rows, lens, qo, kv
-        self.host_logits = torch.zeros(2 * max_running, dtype=torch.int64, pin_memory=pin)  # logits rows, row bases
+        self.host_logits = torch.zeros(3 * max_running, dtype=torch.int64, pin_memory=pin)  # logits rows, row bases, sample rows
         self.host_carry = torch.zeros((2, max_running), dtype=torch.int64, pin_memory=pin)

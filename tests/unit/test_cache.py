@@ -110,3 +110,20 @@ def test_an_admission_rolled_back_for_lack_of_pages_is_counted_once_when_it_stic
     assert cache.admit(a) and cache.reserve(a, 13)
     cache.admitted(a)
     assert cache.prefix_stats == (0, 13)
+
+
+def test_a_bind_names_the_tasks_that_sample_when_some_do_not():
+    """A prompt chunk that does not end its prompt samples nothing: the bind stages the rows
+    that do (the executor picks their logits on the device, never from a host list)."""
+    cache = _cache()
+    decoding, chunked = _request("a", 5), _request("b", 12, start=40)
+    for r in (decoding, chunked):
+        assert cache.admit(r)
+    assert cache.reserve(decoding, 5) and cache.reserve(chunked, 6)
+    whole = cache.bind_tasks([ScheduledTask(decoding, 5), ScheduledTask(chunked, 6)])
+    assert whole.sample_rows is not None and whole.sample_rows.tolist() == [0]
+    decoding.num_computed, chunked.num_computed = 5, 6
+    decoding.output_ids.append(7)
+    assert cache.reserve(decoding, 1) and cache.reserve(chunked, 6)
+    both = cache.bind_tasks([ScheduledTask(decoding, 1), ScheduledTask(chunked, 6)])
+    assert both.sample_rows is None  # the chunk ends its prompt: every task samples
