@@ -247,8 +247,38 @@ async def http_run(
 
         if warm_up:
             await asyncio.gather(*(http_request(client, model, s) for s in samples[:2]))
+        before = await _scrape_steps(client)
         summary, results = await _drive(samples, arrivals, concurrency, one)
+        after = await _scrape_steps(client)
+    if before is not None and after is not None and after[1] > before[1]:
+        summary["engine_step_ms"] = 1e3 * (after[0] - before[0]) / (after[1] - before[1])
     return {**summary, "outcomes": tally(results, plans)}
+
+
+def parse_engine_steps(text: str) -> tuple[float, int] | None:
+    """(step seconds, steps) summed over the worker replicas in a /metrics page; None when
+    the server exports neither counter."""
+    seconds, steps, seen = 0.0, 0, False
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.split("{", 1)[0].split(" ", 1)[0], float(line.rsplit(" ", 1)[1])
+        if name == "kvray:engine_step_seconds_total":
+            seconds, seen = seconds + value, True
+        elif name == "kvray:engine_steps_total":
+            steps, seen = steps + int(value), True
+    return (seconds, steps) if seen else None
+
+
+async def _scrape_steps(client: Any) -> tuple[float, int] | None:
+    """The engine step counters of /metrics: with them the report gives the mean engine step
+    under Serve next to the in-process engine's, so a slower engine (the host shared with
+    Serve's processes) and the request's path can be told apart."""
+    try:
+        async with client.get("/metrics") as response:
+            return parse_engine_steps(await response.text()) if response.status == 200 else None
+    except Exception:  # an older server, or none: the figure is left out
+        return None
 
 
 async def http_request(
@@ -392,7 +422,11 @@ async def _engine_run(
         await asyncio.gather(*(one(s) for s in samples[:2]))
         if step_log:
             engine.step_log = []
+        before = engine.stats()
         summary, _ = await _drive(samples, arrivals, concurrency, one)
+        after = engine.stats()
+        if (steps := after.num_steps - before.num_steps) > 0:
+            summary["engine_step_ms"] = 1e3 * (after.step_seconds_total - before.step_seconds_total) / steps
         if engine.step_log is not None:
             summary["steps"] = step_summary(list(engine.step_log))
         if engine.scheduler.pacer is not None:  # what EngineConfig.prefill_slowdown learnt

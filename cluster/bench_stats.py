@@ -240,6 +240,8 @@ def print_report(summaries: dict[str, dict[str, Any]], args: dict[str, Any]) -> 
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         for stat in ("mean", "p50", "p99"):
             rows.append((f"{metric[:-3].upper()} {stat} (ms)", _stat_cell(metric, stat)))
+    if any("engine_step_ms" in summaries[n] for n in names):  # the engine's own mean step
+        rows.append(("engine step mean (ms)", lambda s: f"{s['engine_step_ms']:.2f}" if "engine_step_ms" in s else "-"))
     for title, cell in rows:
         print(f"{title:26}" + "".join(f"{cell(summaries[n]):>{width + 2}}" for n in names))
     if len(names) == 2:

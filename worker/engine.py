@@ -70,6 +70,7 @@ class EngineStats:
     prefix_queries: int = 0
     prefix_hit_rate: float = 0.0
     num_steps: int = 0
+    step_seconds_total: float = 0.0  # wall time of those steps' `Engine.step` calls, summed
     num_preemptions: int = 0
     last_step_time: float = 0.0
     loop_alive: bool = False
@@ -105,6 +106,7 @@ class Engine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._num_steps = 0
+        self._step_seconds = 0.0
         self.num_overlapped_steps = 0  # steps queued before their predecessor's tokens were read
         self._num_penalized = 0  # live requests with penalties (they keep steps from overlapping)
         self.step_log: list[StepRecord] | None = None  # set to a list to record every step (profiling)
@@ -222,6 +224,8 @@ class Engine:
                 if self.step_log is not None:  # the list may be unset meanwhile
                     self.step_log.append(record)
         self._publish(deltas)
+        if current is not None:
+            self._step_seconds += time.perf_counter() - start
         self._snapshot()
         return deltas
 
@@ -417,6 +421,7 @@ class Engine:
             prefix_queries=queries,
             prefix_hit_rate=hits / queries if queries else 0.0,
             num_steps=self._num_steps,
+            step_seconds_total=self._step_seconds,
             num_preemptions=sched.num_preemptions,
             last_step_time=now,
             prompt_tokens_total=self._prompt_tokens,

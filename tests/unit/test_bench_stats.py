@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
+from cluster.bench_serve import parse_engine_steps
 from cluster.bench_stats import step_summary
+from cluster.metrics import Metrics
 from tests.factories.tiny_models import random_prompts
 from worker.config import EngineConfig
 from worker.engine import Engine, EngineRequest, StepRecord
@@ -36,11 +40,26 @@ def test_engine_step_log_records_each_steps_launch_time(tiny_model):
     engine.step_log = []
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     stream = engine.submit([EngineRequest(f"r{i}", p, sp) for i, p in enumerate(random_prompts([9, 14]))])
+    start = time.perf_counter()
     while not stream.finished:
         engine.step()
+    wall = time.perf_counter() - start
     assert len(engine.step_log) == 6 and engine.step_log[0].num_prompt_tokens == 23
+    stats = engine.stats()  # the counters /metrics exports (kvray:engine_steps, _step_seconds)
+    assert stats.num_steps == 6
+    assert sum(s.seconds for s in engine.step_log) <= stats.step_seconds_total <= wall
     # on CPU nothing overlaps: each step is launched and read in one call
     assert all(not s.overlapped and 0 < s.launch_seconds <= s.seconds for s in engine.step_log)
     assert all(0 < s.schedule_seconds < s.seconds for s in engine.step_log)
     summary = step_summary(engine.step_log)
     assert summary["with_prompt"]["steps"] == 1 and summary["decode_only"]["launch_ms"]["p50"] > 0
+
+
+def test_the_mean_engine_step_is_read_back_from_metrics_over_every_replica():
+    replicas = [
+        {"replica_id": "w-1", "num_steps": 100, "step_seconds_total": 8.0},
+        {"replica_id": "w-2", "num_steps": 50, "step_seconds_total": 4.5},
+    ]
+    text = Metrics("demo", "ing-1").render(replicas).decode()
+    assert parse_engine_steps(text) == (12.5, 150)
+    assert parse_engine_steps(Metrics("demo", "ing-1").render([]).decode()) is None
