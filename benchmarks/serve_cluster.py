@@ -49,7 +49,7 @@ from cluster.bench_stats import (
     tally,
 )
 from cluster.config import ClusterConfig
-from cluster.local_ray import ray_session
+from cluster.local_ray import lower_control_plane, ray_session
 
 APP = "kvray"
 
@@ -449,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                 port = _free_port()
                 # a proxy on every Ray node; with --ray-nodes they share the port (SO_REUSEPORT)
                 serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "EveryNode"})
+                lower_control_plane()  # as `kvray serve` does
                 url = f"http://127.0.0.1:{port}"
                 if "scaling" in phases:
                     loads = {

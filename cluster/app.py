@@ -29,13 +29,23 @@ log = logging.getLogger(__name__)
 WORKER_NAME = "KvrayWorker"
 INGRESS_NAME = "KvrayIngress"
 
-# Ray Serve settings every process of a kvray cluster runs with. Serve reads them when a
-# process starts, so they must be in the environment before Ray starts (a local `ray.init`
-# passes its environment to every actor; in Kubernetes the pods set them, k8s/base).
-# gRPC between deployments instead of Ray actor calls: on the 2-core CPU with a host-bound
-# model, Serve's saturation throughput rose 1.58x and its added p50 TTFT fell from 35.6 to
-# 21.5 ms (benchmarks/README.md, "The Serve data path").
-SERVE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
+# Ray and Ray Serve settings every process of a kvray cluster runs with. Ray and Serve read
+# them when a process starts, so they must be in the environment before Ray starts (a local
+# `ray.init` passes its environment to every process it starts; in Kubernetes the pods set
+# them, k8s/base).
+SERVE_ENV = {
+    # gRPC between deployments instead of Ray actor calls: on the 2-core CPU with a
+    # host-bound model, Serve's saturation throughput rose 1.58x and its added p50 TTFT fell
+    # from 35.6 to 21.5 ms (benchmarks/README.md, "The Serve data path").
+    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+    # Ray starts its workers (here: the replicas, so the engine) at niceness 15, below its own
+    # daemons, which suits batch tasks and not a server: every wakeup of the GCS, the raylet
+    # or an agent then preempts the engine's threads, and a parallel op waits for its slowest
+    # thread. At 0, the engine's mean step under a steady Serve load on the 2-core CPU was
+    # 6-9 % shorter than at 15 (85.8 against 94.6 ms, phases alternated within one run;
+    # benchmarks/README.md, "Session 11").
+    "RAY_worker_niceness": "0",
+}
 
 # Settings for the cluster's processes only (controller, HAProxy manager, replicas), passed
 # through the job's runtime_env rather than this process's environment: HAProxy in front of

@@ -188,6 +188,7 @@ def local_app(config: Any) -> Iterator[str]:
     from ray import serve
 
     from cluster.app import build_app, cluster_runtime_env, set_serve_env
+    from cluster.local_ray import lower_control_plane
 
     set_serve_env()
     # "local": a fresh Ray instance, never another process's cluster on this machine
@@ -199,6 +200,7 @@ def local_app(config: Any) -> Iterator[str]:
     )
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
+        lower_control_plane()  # as `kvray serve` does
         serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
         yield f"http://{config.host}:{config.port}"
     finally:

@@ -74,6 +74,18 @@ def _set_cpu_threads(config: EngineConfig, threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def _warn_if_below_the_control_plane() -> None:
+    """Ray starts workers at niceness 15 unless told otherwise (cluster/app.py, SERVE_ENV); the
+    engine then yields its cores to every wakeup of Ray's daemons."""
+    niceness = os.getpriority(os.PRIO_PROCESS, 0)
+    if niceness > 0:
+        log.warning(
+            "worker replica at niceness %d: Ray's daemons preempt its engine; set "
+            "RAY_worker_niceness=0 on every node before `ray start` (kvray serve does)",
+            niceness,
+        )
+
+
 class InjectedFault(RuntimeError):
     """The failure a FaultInjector raises inside an engine step."""
 
@@ -158,6 +170,7 @@ class WorkerDeployment:
         frame_socket: bool = False,
     ):
         _set_cpu_threads(engine_config, cpu_threads)
+        _warn_if_below_the_control_plane()
         self._engine = Engine(engine_config)
         self._faults = FaultInjector(fault_injection)
         if fault_injection:

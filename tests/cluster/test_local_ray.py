@@ -3,6 +3,7 @@ its own Serve HTTP proxy, all on one port."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
@@ -11,7 +12,15 @@ import ray
 from ray import serve
 from ray.serve.schema import ProxyStatus
 
-from cluster.local_ray import gpus_of_nodes, ray_session
+from cluster.local_ray import (
+    CONTROL_PLANE_NICENESS,
+    _argv,
+    _descendants,
+    gpus_of_nodes,
+    is_control_plane,
+    lower_control_plane,
+    ray_session,
+)
 from tests.cluster.conftest import RayHarness, free_port
 
 
@@ -21,6 +30,16 @@ class WhereAmI:
 
     def __call__(self, request) -> str:
         return ray.get_runtime_context().get_node_id()
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class Niceness:
+    def __call__(self, request) -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def _niceness_of_threads(pid: int) -> set[int]:
+    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
 def _proxies_healthy(expected: int, timeout_s: float = 90.0) -> dict:
@@ -46,9 +65,50 @@ def test_two_local_nodes_serve_through_a_proxy_each_on_one_port(ray_harness: Ray
             assert set(proxies) == {n["NodeID"] for n in alive}
             answers = {httpx.get(f"http://127.0.0.1:{port}/where", timeout=60).text for _ in range(24)}
             assert answers == set(proxies)  # both replicas answered, through either proxy
+
+            # kvray serve's next step: Ray's control plane yields to the replicas
+            lowered = lower_control_plane()
+            titles = [os.path.basename(_argv(pid)[0]) for pid in lowered]
+            assert "gcs_server" in titles, titles
+            assert any(t.startswith("ray::ServeController") for t in titles), titles  # + its task
+            assert all(_niceness_of_threads(pid) == {CONTROL_PLANE_NICENESS} for pid in lowered)
+            kept = [_argv(pid)[0] for pid in _descendants(os.getpid()) if pid not in lowered]
+            assert any(t.endswith("/raylet") for t in kept), kept  # it forks the workers
+            assert any(t.startswith("ray::ProxyActor") for t in kept), kept  # requests pass it
+            # a replica started afterwards runs at kvray's worker niceness (tests/conftest.py
+            # sets cluster.app.SERVE_ENV as kvray serve does), not the raylet's nor Ray's 15
+            serve.run(Niceness.bind(), name="niceness", route_prefix="/niceness")
+            assert httpx.get(f"http://127.0.0.1:{port}/niceness", timeout=60).json() == 0
+            answers = {httpx.get(f"http://127.0.0.1:{port}/where", timeout=60).text for _ in range(24)}
+            assert answers == set(proxies)
         finally:
             serve.shutdown()
     assert not ray.is_initialized()
+
+
+def test_the_control_plane_is_told_apart_by_process_title_or_script():
+    site = "/venv/lib/python3.11/site-packages/ray"
+    for argv in (
+        [f"{site}/core/src/ray/gcs/gcs_server", "--log_dir=/tmp/ray"],
+        ["ray::DashboardAgent"],
+        ["ray::RuntimeEnvAgent"],
+        ["ray::ServeController.listen_for_change"],
+        ["/venv/bin/python", f"{site}/dashboard/dashboard.py", "--host=127.0.0.1"],
+        ["/venv/bin/python", "-u", f"{site}/_private/log_monitor.py"],
+        ["/venv/bin/python", "-u", f"{site}/autoscaler/_private/monitor.py"],
+    ):
+        assert is_control_plane(argv), argv
+    for argv in (
+        [f"{site}/core/src/ray/raylet/raylet", "--head"],
+        ["ray::ProxyActor"],
+        ["ray::HAProxyManager"],
+        ["ray::ServeReplica:kvray:KvrayWorker"],
+        ["ray::ServeReplica:kvray:KvrayIngress"],
+        ["ray::IDLE"],
+        ["/venv/bin/python", "-m", "cluster.cli", "serve"],
+        [],
+    ):
+        assert not is_control_plane(argv), argv
 
 
 def test_gpus_split_over_local_nodes():

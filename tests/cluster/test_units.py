@@ -473,3 +473,16 @@ def test_merge_steps_gives_one_delta_per_request_in_step_order() -> None:
     assert (b.request_id, b.new_token_ids, b.finish_reason) == ("b", [9], "abort")
     assert merge_steps([steps[0]]) == steps[0]
 
+
+
+# -- process priority --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("niceness", "warns"), [(15, True), (0, False)])
+def test_a_worker_replica_below_rays_daemons_says_how_to_fix_it(monkeypatch, caplog, niceness, warns) -> None:
+    import cluster.deployment as deployment
+
+    monkeypatch.setattr(deployment.os, "getpriority", lambda which, who: niceness)
+    with caplog.at_level("WARNING", logger=deployment.log.name):
+        deployment._warn_if_below_the_control_plane()
+    assert ("RAY_worker_niceness=0" in caplog.text) is warns

@@ -233,7 +233,8 @@ def test_image_ray_version_is_the_clusters_and_the_tested_one(overlay: Overlay) 
 
 
 def test_every_pod_runs_with_kvrays_serve_settings(overlay: Overlay) -> None:
-    """Serve reads its data-plane settings when a process starts: every pod must set them."""
+    """Ray and Serve read kvray's settings (the data plane, the workers' niceness) when a
+    process starts: every pod must set them."""
     for container in (overlay.head_container, overlay.worker_container):
         env = {e["name"]: e.get("value") for e in container.get("env", [])}
         for key, value in SERVE_ENV.items():
