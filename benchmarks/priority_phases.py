@@ -6,11 +6,14 @@ Alternating within one run keeps this VM's minute-to-minute drift out of the com
     kvray bench serve --skip-engine --num-prompts 600 -c FILE &   # the load, on :8000
     python -m benchmarks.priority_phases workers [--phases 12] [--seconds 15]
     python -m benchmarks.priority_phases control-plane [--phases 18]
+    python -m benchmarks.priority_phases front [--phases 12]
 
 workers: every thread of Ray's worker processes (the replicas, Serve's proxies and
 controller) and HAProxy at niceness 0, then 15 (Ray's default for workers). control-plane:
 the workers at 0, and the control plane (cluster/local_ray.py: is_control_plane) at
-niceness 0, then 19, then SCHED_IDLE. Lowering a niceness needs root.
+niceness 0, then 19, then SCHED_IDLE. front: the workers at 0, the control plane at 19, and
+the request's path in front of the engine (the ingress replicas, HAProxy) at 0, then 10.
+Lowering a niceness needs root.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import statistics
 import time
 import urllib.request
 
+from cluster.app import INGRESS_NAME
 from cluster.local_ray import _argv, _threads, is_control_plane
 
 
@@ -38,9 +42,10 @@ def _steal() -> int:
         return int(f.readline().split()[8])
 
 
-def _ray_processes() -> tuple[list[int], list[int]]:
-    """(control plane, workers and HAProxy) among all processes of this machine."""
-    control, workers = [], []
+def _ray_processes() -> tuple[list[int], list[int], list[int]]:
+    """(control plane, workers and HAProxy, the front: ingress replicas and HAProxy) among
+    all processes of this machine."""
+    control, workers, front = [], [], []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -49,7 +54,9 @@ def _ray_processes() -> tuple[list[int], list[int]]:
             control.append(int(entry))
         elif argv and (argv[0].startswith("ray::") or argv[0].endswith("/haproxy")):
             workers.append(int(entry))
-    return control, workers
+            if argv[0].endswith("/haproxy") or INGRESS_NAME in argv[0]:
+                front.append(int(entry))
+    return control, workers, front
 
 
 def _set(pids: list[int], niceness: int, idle: bool = False) -> None:
@@ -64,15 +71,19 @@ def _set(pids: list[int], niceness: int, idle: bool = False) -> None:
 
 
 def _apply(experiment: str, setting: str) -> None:
-    control, workers = _ray_processes()
+    control, workers, front = _ray_processes()
     if experiment == "workers":
         _set(workers, int(setting))
         return
     _set(workers, 0)
+    if experiment == "front":
+        _set(control, 19)
+        _set(front, int(setting))
+        return
     _set(control, 19 if setting == "19" else 0, idle=setting == "idle")
 
 
-SETTINGS = {"workers": ["0", "15"], "control-plane": ["0", "19", "idle"]}
+SETTINGS = {"workers": ["0", "15"], "control-plane": ["0", "19", "idle"], "front": ["0", "10"]}
 
 
 def main(argv: list[str] | None = None) -> int:
