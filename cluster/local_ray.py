@@ -80,8 +80,8 @@ def lower_control_plane(niceness: int = CONTROL_PLANE_NICENESS) -> list[int]:
     such work on the 2-core CPU). At 19 they run in the gaps between the engine's steps
     instead: its mean step under a steady Serve load was 3-8 % shorter (93.6 against 96.3
     ms and 90.2 against 98.1 ms in two runs, phases alternated within each;
-    benchmarks/README.md, "Session 11"). Raising one's own
-    processes' niceness needs no privilege. Linux only (it reads /proc); elsewhere a no-op."""
+    benchmarks/README.md, "Session 11"). Raising one's own processes' niceness needs no
+    privilege. Linux only (it reads /proc); elsewhere a no-op."""
     if not os.path.isdir("/proc/self/task"):
         return []
     lowered = []
@@ -96,6 +96,8 @@ def lower_control_plane(niceness: int = CONTROL_PLANE_NICENESS) -> list[int]:
 
 
 def is_control_plane(argv: list[str]) -> bool:
+    """Whether a process with this argv is part of Ray's control plane (CONTROL_PLANE_TITLES,
+    CONTROL_PLANE_SCRIPTS)."""
     if not argv:
         return False
     title = os.path.basename(argv[0])
