@@ -21,20 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import time
 import urllib.request
 
 from cluster.app import INGRESS_NAME
+from cluster.bench_serve import parse_engine_steps
 from cluster.local_ray import _argv, _threads, is_control_plane
 
 
-def _step_counters(url: str) -> tuple[float, float]:
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    seconds = sum(float(v) for v in re.findall(r"^kvray:engine_step_seconds_total\S* (\S+)$", text, re.M))
-    steps = sum(float(v) for v in re.findall(r"^kvray:engine_steps_total\S* (\S+)$", text, re.M))
-    return seconds, steps
+def _step_counters(url: str) -> tuple[float, int]:
+    counters = parse_engine_steps(urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode())
+    if counters is None:
+        raise SystemExit(f"{url}/metrics exports no engine step counters")
+    return counters
 
 
 def _steal() -> int:
