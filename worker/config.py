@@ -41,6 +41,11 @@ class EngineConfig(BaseModel):
         le=100,
         description="while requests decode, cap a step's prompt tokens so that it takes at most this many times a decode-only step, from measured step times (e.g. 1.8 for inter-token p99 within 2x p50; later first tokens); None = off",
     )
+    cpu_small_step_tokens: int | None = Field(
+        4,
+        ge=1,
+        description="on CPU, steps of at most this many tokens (decodes of a few requests, bound by memory rather than compute) run on one torch thread fewer, leaving a core to the HTTP front end, tokenization and clients beside the engine; None = every thread on every step",
+    )
     backend: Literal["auto", "torch", "cuda"] = Field("auto", description="attention backend; auto = cuda on CUDA with paged cache, else torch")
     cuda_graphs: bool = Field(True, description="capture decode CUDA graphs (CUDA backend only)")
     prompt_graph_tokens: int = Field(

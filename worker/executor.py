@@ -100,6 +100,10 @@ class Executor:
         self._started = [torch.cuda.Event(enable_timing=True) if timed else None for _ in range(2)]
         self._done = [torch.cuda.Event(enable_timing=timed) if cuda else None for _ in range(2)]
         self._flip = 0
+        # The torch threads of a CPU step when they follow its size: at most the count set on
+        # the thread that builds the engine (a worker replica sets it there and steps on another).
+        sized = self.device.type == "cpu" and config.cpu_small_step_tokens is not None
+        self._max_threads = torch.get_num_threads() if sized else None
         self.graphs: DecodeGraphRunner | None = None
         self.prompt_graphs: PromptGraphRunner | None = None
         if config.cuda_graphs and self.backend.supports_graph:
@@ -135,13 +139,32 @@ class Executor:
         `carried`: (packed input index, row of the previous step's sampled ids) for input
         tokens the previous step sampled and the host has not read yet."""
         start = time.perf_counter()
+        threads = self.step_threads(sum(t.num_new for t in tasks))
+        caller_threads = torch.get_num_threads() if threads is not None else 0
+        if threads is not None:
+            torch.set_num_threads(threads)
         try:
             pending = self._launch(tasks, carried)
         except BaseException:
             self.discard()
             raise
+        finally:
+            if threads is not None:
+                torch.set_num_threads(caller_threads)
         pending.launch_seconds = time.perf_counter() - start
         return pending
+
+    def step_threads(self, num_tokens: int) -> int | None:
+        """Torch threads for a CPU step of `num_tokens` tokens (`cpu_small_step_tokens`); None:
+        leave them as they are. On the 2-core CPU a demo decode step of 4 requests took 84.5 ms
+        on one thread and 81.8 ms on two, of 16 requests 141 and 116 ms, and a 64-token prompt
+        beside 4 decodes 310 and 200 ms (benchmarks/README.md, "Session 12")."""
+        if self._max_threads is None:
+            return None
+        assert self.config.cpu_small_step_tokens is not None
+        if num_tokens <= self.config.cpu_small_step_tokens:
+            return max(1, self._max_threads - 1)
+        return self._max_threads
 
     def resolve(self, pending: PendingStep) -> StepResult:
         """Wait for a launched step; its sampled ids (and logprobs) on the host."""

@@ -256,3 +256,40 @@ def test_prompt_graphs_are_a_cuda_option_capped_by_the_token_budget():
     assert EngineConfig(device="cuda").resolve().prompt_graph_tokens == 2048  # on by default on CUDA
     cuda = EngineConfig(device="cuda", prompt_graph_tokens=4096, token_budget=1024).resolve()
     assert cuda.prompt_graph_tokens == 1024
+
+
+def test_small_cpu_steps_compute_on_one_thread_fewer_and_the_callers_count_is_restored(engine_factory):
+    """`cpu_small_step_tokens`: a step of at most that many tokens runs its forward on one torch
+    thread fewer than the engine was built with; larger steps on all of them. The stepping
+    thread's own count is back after each step, and greedy tokens are the plain engine's."""
+    import torch
+
+    built_with = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        engine = engine_factory(cpu_small_step_tokens=4)
+        plain = engine_factory(cpu_small_step_tokens=None)
+    finally:
+        torch.set_num_threads(built_with)
+    seen: list[tuple[int, int]] = []
+    launch = engine.executor._launch
+
+    def spy(tasks, carried):
+        seen.append((sum(t.num_new for t in tasks), torch.get_num_threads()))
+        return launch(tasks, carried)
+
+    engine.executor._launch = spy  # type: ignore[method-assign]
+    reqs = _reqs("t", 3)  # prompts of 9, 14 and 5 tokens, then decode steps of 3 tokens
+    torch.set_num_threads(2)  # the stepping thread's own count, unlike the engine's
+    try:
+        got = _run(engine, [engine.submit(reqs)])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(built_with)
+    assert {threads for tokens, threads in seen if tokens > 4} == {3}
+    assert {threads for tokens, threads in seen if tokens <= 4} == {2}
+    assert sum(tokens <= 4 for tokens, _ in seen) >= 15  # the decode steps
+    assert plain.executor.step_threads(100) is None  # off: the thread count is left alone
+    want = _run(plain, [plain.submit(_reqs("t", 3))])
+    tokens = {rid: [t for d in ds for t in d.new_token_ids] for rid, ds in got.items()}
+    assert tokens == {rid: [t for d in ds for t in d.new_token_ids] for rid, ds in want.items()}
