@@ -249,38 +249,65 @@ async def http_run(
 
         if warm_up:
             await asyncio.gather(*(http_request(client, model, s) for s in samples[:2]))
-        before = await _scrape_steps(client)
+        before = await _scrape_metrics(client)
         summary, results = await _drive(samples, arrivals, concurrency, one)
-        after = await _scrape_steps(client)
-    if before is not None and after is not None and after[1] > before[1]:
-        summary["engine_step_ms"] = 1e3 * (after[0] - before[0]) / (after[1] - before[1])
+        after = await _scrape_metrics(client)
+    parsers = (
+        ("engine_step_ms", parse_engine_steps),
+        ("engine_ttft_mean_ms", parse_engine_ttft),
+        ("engine_queue_mean_ms", parse_engine_queue),
+    )
+    for key, parse in parsers:
+        if (first := parse(before)) is not None and (last := parse(after)) is not None and last[1] > first[1]:
+            summary[key] = 1e3 * (last[0] - first[0]) / (last[1] - first[1])
     return {**summary, "outcomes": tally(results, plans)}
+
+
+def _sum_series(text: str, seconds_name: str, count_name: str) -> tuple[float, int] | None:
+    """(seconds, count) of two series summed over every label set (worker replica) in a
+    /metrics page; None when the page has neither."""
+    seconds, count, seen = 0.0, 0, False
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.split("{", 1)[0].split(" ", 1)[0], float(line.rsplit(" ", 1)[1])
+        if name == seconds_name:
+            seconds, seen = seconds + value, True
+        elif name == count_name:
+            count, seen = count + int(value), True
+    return (seconds, count) if seen else None
 
 
 def parse_engine_steps(text: str) -> tuple[float, int] | None:
     """(step seconds, steps) summed over the worker replicas in a /metrics page; None when
     the server exports neither counter."""
-    seconds, steps, seen = 0.0, 0, False
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, value = line.split("{", 1)[0].split(" ", 1)[0], float(line.rsplit(" ", 1)[1])
-        if name == "kvray:engine_step_seconds_total":
-            seconds, seen = seconds + value, True
-        elif name == "kvray:engine_steps_total":
-            steps, seen = steps + int(value), True
-    return (seconds, steps) if seen else None
+    return _sum_series(text, "kvray:engine_step_seconds_total", "kvray:engine_steps_total")
 
 
-async def _scrape_steps(client: Any) -> tuple[float, int] | None:
-    """The engine step counters of /metrics: with them the report gives the mean engine step
-    under Serve next to the in-process engine's, so a slower engine (the host shared with
-    Serve's processes) and the request's path can be told apart."""
+def parse_engine_ttft(text: str) -> tuple[float, int] | None:
+    """(seconds, requests) of the engines' own time to first token (from a request's arrival
+    at its engine), as the ingress replica that served the /metrics page observed them."""
+    name = "kvray:engine_time_to_first_token_seconds"
+    return _sum_series(text, f"{name}_sum", f"{name}_count")
+
+
+def parse_engine_queue(text: str) -> tuple[float, int] | None:
+    """(seconds, requests) of the engines' queue time (arrival at the engine until its first
+    step is queued), as `parse_engine_ttft`."""
+    name = "kvray:request_queue_time_seconds"
+    return _sum_series(text, f"{name}_sum", f"{name}_count")
+
+
+async def _scrape_metrics(client: Any) -> str:
+    """The /metrics page, or "" without one. Its engine step counters give the mean engine
+    step under Serve next to the in-process engine's, so a slower engine (the host shared
+    with Serve's processes) and the request's path can be told apart; the engines' own time
+    to first token does the same for the first token."""
     try:
         async with client.get("/metrics") as response:
-            return parse_engine_steps(await response.text()) if response.status == 200 else None
-    except Exception:  # an older server, or none: the figure is left out
-        return None
+            return await response.text() if response.status == 200 else ""
+    except Exception:  # an older server, or none: the figures are left out
+        return ""
 
 
 async def http_request(
@@ -403,6 +430,8 @@ async def _engine_run(
     engine = Engine(engine_config)
     engine.start()
     counter = iter(range(10**9))
+    engine_ttfts: list[float] = []  # the engine's own, as the ingress's histograms have them
+    engine_queues: list[float] = []
 
     async def one(sample: BenchSample) -> RequestResult:
         params = SamplingParams(max_tokens=sample.output_len, ignore_eos=True, temperature=0.0)
@@ -412,6 +441,10 @@ async def _engine_run(
         async for frame in stream:
             now = time.perf_counter()
             result.output_tokens += sum(len(d.new_token_ids) for d in frame)
+            for d in frame:
+                if d.metrics is not None:
+                    engine_ttfts.append(d.metrics.time_to_first_token)
+                    engine_queues.append(d.metrics.queue_time)
             if result.ttft is None:
                 result.ttft = now - start
             else:
@@ -425,8 +458,13 @@ async def _engine_run(
         if step_log:
             engine.step_log = []
         before = engine.stats()
+        engine_ttfts.clear()
+        engine_queues.clear()
         summary, _ = await _drive(samples, arrivals, concurrency, one)
         after = engine.stats()
+        if engine_ttfts:
+            summary["engine_ttft_mean_ms"] = 1e3 * sum(engine_ttfts) / len(engine_ttfts)
+            summary["engine_queue_mean_ms"] = 1e3 * sum(engine_queues) / len(engine_queues)
         if (steps := after.num_steps - before.num_steps) > 0:
             summary["engine_step_ms"] = 1e3 * (after.step_seconds_total - before.step_seconds_total) / steps
         if engine.step_log is not None:

@@ -217,6 +217,10 @@ def _stat_cell(metric: str, stat: str) -> Callable[[dict[str, Any]], str]:
     return lambda summary: f"{summary[metric][stat]:.2f}"
 
 
+def _optional_cell(key: str) -> Callable[[dict[str, Any]], str]:
+    return lambda s: f"{s[key]:.2f}" if key in s else "-"
+
+
 def print_report(summaries: dict[str, dict[str, Any]], args: dict[str, Any]) -> None:
     keys = (
         "num_prompts",
@@ -241,7 +245,11 @@ def print_report(summaries: dict[str, dict[str, Any]], args: dict[str, Any]) -> 
         for stat in ("mean", "p50", "p99"):
             rows.append((f"{metric[:-3].upper()} {stat} (ms)", _stat_cell(metric, stat)))
     if any("engine_step_ms" in summaries[n] for n in names):  # the engine's own mean step
-        rows.append(("engine step mean (ms)", lambda s: f"{s['engine_step_ms']:.2f}" if "engine_step_ms" in s else "-"))
+        rows.append(("engine step mean (ms)", _optional_cell("engine_step_ms")))
+    # the engine's own times, from a request's arrival at the engine
+    for key, title in (("engine_ttft_mean_ms", "engine TTFT mean (ms)"), ("engine_queue_mean_ms", "engine queue mean (ms)")):
+        if any(key in summaries[n] for n in names):
+            rows.append((title, _optional_cell(key)))
     for title, cell in rows:
         print(f"{title:26}" + "".join(f"{cell(summaries[n]):>{width + 2}}" for n in names))
     if len(names) == 2:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 
-from cluster.bench_serve import parse_engine_steps
+import pytest
+
+from cluster.bench_serve import parse_engine_queue, parse_engine_steps, parse_engine_ttft
 from cluster.bench_stats import step_summary
 from cluster.metrics import Metrics
 from tests.factories.tiny_models import random_prompts
 from worker.config import EngineConfig
 from worker.engine import Engine, EngineRequest, StepRecord
+from worker.outputs import RequestMetrics
 from worker.sampling import SamplingParams
 
 
@@ -63,3 +66,12 @@ def test_the_mean_engine_step_is_read_back_from_metrics_over_every_replica():
     text = Metrics("demo", "ing-1").render(replicas).decode()
     assert parse_engine_steps(text) == (12.5, 150)
     assert parse_engine_steps(Metrics("demo", "ing-1").render([]).decode()) is None
+
+
+def test_the_engines_own_time_to_first_token_and_queue_time_are_read_back_from_metrics():
+    metrics = Metrics("demo", "ing-1")
+    assert parse_engine_ttft(metrics.render([]).decode()) is None
+    for ttft in (0.25, 0.5, 0.75):
+        metrics.observe_engine(RequestMetrics(queue_time=0.1, time_to_first_token=ttft, time_per_output_token=0.05, e2e_latency=2.0))
+    assert parse_engine_ttft(metrics.render([]).decode()) == (1.5, 3)
+    assert parse_engine_queue(metrics.render([]).decode()) == (pytest.approx(0.3), 3)
