@@ -6,9 +6,10 @@ It never looks inside the scheduler; the scheduler never touches tensors.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,20 +140,21 @@ class Executor:
         `carried`: (packed input index, row of the previous step's sampled ids) for input
         tokens the previous step sampled and the host has not read yet."""
         start = time.perf_counter()
-        threads = self.step_threads(sum(t.num_new for t in tasks))
-        caller_threads = torch.get_num_threads() if threads is not None else 0
-        if threads is not None:
-            torch.set_num_threads(threads)
         try:
-            pending = self._launch(tasks, carried)
+            with self._threads_for(tasks):
+                pending = self._launch(tasks, carried)
         except BaseException:
             self.discard()
             raise
-        finally:
-            if threads is not None:
-                torch.set_num_threads(caller_threads)
         pending.launch_seconds = time.perf_counter() - start
         return pending
+
+    def _threads_for(self, tasks: list[ScheduledTask]) -> contextlib.AbstractContextManager[None]:
+        if self._max_threads is None:
+            return contextlib.nullcontext()
+        threads = self.step_threads(sum(t.num_new for t in tasks))
+        assert threads is not None
+        return _torch_threads(threads)
 
     def step_threads(self, num_tokens: int) -> int | None:
         """Torch threads for a CPU step of `num_tokens` tokens (`cpu_small_step_tokens`); None:
@@ -256,3 +258,14 @@ class Executor:
             top = dict(zip(top_ids[j][:k], top_lp[j][:k], strict=True)) if (k and top_ids and top_lp) else {}
             result.append(TokenLogprobs(ids[j], chosen[j], top))
         return result
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    """Torch's intra-op threads of this thread at `threads`, then back to what they were."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
