@@ -158,9 +158,10 @@ class Executor:
 
     def step_threads(self, num_tokens: int) -> int | None:
         """Torch threads for a CPU step of `num_tokens` tokens (`cpu_small_step_tokens`); None:
-        leave them as they are. On the 2-core CPU a demo decode step of 4 requests took 84.5 ms
-        on one thread and 81.8 ms on two, of 16 requests 141 and 116 ms, and a 64-token prompt
-        beside 4 decodes 310 and 200 ms (benchmarks/README.md, "Session 12")."""
+        leave them as they are. On the 2-core CPU a demo decode step of 4 requests took 78-79 ms
+        on one thread or two, of 16 requests 138-143 against 107-111 ms, and 4 decodes beside a
+        64-token prompt 292-295 against 183-190 ms (benchmarks/cpu_step_threads.py;
+        benchmarks/README.md, "Session 12")."""
         if self._max_threads is None:
             return None
         assert self.config.cpu_small_step_tokens is not None
