@@ -264,7 +264,7 @@ async def http_run(
 
 
 def _sum_series(text: str, seconds_name: str, count_name: str) -> tuple[float, int] | None:
-    """(seconds, count) of two series summed over every label set (worker replica) in a
+    """(seconds, count) of two series summed over every label set (replica) in a
     /metrics page; None when the page has neither."""
     seconds, count, seen = 0.0, 0, False
     for line in text.splitlines():
