@@ -254,6 +254,7 @@ async def http_run(
         after = await _scrape_metrics(client)
     parsers = (
         ("engine_step_ms", parse_engine_steps),
+        ("ingress_ttft_mean_ms", parse_ingress_ttft),
         ("engine_ttft_mean_ms", parse_engine_ttft),
         ("engine_queue_mean_ms", parse_engine_queue),
     )
@@ -282,6 +283,15 @@ def parse_engine_steps(text: str) -> tuple[float, int] | None:
     """(step seconds, steps) summed over the worker replicas in a /metrics page; None when
     the server exports neither counter."""
     return _sum_series(text, "kvray:engine_step_seconds_total", "kvray:engine_steps_total")
+
+
+def parse_ingress_ttft(text: str) -> tuple[float, int] | None:
+    """(seconds, requests) of the ingress's time to first token (from the request's arrival
+    at the ingress until its first token is written), as `parse_engine_ttft`: the client's
+    TTFT less this is the HTTP front (proxy both ways), this less the engine's is the way
+    ingress -> worker and the first frame's way back."""
+    name = "kvray:time_to_first_token_seconds"
+    return _sum_series(text, f"{name}_sum", f"{name}_count")
 
 
 def parse_engine_ttft(text: str) -> tuple[float, int] | None:

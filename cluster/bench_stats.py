@@ -246,8 +246,13 @@ def print_report(summaries: dict[str, dict[str, Any]], args: dict[str, Any]) -> 
             rows.append((f"{metric[:-3].upper()} {stat} (ms)", _stat_cell(metric, stat)))
     if any("engine_step_ms" in summaries[n] for n in names):  # the engine's own mean step
         rows.append(("engine step mean (ms)", _optional_cell("engine_step_ms")))
-    # the engine's own times, from a request's arrival at the engine
-    for key, title in (("engine_ttft_mean_ms", "engine TTFT mean (ms)"), ("engine_queue_mean_ms", "engine queue mean (ms)")):
+    # the ingress's and the engine's own times, from a request's arrival there
+    times = (
+        ("ingress_ttft_mean_ms", "ingress TTFT mean (ms)"),
+        ("engine_ttft_mean_ms", "engine TTFT mean (ms)"),
+        ("engine_queue_mean_ms", "engine queue mean (ms)"),
+    )
+    for key, title in times:
         if any(key in summaries[n] for n in names):
             rows.append((title, _optional_cell(key)))
     for title, cell in rows:

@@ -6,7 +6,12 @@ import time
 
 import pytest
 
-from cluster.bench_serve import parse_engine_queue, parse_engine_steps, parse_engine_ttft
+from cluster.bench_serve import (
+    parse_engine_queue,
+    parse_engine_steps,
+    parse_engine_ttft,
+    parse_ingress_ttft,
+)
 from cluster.bench_stats import step_summary
 from cluster.metrics import Metrics
 from tests.factories.tiny_models import random_prompts
@@ -68,10 +73,14 @@ def test_the_mean_engine_step_is_read_back_from_metrics_over_every_replica():
     assert parse_engine_steps(Metrics("demo", "ing-1").render([]).decode()) is None
 
 
-def test_the_engines_own_time_to_first_token_and_queue_time_are_read_back_from_metrics():
+def test_the_ingress_and_engine_time_to_first_token_and_queue_time_are_read_back_from_metrics():
     metrics = Metrics("demo", "ing-1")
     assert parse_engine_ttft(metrics.render([]).decode()) is None
     for ttft in (0.25, 0.5, 0.75):
         metrics.observe_engine(RequestMetrics(queue_time=0.1, time_to_first_token=ttft, time_per_output_token=0.05, e2e_latency=2.0))
     assert parse_engine_ttft(metrics.render([]).decode()) == (1.5, 3)
     assert parse_engine_queue(metrics.render([]).decode()) == (pytest.approx(0.3), 3)
+    assert parse_ingress_ttft(metrics.render([]).decode()) is None  # nothing through the ingress yet
+    metrics.observe_choice(0.52, 0.05, 2.1, 16)
+    metrics.observe_choice(0.78, None, 2.3, 1)
+    assert parse_ingress_ttft(metrics.render([]).decode()) == (pytest.approx(1.3), 2)
