@@ -92,6 +92,7 @@ class GroupStream:
         self._accepted: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._unfinished = {r.request_id for r in group.requests}
+        self.started = False  # a token of it has been delivered
         self.closed = False
 
     async def accepted(self) -> str:
@@ -140,6 +141,7 @@ class GroupStream:
     def _on_deltas(self, deltas: list[RequestDelta]) -> None:
         mine = [d for d in deltas if d.request_id in self._unfinished]
         for d in mine:
+            self.started = self.started or bool(d.new_token_ids)
             if d.finished:
                 self._unfinished.discard(d.request_id)
         if mine:
@@ -419,7 +421,10 @@ class _Session:
             if delta.finished:
                 del live[delta.request_id]
                 self.request_ids.discard(delta.request_id)
-        for stream, mine in per_stream.items():
+        # First tokens first: each stream's HTTP handler wakes in this order and writes its
+        # own chunk, and a write costs ~0.2 ms of this loop on the 2-core CPU (py-spy), so a
+        # first token behind the tokens of N streams already under way would wait N writes.
+        for stream, mine in sorted(per_stream.items(), key=lambda item: item[0].started):
             stream._on_deltas(mine)
 
     def _fail(self, error: CallError) -> None:

@@ -10,8 +10,8 @@ from pydantic import ValidationError
 from ray.serve.config import AutoscalingContext
 
 from cluster.autoscaling import EngineLoadPolicy
-from cluster.config import API_KEYS_ENV, ClusterConfig
-from cluster.dispatch import CallError, Group, GroupStream
+from cluster.config import API_KEYS_ENV, ClusterConfig, RequestLimits
+from cluster.dispatch import CallError, Dispatcher, Group, GroupStream
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.router import ReplicaView, RouteHint, matched_pages, rank_replicas
 from cluster.transport import (
@@ -298,6 +298,38 @@ def test_group_stream_delivers_frames_queued_after_the_last_finish() -> None:
         [("a", [5]), ("b", [6])],
         [("a", [7])],
     ]
+
+
+def test_a_frame_wakes_the_streams_awaiting_their_first_token_before_the_others() -> None:
+    class NoHandle:
+        def options(self, **_: object) -> NoHandle:
+            return self
+
+    async def scenario() -> list[str]:
+        dispatcher = Dispatcher(NoHandle(), 0.0, 8, RequestLimits())
+        streams = {rid: GroupStream(dispatcher, group_of(rid)) for rid in ("a", "b", "c")}
+        for rid, stream in streams.items():
+            stream._on_accept("replica-1")
+            dispatcher.live[rid] = stream
+        woken: list[str] = []
+
+        async def read(rid: str) -> None:
+            async for frame in streams[rid]:
+                woken.extend(f"{d.request_id}{d.new_token_ids[0]}" for d in frame)
+
+        readers = [asyncio.ensure_future(read(rid)) for rid in streams]
+        session = dispatcher.session("replica-1")
+        session._deliver([RequestDelta("a", [1])])
+        await asyncio.sleep(0)
+        # a and c are under way, b waits for its first token: b is woken first
+        session._deliver([RequestDelta("a", [2]), RequestDelta("b", [1]), RequestDelta("c", [1])])
+        await asyncio.sleep(0)
+        done = [RequestDelta(rid, [9], finish_reason="length") for rid in streams]
+        session._deliver(done)
+        await asyncio.gather(*readers)
+        return woken
+
+    assert asyncio.run(scenario()) == ["a1", "b1", "c1", "a2", "a9", "b9", "c9"]
 
 
 def test_group_stream_abort_reaches_the_replica_and_ends_the_stream() -> None:
