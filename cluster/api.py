@@ -26,11 +26,11 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from cluster import limits
+from cluster import limits, timeline
 from cluster.config import ClusterConfig
 from cluster.dispatch import CallError, Dispatcher, Group, in_own_context, rss_bytes
 from cluster.errors import ApiError, from_call, from_validation
-from cluster.generation import ClosingStreamingResponse, Generation
+from cluster.generation import ChoiceDelta, ClosingStreamingResponse, Generation
 from cluster.metrics import CONTENT_TYPE, Metrics
 from cluster.protocol import (
     ChatCompletionRequest,
@@ -228,7 +228,12 @@ class Ingress:
         info = await self._engine_info()
         for prompt in prompts:
             self._check_length(prompt, params.max_tokens, info["max_seq_len"], chat)
-        stream = self._dispatcher.submit(self._group(prompts, params, req.n, info))
+        group = self._group(prompts, params, req.n, info)
+        if timeline.enabled():
+            for r in group.requests:
+                timeline.mark(r.request_id, "arrived", arrival)
+                timeline.mark(r.request_id, "dispatched")
+        stream = self._dispatcher.submit(group)
         gen = Generation(
             stream,
             self._tokenizer,
@@ -269,6 +274,7 @@ class Ingress:
     async def _sse(
         self, gen: Generation, writer: ChunkWriter, num_choices: int
     ) -> AsyncIterator[str]:
+        first_sent: set[int] = set()  # choices whose first token is out (timeline)
         try:
             for line in writer.start(num_choices):
                 yield line
@@ -278,6 +284,8 @@ class Ingress:
                         self._metrics.count_finished(delta.finish_reason)
                 for line in writer.deltas(deltas):
                     yield line
+                if timeline.enabled():
+                    _mark_first_sent(gen, deltas, first_sent)
             for line in writer.usage(usage_of(gen)):
                 yield line
         except CallError as exc:
@@ -457,6 +465,14 @@ _METRICS_OP = {
         }
     }
 }
+
+
+def _mark_first_sent(gen: Generation, deltas: list[ChoiceDelta], done: set[int]) -> None:
+    """The timeline's `first_sent` of each choice whose first token these deltas carry."""
+    for delta in deltas:
+        if delta.token_ids and delta.index not in done:
+            done.add(delta.index)
+            timeline.mark(gen.stream.group.requests[delta.index].request_id, "first_sent")
 
 
 def _openapi_op(response: str, body: str | None = None) -> dict[str, Any]:

@@ -40,6 +40,7 @@ import ray
 import torch
 from ray import serve
 
+from cluster import timeline
 from cluster.dispatch import rss_bytes
 from cluster.router import RouteHint
 from cluster.transport import (
@@ -55,7 +56,7 @@ from cluster.transport import (
 )
 from worker.config import EngineConfig
 from worker.engine import Engine, EngineFull, EngineRequest, EngineStats
-from worker.outputs import merge_steps
+from worker.outputs import RequestDelta, merge_steps
 from worker.request import ScheduledTask
 from worker.streams import OutputStream
 
@@ -133,6 +134,18 @@ class Mailbox:
     session: int = 0  # the number of the newest session; it alone reads the stream
     attached: bool = False
     wake: asyncio.Event | None = None  # the reading session's wakeup
+    started: set[str] = dataclasses.field(default_factory=set)  # unfinished with a token out (timeline)
+
+
+def _mark_first_written(frames: list[list[RequestDelta]], box: Mailbox) -> None:
+    """The timeline's `first_written` of each request whose first token these frames carry."""
+    for frame in frames:
+        for delta in frame:
+            if delta.new_token_ids and delta.request_id not in box.started:
+                timeline.mark(delta.request_id, "first_written")
+                box.started.add(delta.request_id)
+            if delta.finished:
+                box.started.discard(delta.request_id)
 
 
 async def _pump(frames: AsyncGenerator[bytes, None], writer: asyncio.StreamWriter) -> None:
@@ -250,20 +263,24 @@ class WorkerDeployment:
         finally:
             task.cancel()
 
-    async def submit(self, hint: RouteHint, payload: bytes, ingress_id: str) -> bytes:
+    async def submit(self, hint: RouteHint, payload: bytes, ingress_id: str, received_at: float | None = None) -> bytes:
         """Queue a batch of requests for `ingress_id`; answers accept or refuse. Their
-        deltas come on that ingress's `session`."""
+        deltas come on that ingress's `session`. `received_at`: when a submit link read it
+        (the timeline; a Serve call is received when this runs)."""
+        received_at = time.perf_counter() if received_at is None else received_at
         try:
-            return self._submit(payload, ingress_id, await self._frames_at())
+            return self._submit(payload, ingress_id, await self._frames_at(), received_at)
         finally:
             answered, _ = self._answered.get(hint.sender, (0, 0.0))
             self._answered[hint.sender] = (answered + hint.num_requests, time.monotonic())
 
-    def _submit(self, payload: bytes, ingress_id: str, frames_at: tuple[str, int] | None) -> bytes:
+    def _submit(self, payload: bytes, ingress_id: str, frames_at: tuple[str, int] | None, received_at: float) -> bytes:
         requests = [
             EngineRequest(r.request_id, r.prompt_token_ids, r.params)
             for r in decode_requests(payload)
         ]
+        for r in requests:
+            timeline.mark(r.request_id, "received", received_at)
         box = self._mailboxes.get(ingress_id)
         if box is None or box.stream.closed:
             box = self._mailboxes[ingress_id] = Mailbox(OutputStream([], self._engine.abort))
@@ -273,6 +290,8 @@ class WorkerDeployment:
             return encode_refused("full", str(exc) or "the worker's waiting queue is full")
         except ValueError as exc:
             return encode_refused("invalid", str(exc))
+        for r in requests:
+            timeline.mark(r.request_id, "queued")
         if not box.attached:
             self._reap_later(ingress_id, box)
         return encode_accepted(self._replica_id, frames_at)
@@ -347,9 +366,11 @@ class WorkerDeployment:
         self._submit_links.add(writer)
         try:
             while (frame := await read_frame(reader)) is not None and not self._draining:
+                received_at = time.perf_counter()
                 submit_id, num_requests, sender, payload = decode_submit(frame)
                 self._link_submits += 1
-                answer = await self.submit(RouteHint(num_requests=num_requests, sender=sender), payload, ingress_id)
+                hint = RouteHint(num_requests=num_requests, sender=sender)
+                answer = await self.submit(hint, payload, ingress_id, received_at)
                 write_frame(writer, encode_submit_answer(submit_id, answer))
                 await writer.drain()
         except (ConnectionError, ValueError, TypeError) as exc:
@@ -387,6 +408,8 @@ class WorkerDeployment:
                 frames, finished = box.stream.drain()
                 if frames:
                     idle_since = None
+                    if timeline.enabled():
+                        _mark_first_written(frames, box)
                     yield encode_deltas(frames[0] if len(frames) == 1 else merge_steps(frames))
                     continue
                 if finished:  # nothing left: linger a moment for the ingress's next submit

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Itera
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+from cluster import timeline
 from cluster.router import RouteHint
 from cluster.transport import (
     Accepted,
@@ -201,9 +202,19 @@ class _Submit:
         payload = encode_requests([r for g in groups for r in g.requests])
         dispatcher = self.dispatcher
         timeout_s = dispatcher.limits.accept_timeout_s
+        on_sent = None
+        if timeline.enabled():
+            ids = [r.request_id for g in groups for r in g.requests]
+            for rid in ids:
+                timeline.mark(rid, "routed")
+
+            def on_sent() -> None:
+                for rid in ids:
+                    timeline.mark(rid, "sent")
+
         try:
             async with asyncio.timeout(timeout_s):
-                answer = decode_first(await dispatcher.call_submit(hint, payload))
+                answer = decode_first(await dispatcher.call_submit(hint, payload, on_sent))
         except TimeoutError:
             raise CallError(
                 "unavailable", f"no worker accepted the request within {timeout_s:.0f} s"
@@ -239,7 +250,7 @@ class _SubmitLink:
         self._ids = 0
         self.closed = False
 
-    async def submit(self, hint: RouteHint, payload: bytes) -> bytes:
+    async def submit(self, hint: RouteHint, payload: bytes, on_sent: Callable[[], None] | None = None) -> bytes:
         if self._writer is None:
             self._writer = asyncio.ensure_future(self._connect())
         writer = await asyncio.shield(self._writer)
@@ -249,6 +260,8 @@ class _SubmitLink:
         submit_id = self._ids
         answer = self._waiting[submit_id] = asyncio.get_running_loop().create_future()
         write_frame(writer, encode_submit(submit_id, hint.num_requests, hint.sender, payload))
+        if on_sent is not None:
+            on_sent()
         try:
             return await answer
         finally:  # answered, failed, or given up (the accept timeout)
@@ -406,17 +419,20 @@ class _Session:
                 ) from None
             if frame is None:  # the worker ended the session
                 return delivered
+            read_at = time.perf_counter()
             deltas = decode_deltas(frame)
             delivered = delivered or bool(deltas)
-            self._deliver(deltas)
+            self._deliver(deltas, read_at)
 
-    def _deliver(self, deltas: list[RequestDelta]) -> None:
+    def _deliver(self, deltas: list[RequestDelta], read_at: float | None = None) -> None:
         live = self.dispatcher.live
         per_stream: dict[GroupStream, list[RequestDelta]] = {}
         for delta in deltas:
             stream = live.get(delta.request_id)
             if stream is None:
                 continue
+            if delta.new_token_ids and not stream.started:
+                timeline.mark(delta.request_id, "first_read", read_at)
             per_stream.setdefault(stream, []).append(delta)
             if delta.finished:
                 del live[delta.request_id]
@@ -526,8 +542,9 @@ class Dispatcher:
                 self.live[r.request_id] = stream
         self._spawn(_Submit(self, streams, attempt).run())
 
-    async def call_submit(self, hint: RouteHint, payload: bytes) -> bytes:
-        """One submit, answered with the worker's accept or refuse frame.
+    async def call_submit(self, hint: RouteHint, payload: bytes, on_sent: Callable[[], None] | None = None) -> bytes:
+        """One submit, answered with the worker's accept or refuse frame; `on_sent` is told
+        when it has left (the timeline).
 
         With submit links, the router picks the replica as it would for a Serve call
         (`choose_replica`, without reserving a slot there: the worker's own queue limit
@@ -539,13 +556,17 @@ class Dispatcher:
                 at = (getattr(selection, "replica_metadata", None) or {}).get("frames_at")
                 frames_at = (str(at[0]), int(at[1])) if at else None
                 if frames_at is not None and frames_at not in self.unreachable:
-                    answer = await self._link_submit(frames_at, hint, payload)
+                    answer = await self._link_submit(frames_at, hint, payload, on_sent)
                     if answer is not None:
                         return answer
+        if on_sent is not None:
+            on_sent()
         response: bytes = await self.submit_handle.remote(hint, payload, self.ingress_id)
         return response
 
-    async def _link_submit(self, frames_at: tuple[str, int], hint: RouteHint, payload: bytes) -> bytes | None:
+    async def _link_submit(
+        self, frames_at: tuple[str, int], hint: RouteHint, payload: bytes, on_sent: Callable[[], None] | None
+    ) -> bytes | None:
         """The answer over the replica's submit link; None when no link could be opened
         (the address joins `unreachable`). A link that fails after it opened raises, as a
         Serve call to a replica that died does (the submit is then sent once more)."""
@@ -553,7 +574,7 @@ class Dispatcher:
         if link is None:
             link = self._links[frames_at] = _SubmitLink(self, frames_at)
         try:
-            return await link.submit(hint, payload)
+            return await link.submit(hint, payload, on_sent)
         except (OSError, TimeoutError) as exc:
             if not link.never_connected:
                 raise

@@ -14,6 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 import cluster.deployment as deployment
+from benchmarks.path_timeline import read_timelines
+from cluster import timeline
 from cluster.config import RequestLimits
 from cluster.deployment import WorkerDeployment
 from cluster.dispatch import Dispatcher, Group
@@ -401,3 +403,25 @@ def test_a_link_that_cannot_be_opened_falls_back_to_a_serve_call(make_worker) ->
     deltas, calls, unreachable = asyncio.run(run())
     assert tokens_by_request(deltas) == {"f-1": 5} and calls == {"submit": 1}
     assert unreachable == {("127.0.0.1", port)}
+
+
+def test_the_timeline_records_a_first_tokens_hops_between_dispatcher_and_worker(make_worker, tmp_path) -> None:
+    worker = make_worker(linger_s=0.2, frame_socket=True)
+
+    async def run() -> list[RequestDelta]:
+        at = (await worker.record_replica_metadata())["frames_at"]
+        deltas, _ = await _dispatch(_ChoosingHandle(worker, at), "t-1")
+        return deltas
+
+    timeline.configure(str(tmp_path))
+    try:
+        deltas = asyncio.run(run())
+    finally:
+        timeline.configure(None)  # writes what is recorded
+    assert tokens_by_request(deltas) == {"t-1": 5}
+    points = read_timelines(tmp_path)["t-1"]
+    order = ["routed", "sent", "received", "queued", "first_written", "first_read"]
+    assert [points[p] for p in order] == sorted(points[p] for p in order)
+    timeline.mark("t-2", "routed")  # off again: nothing more is written
+    timeline.flush()
+    assert "t-2" not in read_timelines(tmp_path)

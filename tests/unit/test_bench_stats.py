@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from benchmarks.path_timeline import read_timelines, summarize
 from cluster.bench_serve import (
     parse_engine_queue,
     parse_engine_steps,
@@ -84,3 +85,20 @@ def test_the_ingress_and_engine_time_to_first_token_and_queue_time_are_read_back
     metrics.observe_choice(0.52, 0.05, 2.1, 16)
     metrics.observe_choice(0.78, None, 2.3, 1)
     assert parse_ingress_ttft(metrics.render([]).decode()) == (pytest.approx(1.3), 2)
+
+
+def test_the_path_timeline_joins_each_requests_points_across_processes(tmp_path) -> None:
+    ingress = ["arrived 1.000", "dispatched 1.001", "routed 1.002", "sent 1.003", "first_read 1.207", "first_sent 1.208", "engine_ttft 0.2"]
+    worker = ["received 1.004", "queued 1.005", "first_written 1.2062"]
+    for pid, lines in (("100", ingress), ("200", worker)):
+        (tmp_path / f"{pid}.txt").write_text("".join(f"r-1 {line}\n" for line in lines) + "r-2 arrived 3.0\n")
+    timelines = read_timelines(tmp_path)
+    assert timelines["r-1"]["published"] == pytest.approx(1.205)  # queued + the engine's TTFT
+    summary = summarize(timelines)
+    assert (summary["requests"], summary["complete"]) == (2, 1)  # r-2 passed one point only
+    hops = {(h["from"], h["to"]): h["p50"] for h in summary["hops"]}
+    assert hops[("queued", "published")] == pytest.approx(200.0)
+    assert hops[("published", "first_written")] == pytest.approx(1.2)
+    assert summary["to_engine"]["mean"] == pytest.approx(5.0)
+    assert summary["from_engine"]["mean"] == pytest.approx(3.0)
+    assert summary["ingress_path"]["p50"] == pytest.approx(8.0)
