@@ -259,9 +259,9 @@ class _SubmitLink:
         self._ids += 1
         submit_id = self._ids
         answer = self._waiting[submit_id] = asyncio.get_running_loop().create_future()
-        write_frame(writer, encode_submit(submit_id, hint.num_requests, hint.sender, payload))
-        if on_sent is not None:
+        if on_sent is not None:  # before the write: the worker may read it before this returns
             on_sent()
+        write_frame(writer, encode_submit(submit_id, hint.num_requests, hint.sender, payload))
         try:
             return await answer
         finally:  # answered, failed, or given up (the accept timeout)

@@ -13,7 +13,7 @@ The points, in the order a first token passes them:
 - `arrived`: the ingress's handler has the HTTP request;
 - `dispatched`: parsed, tokenized and handed to the dispatcher;
 - `routed`: its batch leaves the window for the router;
-- `sent`: its submit is written on the submit link to the chosen worker;
+- `sent`: its submit is about to be written on the submit link to the chosen worker;
 - `received`: the worker has read that submit;
 - `queued`: the engine has it (the engine's own TTFT counts from here);
 - `first_written`: the worker wrote the frame with its first token;
