@@ -25,8 +25,8 @@ from typing import Any
 HOPS = (
     ("arrived", "dispatched", "ingress: parse, validate, tokenize"),
     ("dispatched", "routed", "ingress: batch window"),
-    ("routed", "sent", "ingress: router's choice, submit written"),
-    ("sent", "received", "submit link to the worker"),
+    ("routed", "sent", "ingress: router's choice"),
+    ("sent", "received", "submit written, read by the worker"),
     ("received", "queued", "worker: decode, Engine.submit"),
     ("queued", "published", "engine: queue and prompt step (its TTFT)"),
     ("published", "first_written", "worker: engine thread to the frame written"),

@@ -102,9 +102,8 @@ HAPROXY_THREADS_ENV = "RAY_SERVE_HAPROXY_NBTHREAD"
 def haproxy_threads(cores: int) -> int:
     """HAProxy's threads on a machine of `cores` cores: a quarter of them, 1 to 4 (Serve
     starts 4 whatever the machine). On the 2-core CPU under a steady load of 4 streams, the
-    HTTP front (the client's TTFT less the ingress's) was 3.9-4.7 ms with 4 threads and
-    3.2-3.8 ms with 1 (benchmarks/README.md, "Session 13"): four threads on two cores wake
-    one another for each request."""
+    HTTP front (the client's TTFT less the ingress's) was 3.7-3.8 ms with 4 threads and
+    2.9-3.0 ms with 1, runs alternated (benchmarks/README.md, "Session 13")."""
     return max(1, min(4, cores // 4))
 
 
