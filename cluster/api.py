@@ -11,6 +11,7 @@ waits for the worker to accept it before answering 200, so 429 and 400 stay stat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
 import logging
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-kvray-replica"  # which worker replica served the request
 _INFO_TIMEOUT_S = 30.0
+_MODELS_INFO_TIMEOUT_S = 2.0  # /v1/models answers without the context length rather than wait
 _INLINE_TOKENIZE_CHARS = 16_384
 _STATS_TIMEOUT_S = 5.0
 _TEMPLATE_CHARS_PER_MESSAGE = 32  # what a chat template adds around each message, roughly
@@ -146,6 +148,9 @@ class Ingress:
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
+        if self._info is None:  # the context length comes from a worker, asked once
+            with contextlib.suppress(ApiError, TimeoutError):  # none up yet: list the model without it
+                await asyncio.wait_for(self._engine_info(), _MODELS_INFO_TIMEOUT_S)
         info = self._info or {}
         card = ModelCard(
             id=self._config.model_name, created=self._created, max_model_len=info.get("max_seq_len")

@@ -23,8 +23,9 @@ def client(served: Served) -> OpenAI:
 
 
 def test_models_lists_the_served_model(client: OpenAI) -> None:
-    models = client.models.list().data
+    models = client.models.list().data  # the module's first request: its length is asked for
     assert [m.id for m in models] == ["demo"]
+    assert models[0].model_extra == {"max_model_len": ENGINE["max_seq_len"]}
 
 
 def test_greedy_chat_over_http_equals_llm_generate(client: OpenAI) -> None:

@@ -518,3 +518,42 @@ def test_a_worker_replica_below_rays_daemons_says_how_to_fix_it(monkeypatch, cap
     with caplog.at_level("WARNING", logger=deployment.log.name):
         deployment._warn_if_below_the_control_plane()
     assert ("RAY_worker_niceness=0" in caplog.text) is warns
+
+
+def test_the_model_list_names_the_context_length_from_its_first_request(monkeypatch) -> None:
+    """/v1/models asks a worker for the context length if nothing has yet, and answers
+    without it (rather than an error) when no worker can say."""
+    import json
+    from types import SimpleNamespace
+
+    from starlette.requests import Request
+
+    import cluster.api as api
+
+    ingress_class = api.Ingress.__mro__[1]  # the class under serve.ingress's wrapper
+    context = SimpleNamespace(replica_id=SimpleNamespace(unique_id="ing-1"))
+    monkeypatch.setattr(api.serve, "get_replica_context", lambda: context)
+
+    class Worker:
+        def __init__(self, answer: dict[str, int] | None):
+            self.answer, self.asked = answer, 0
+            self.info = self
+
+        def options(self, **_: object) -> Worker:
+            return self
+
+        async def remote(self, hint: RouteHint) -> dict[str, int]:
+            self.asked += 1
+            if self.answer is None:
+                raise RuntimeError("no replica")
+            return self.answer
+
+    async def listed(worker: Worker) -> list[dict[str, object]]:
+        ingress = ingress_class(ClusterConfig(), worker)
+        bodies = [await ingress.models(Request({"type": "http", "headers": []})) for _ in range(2)]
+        return [json.loads(bytes(b.body))["data"][0] for b in bodies]
+
+    worker = Worker({"max_seq_len": 512})
+    assert [m["max_model_len"] for m in asyncio.run(listed(worker))] == [512, 512]
+    assert worker.asked == 1
+    assert [m["max_model_len"] for m in asyncio.run(listed(Worker(None)))] == [None, None]
