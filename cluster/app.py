@@ -96,6 +96,7 @@ def haproxy_available() -> bool:
     except (ImportError, OSError):
         return shutil.which("haproxy") is not None
 
+
 HAPROXY_THREADS_ENV = "RAY_SERVE_HAPROXY_NBTHREAD"
 
 
