@@ -279,8 +279,9 @@ class WorkerDeployment:
             EngineRequest(r.request_id, r.prompt_token_ids, r.params)
             for r in decode_requests(payload)
         ]
-        for r in requests:
-            timeline.mark(r.request_id, "received", received_at)
+        if timeline.enabled():
+            for r in requests:
+                timeline.mark(r.request_id, "received", received_at)
         box = self._mailboxes.get(ingress_id)
         if box is None or box.stream.closed:
             box = self._mailboxes[ingress_id] = Mailbox(OutputStream([], self._engine.abort))
@@ -290,8 +291,9 @@ class WorkerDeployment:
             return encode_refused("full", str(exc) or "the worker's waiting queue is full")
         except ValueError as exc:
             return encode_refused("invalid", str(exc))
-        for r in requests:
-            timeline.mark(r.request_id, "queued")
+        if timeline.enabled():
+            for r in requests:
+                timeline.mark(r.request_id, "queued")
         if not box.attached:
             self._reap_later(ingress_id, box)
         return encode_accepted(self._replica_id, frames_at)

@@ -1,7 +1,7 @@
 """Timestamps of each request at the hops of its Serve path, for finding where the time
 between a client and its engine goes (benchmarks/path_timeline.py reads them).
 
-Off unless `KVRAY_TIMELINE_DIR` names a directory when a process first marks: then every
+Off unless `KVRAY_TIMELINE_DIR` names a directory when the process imports this: then every
 kvray process (ingress replicas, worker replicas) appends `request_id point seconds`
 lines to a file of its own there. The seconds are `time.perf_counter()`, the machine's
 monotonic clock on Linux, so the processes of one machine compare; across machines they do
@@ -32,18 +32,6 @@ import threading
 import time
 
 ENV = "KVRAY_TIMELINE_DIR"
-POINTS = (
-    "arrived",
-    "dispatched",
-    "routed",
-    "sent",
-    "received",
-    "queued",
-    "first_written",
-    "first_read",
-    "first_sent",
-)
-
 _dir: str | None = os.environ.get(ENV) or None
 _rows: list[str] = []
 _lock = threading.Lock()
