@@ -14,6 +14,7 @@ from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from threading import Lock
 
 import numpy as np
 import torch
@@ -48,7 +49,8 @@ class ReqToTokenPool:
 
     The last row is the scratch row (all slot 0, the scratch page) that CUDA-graph padding
     uses. Writes go to the mirror and reach the device in one batched scatter per step,
-    through preallocated staging buffers, so a steady step allocates nothing.
+    through preallocated staging buffers, so a steady step allocates nothing. Writes and
+    flushes hold a lock: on CPU the prompt lane binds on a thread of its own.
     """
 
     def __init__(self, max_running: int, max_seq_len: int, device: torch.device, staging: int):
@@ -57,6 +59,7 @@ class ReqToTokenPool:
         self.scratch_row = max_running
         self._free_rows = list(range(max_running - 1, -1, -1))
         self._dirty: list[tuple[int, int, int]] = []
+        self._lock = Lock()
         pin = device.type == "cuda"
         self._h_idx = torch.zeros(staging, dtype=torch.int64, pin_memory=pin)
         self._h_val = torch.zeros(staging, dtype=torch.int32, pin_memory=pin)
@@ -77,10 +80,17 @@ class ReqToTokenPool:
         self._free_rows.append(row)
 
     def set_slots(self, row: int, start: int, slots: np.ndarray) -> None:
-        self.host[row, start : start + len(slots)] = slots
-        self._dirty.append((row, start, start + len(slots)))
+        with self._lock:
+            self.host[row, start : start + len(slots)] = slots
+            self._dirty.append((row, start, start + len(slots)))
 
     def flush(self) -> None:
+        if not self._dirty:
+            return
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
         if not self._dirty:
             return
         width = self.host.shape[1]
@@ -127,66 +137,23 @@ def _is_steady_increment(prev: _BindState | None, now: _BindState) -> bool:
     )
 
 
-class KVCache(CacheView):
-    """Owns the storage and the slot table; admits, grows, binds and releases requests."""
+class StepBinder(CacheView):
+    """The KV storage and slot table as a step sees them: `bind_tasks` fills a workspace with a
+    step's metadata, `write` stores its K/V. The KVCache is the engine's binder; the CPU prompt
+    lane has one of its own over the same storage, table and rows (`KVCache.binder`), with its
+    own workspace, so the two can bind steps of different requests at once."""
 
-    def __init__(self, storage: KVStorage, req_pool: ReqToTokenPool, page_size: int, workspace: InferenceWorkspace):
+    def __init__(self, storage: KVStorage, req_pool: ReqToTokenPool, page_size: int, workspace: InferenceWorkspace, task_len: np.ndarray):
         self.k_cache, self.v_cache = storage.k, storage.v
         self.storage, self.req_pool, self.page_size, self.ws = storage, req_pool, page_size, workspace
         self.req_to_token = req_pool.table
-        self._task_len = np.zeros(req_pool.table.shape[0], dtype=np.int64)  # tokens bound per row
+        self._task_len = task_len  # tokens bound per row, shared by every binder of the cache
         self._last_bind: _BindState | None = None
         self.batch: ForwardBatch | None = None
         # Recorded after a host bind's copies. A step that samples nothing returns without
         # waiting for the device, so the next bind could refill the pinned staging buffers
         # while that step's copies still wait behind earlier work: it waits for them first.
         self._staged = torch.cuda.Event() if workspace.device.type == "cuda" else None
-
-    # -- capacity, in pages --------------------------------------------------------------
-    @property
-    @abstractmethod
-    def num_total_pages(self) -> int: ...
-
-    @property
-    @abstractmethod
-    def num_free_pages(self) -> int:
-        """Pages a new request could get now (free plus evictable cached pages)."""
-
-    @abstractmethod
-    def pages_needed(self, request: Request, num_new: int) -> int:
-        """Pages `reserve(request, num_new)` would take."""
-
-    @abstractmethod
-    def can_grow(self, num_requests: int, num_tokens: int) -> bool:
-        """Can `num_requests` requests take `num_tokens` new tokens among them, however split,
-        without running out of pages?"""
-
-    # -- lifecycle -----------------------------------------------------------------------
-    @abstractmethod
-    def admit(self, request: Request) -> bool:
-        """Give the request a row (and any cached prefix: sets num_computed). False: no row free."""
-
-    @abstractmethod
-    def reserve(self, request: Request, num_new: int) -> bool:
-        """Make slots exist for its next `num_new` tokens. False (and no change) when out of pages."""
-
-    @abstractmethod
-    def release(self, request: Request) -> None:
-        """Return its row and pages (full computed pages stay in the prefix cache)."""
-
-    def commit(self, request: Request) -> None:
-        """Called after a step advanced `num_computed`: publish newly full pages (prefix cache)."""
-
-    def admitted(self, request: Request) -> None:
-        """The scheduler kept an admission (it may roll one back and retry it next step)."""
-
-    def prefix_summary(self, max_pages: int) -> list[int]:
-        return []
-
-    @property
-    def prefix_stats(self) -> tuple[int, int]:
-        """(hit tokens, queried tokens) since start."""
-        return 0, 0
 
     # -- binding -------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -293,6 +260,65 @@ class KVCache(CacheView):
     def invalidate_bind(self) -> None:
         """Forget the last bind (after an aborted step), so the next one rebuilds everything."""
         self._last_bind = None
+
+
+class KVCache(StepBinder):
+    """Owns the storage and the slot table; admits, grows, binds and releases requests."""
+
+    def __init__(self, storage: KVStorage, req_pool: ReqToTokenPool, page_size: int, workspace: InferenceWorkspace):
+        super().__init__(storage, req_pool, page_size, workspace, np.zeros(req_pool.table.shape[0], dtype=np.int64))
+
+    def binder(self, workspace: InferenceWorkspace) -> StepBinder:
+        """A second binder of this cache, into `workspace`: binds and writes the steps of requests
+        that no other binder's step holds (the CPU prompt lane). Admitting, growing and releasing
+        stay with the cache."""
+        return StepBinder(self.storage, self.req_pool, self.page_size, workspace, self._task_len)
+
+    # -- capacity, in pages --------------------------------------------------------------
+    @property
+    @abstractmethod
+    def num_total_pages(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_free_pages(self) -> int:
+        """Pages a new request could get now (free plus evictable cached pages)."""
+
+    @abstractmethod
+    def pages_needed(self, request: Request, num_new: int) -> int:
+        """Pages `reserve(request, num_new)` would take."""
+
+    @abstractmethod
+    def can_grow(self, num_requests: int, num_tokens: int) -> bool:
+        """Can `num_requests` requests take `num_tokens` new tokens among them, however split,
+        without running out of pages?"""
+
+    # -- lifecycle -----------------------------------------------------------------------
+    @abstractmethod
+    def admit(self, request: Request) -> bool:
+        """Give the request a row (and any cached prefix: sets num_computed). False: no row free."""
+
+    @abstractmethod
+    def reserve(self, request: Request, num_new: int) -> bool:
+        """Make slots exist for its next `num_new` tokens. False (and no change) when out of pages."""
+
+    @abstractmethod
+    def release(self, request: Request) -> None:
+        """Return its row and pages (full computed pages stay in the prefix cache)."""
+
+    def commit(self, request: Request) -> None:
+        """Called after a step advanced `num_computed`: publish newly full pages (prefix cache)."""
+
+    def admitted(self, request: Request) -> None:
+        """The scheduler kept an admission (it may roll one back and retry it next step)."""
+
+    def prefix_summary(self, max_pages: int) -> list[int]:
+        return []
+
+    @property
+    def prefix_stats(self) -> tuple[int, int]:
+        """(hit tokens, queried tokens) since start."""
+        return 0, 0
 
     def _reset_row(self, request: Request) -> None:
         self._task_len[request.row] = 0

@@ -46,6 +46,10 @@ class EngineConfig(BaseModel):
         ge=1,
         description="on CPU, steps of at most this many tokens (decodes of a few requests, bound by memory rather than compute) run on one torch thread fewer, leaving a core to the HTTP front end, tokenization and clients beside the engine; None = every thread on every step",
     )
+    cpu_prompt_lane: bool = Field(
+        True,
+        description="on CPU, in an engine that runs its own loop (a server), the prompts of new requests run on a thread of their own with half the torch threads, beside the decode steps of the requests under way, which then neither wait for a prompt step nor carry prompt chunks; off (or with one torch thread, or overlap) = prompts are chunks of the engine's steps",
+    )
     backend: Literal["auto", "torch", "cuda"] = Field("auto", description="attention backend; auto = cuda on CUDA with paged cache, else torch")
     cuda_graphs: bool = Field(True, description="capture decode CUDA graphs (CUDA backend only)")
     prompt_graph_tokens: int = Field(

@@ -2,7 +2,11 @@
 
 `step()` is schedule -> execute -> postprocess. The offline LLM calls it directly; a
 server calls `start()` and the loop thread runs it whenever there is work, publishing
-each step's deltas to the streams that wait for them.
+each step's deltas to the streams that wait for them. On CPU, `start()` also starts the
+prompt lane's thread (`EngineConfig.cpu_prompt_lane`): while requests decode, new prompts
+run there, beside the loop's decode steps, and each first token is published as soon as
+it is sampled. The two threads share the scheduler and the cache under one lock, held for
+everything but the forward passes.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class EngineStats:
     loop_alive: bool = False
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    num_lane_steps: int = 0  # prompt steps the CPU prompt lane ran
 
 
 class Engine:
@@ -100,12 +105,17 @@ class Engine:
         self._inflight: PendingStep | None = None  # launched on the device, results not yet read
         self._aborts: list[str] = []
         self._cv = threading.Condition()
+        self._state = threading.Lock()  # the scheduler, the cache and the requests' state
         self._thread: threading.Thread | None = None
+        self._lane_thread: threading.Thread | None = None
+        self._lane_step: list[ScheduledTask] = []  # the prompt lane's step in flight
+        self._lane_aborts: list[Request] = []  # aborted in that step: finished after it
         self._stopped = False
         self.stats_snapshot = EngineStats()
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._num_steps = 0
+        self._num_lane_steps = 0
         self._step_seconds = 0.0
         self.num_overlapped_steps = 0  # steps queued before their predecessor's tokens were read
         self._num_penalized = 0  # live requests with penalties (they keep steps from overlapping)
@@ -146,14 +156,14 @@ class Engine:
                 self._requests[r.request_id] = r
                 self._streams[r.request_id] = stream
             self._inbox.extend(new)
-            self._cv.notify()
+            self._cv.notify_all()
         return stream
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the request's pages are free after the next step."""
         with self._cv:
             self._aborts.append(request_id)
-            self._cv.notify()
+            self._cv.notify_all()
 
     def _validate(self, r: EngineRequest) -> Request:
         assert self.config.max_seq_len is not None
@@ -178,12 +188,30 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._inbox or self._aborts or self.scheduler.has_work or self._inflight is not None)
 
+    @property
+    def _loop_has_work(self) -> bool:
+        """Work for the loop thread: what `has_work` says, less what only the prompt lane does."""
+        sched = self.scheduler
+        return bool(
+            self._inbox or self._aborts or sched.running or self._inflight is not None
+            or (sched.waiting and sched.admits)
+        )  # fmt: skip
+
     def step(self) -> list[RequestDelta]:
         """One engine iteration; returns (and publishes) every delta it produced.
 
         With `overlap`, the next step is scheduled and queued on the device before this one's
         results are read, so the host's bookkeeping runs while the device computes.
         """
+        with self._state:
+            deltas = self._step()
+        self._publish(deltas)
+        if self._lane_thread is not None:
+            with self._cv:
+                self._cv.notify_all()  # the lane may start now: requests run, or the step's threads are free
+        return deltas
+
+    def _step(self) -> list[RequestDelta]:
         start = time.perf_counter()
         deltas = self._drain()
         if self._inflight is None:
@@ -223,7 +251,6 @@ class Engine:
                     pacer.observe(device_s or record.seconds, record.num_decodes, record.num_prompt_tokens)
                 if self.step_log is not None:  # the list may be unset meanwhile
                     self.step_log.append(record)
-        self._publish(deltas)
         if current is not None:
             self._step_seconds += time.perf_counter() - start
         self._snapshot()
@@ -243,7 +270,14 @@ class Engine:
         try:
             if callable(self.fault_hook):
                 self.fault_hook(tasks)
-            return self.executor.launch(tasks, carried)
+            if self._lane_thread is not None:
+                sched = self.scheduler
+                self.executor.lane_wanted = bool(sched.lane or (sched.waiting and sched.running))
+            self._state.release()  # the prompt lane may schedule while this step computes
+            try:
+                return self.executor.launch(tasks, carried)
+            finally:
+                self._state.acquire()
         except Exception as e:
             deltas.extend(self._fail(tasks, e))
             return None
@@ -295,17 +329,26 @@ class Engine:
 
     def _drain(self) -> list[RequestDelta]:
         with self._cv:
-            inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+        self._drain_inbox()
+        deltas = []
+        in_lane = {id(t.request) for t in self._lane_step}
+        for rid in aborts:
+            request = self._requests.get(rid)
+            if request is None or request.status is Status.FINISHED:
+                continue
+            if id(request) in in_lane:  # its pages are in the lane's forward: finish it after
+                self._lane_aborts.append(request)
+            else:
+                deltas.append(self._finish(request, "abort"))
+        return deltas
+
+    def _drain_inbox(self) -> None:
+        with self._cv:
+            inbox, self._inbox = self._inbox, []
         for r in inbox:
             self.scheduler.add(r)
             self._num_penalized += r.params.has_penalties
-        deltas = []
-        for rid in aborts:
-            request = self._requests.get(rid)
-            if request is not None and request.status is not Status.FINISHED:
-                deltas.append(self._finish(request, "abort"))
-        return deltas
 
     def _postprocess(self, step: PendingStep, result: StepResult) -> list[RequestDelta]:
         now = time.monotonic()
@@ -381,26 +424,90 @@ class Engine:
     def start(self) -> None:
         if self._thread is not None:
             return
+        if self.executor.lane is not None:
+            self.scheduler.lane_on = True
+            self._lane_thread = threading.Thread(target=self._lane_loop, name="kvray-prompt-lane", daemon=True)
+            self._lane_thread.start()
         self._thread = threading.Thread(target=self._loop, name="kvray-engine", daemon=True)
         self._thread.start()
 
     def shutdown(self) -> None:
         with self._cv:
             self._stopped = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._cv.notify_all()
+        for thread in (self._thread, self._lane_thread):
+            if thread is not None:
+                thread.join(timeout=10)
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._stopped or self.has_work)
+                self._cv.wait_for(lambda: self._stopped or self._loop_has_work)
                 if self._stopped:
                     return
             try:
                 self.step()
             except Exception:  # the loop never dies silently: log and keep serving
                 log.exception("engine step raised outside the executor")
+
+    # -- the prompt lane (CPU) -----------------------------------------------------------
+    def _lane_loop(self) -> None:
+        """Run prompt steps while requests decode on the loop thread (Scheduler.schedule_lane)."""
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._stopped or self._lane_may_run())
+                if self._stopped:
+                    return
+            try:
+                ran = self.lane_step()
+            except Exception:
+                log.exception("prompt lane step raised outside the executor")
+                ran = False
+            if not ran:  # nothing it could take now (no threads, pages or rows): wait for a change
+                with self._cv:
+                    self._cv.wait(timeout=0.05)
+
+    def _lane_may_run(self) -> bool:
+        sched = self.scheduler
+        return bool(sched.lane or (sched.running and (sched.waiting or self._inbox)))
+
+    def lane_step(self) -> bool:
+        """One prompt step of the lane, its first tokens published as soon as they are sampled.
+        False when there was nothing it could run."""
+        executor = self.executor
+        if not executor.claim_lane():
+            return False
+        try:
+            with self._state:
+                self._drain_inbox()
+                tasks = self.scheduler.schedule_lane()
+                if not tasks:
+                    return False
+                now = time.monotonic()
+                for t in tasks:
+                    if t.request.first_scheduled_time is None:
+                        t.request.first_scheduled_time = now
+                self._lane_step = tasks
+            try:
+                result = executor.run_prompts(tasks)
+            except Exception as e:
+                with self._state:
+                    self._lane_step, self._lane_aborts = [], []
+                    self._publish(self._fail(tasks, e))
+            else:
+                with self._state:  # published before the engine's step can advance these requests
+                    self._lane_step = []
+                    deltas = self._postprocess(PendingStep(tasks, result.task_indices), result)
+                    aborted, self._lane_aborts = self._lane_aborts, []
+                    deltas.extend(self._finish(r, "abort") for r in aborted if r.status is not Status.FINISHED)
+                    self.scheduler.join([t.request for t in tasks])
+                    self._num_lane_steps += 1
+                    self._publish(deltas)
+        finally:
+            executor.release_lane()
+        with self._cv:
+            self._cv.notify_all()  # the loop: new requests decode
+        return True
 
     # -- observability -------------------------------------------------------------------
     def _snapshot(self) -> None:
@@ -412,7 +519,7 @@ class Engine:
         free, total = cache.num_free_pages, cache.num_total_pages
         self.stats_snapshot = EngineStats(
             num_waiting=len(sched.waiting),
-            num_running=len(sched.running),
+            num_running=len(sched.running) + len(sched.lane),
             waiting_tokens=sum(r.num_pending for r in sched.waiting),
             num_free_pages=free,
             num_total_pages=total,
@@ -426,6 +533,7 @@ class Engine:
             last_step_time=now,
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,
+            num_lane_steps=self._num_lane_steps,
         )
 
     def stats(self) -> EngineStats:
@@ -436,7 +544,10 @@ class Engine:
         alive = self._thread.is_alive() if self._thread is not None else False
         sched = self.scheduler
         return dataclasses.replace(
-            self.stats_snapshot, num_running=len(sched.running), num_waiting=len(sched.waiting) + pending, loop_alive=alive
+            self.stats_snapshot,
+            num_running=len(sched.running) + len(sched.lane),
+            num_waiting=len(sched.waiting) + pending,
+            loop_alive=alive,
         )
 
     def prefix_summary(self, max_pages: int = SUMMARY_PAGES) -> list[int]:

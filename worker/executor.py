@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -16,8 +17,10 @@ from pathlib import Path
 import torch
 
 from worker.attention import BACKENDS
+from worker.attention.base import AttentionBackend
 from worker.attention.cuda import CudaBackend
 from worker.batch import ForwardBatch
+from worker.cache import StepBinder
 from worker.config import EngineConfig
 from worker.graphs import DecodeGraphRunner, PromptGraphRunner
 from worker.kv_sizing import build_cache
@@ -69,6 +72,19 @@ class PendingStep:
         return self.sampled is not None
 
 
+@dataclass(slots=True)
+class PromptLane:
+    """What the CPU prompt lane's steps run with: a workspace, a binder of the engine's KV cache
+    and an attention backend of their own (so they bind and attend beside the engine's steps),
+    the lane's share of the torch threads, and a generator for first tokens without a seed."""
+
+    workspace: InferenceWorkspace
+    binder: StepBinder
+    backend: AttentionBackend
+    threads: int
+    generator: torch.Generator
+
+
 class Executor:
     def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig, eos_token_ids: frozenset[int]):
         assert config.max_seq_len is not None
@@ -103,8 +119,13 @@ class Executor:
         self._flip = 0
         # The torch threads of a CPU step when they follow its size: at most the count set on
         # the thread that builds the engine (a worker replica sets it there and steps on another).
-        sized = self.device.type == "cpu" and config.cpu_small_step_tokens is not None
+        self.lane = self._prompt_lane(model_config) if self._lane_possible() else None
+        sized = self.device.type == "cpu" and (config.cpu_small_step_tokens is not None or self.lane is not None)
         self._max_threads = torch.get_num_threads() if sized else None
+        self.lane_busy = False  # the lane runs a step now: its threads are taken
+        self.lane_wanted = False  # prompts wait for the lane: the engine's next step leaves it its threads
+        self.main_threads = 0  # torch threads of the engine's own step in flight (0: none)
+        self._threads_lock = threading.Lock()  # the two above change together
         self.graphs: DecodeGraphRunner | None = None
         self.prompt_graphs: PromptGraphRunner | None = None
         if config.cuda_graphs and self.backend.supports_graph:
@@ -115,6 +136,54 @@ class Executor:
                     self.model, self.backend, self.cache, self.workspace, config.prompt_graph_tokens
                 )
                 self.prompt_graphs.capture()
+
+    def _lane_possible(self) -> bool:
+        return (
+            self.config.cpu_prompt_lane and self.device.type == "cpu" and not self.config.overlap
+            and torch.get_num_threads() >= 2
+        )  # fmt: skip
+
+    def _prompt_lane(self, model_config: ModelConfig) -> PromptLane:
+        config = self.config
+        assert config.max_seq_len is not None
+        workspace = InferenceWorkspace(
+            max_tokens=config.token_budget, max_running=config.max_running, max_seq_len=config.max_seq_len,
+            num_heads=model_config.num_heads, head_dim=model_config.head_dim, dtype=config.torch_dtype,
+            device=self.device, split_kv=False,
+        )  # fmt: skip
+        backend = BACKENDS[config.backend](model_config.num_heads, model_config.head_dim, workspace)
+        generator = torch.Generator(self.device).manual_seed(config.seed + 1)
+        return PromptLane(workspace, self.cache.binder(workspace), backend, torch.get_num_threads() // 2, generator)
+
+    @torch.inference_mode()
+    def run_prompts(self, tasks: list[ScheduledTask]) -> StepResult:
+        """One prompt step of the lane (on the lane's thread, beside the engine's own steps):
+        its tasks' requests are in no other step. Bind, forward and sample, on the lane's
+        threads; returns the sampled ids (and logprobs)."""
+        lane = self.lane
+        assert lane is not None
+        with _torch_threads(lane.threads):
+            batch = lane.binder.bind_tasks(tasks)
+            lane.backend.prepare(batch, lane.binder)
+            hidden = self.model(batch.input_ids, batch.positions, lane.binder, lane.backend)
+            rows = [i for i, t in enumerate(tasks) if t.samples]
+            if not rows:
+                return StepResult([], [], [])
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            if len(rows) < len(tasks):
+                assert batch.sample_rows is not None
+                logits = logits.index_select(0, batch.sample_rows)
+            reqs = [tasks[i].request for i in rows]
+            info = SamplingBatchInfo.build(
+                [r.params for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
+                [r.generator for r in reqs], vocab_size=self.model_config.vocab_size, device=self.device,
+                eos_token_ids=self.eos_token_ids, default_generator=lane.generator,
+            )  # fmt: skip
+            out = sample(logits, info)
+            logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+            if info.max_logprobs is not None:
+                logprobs = self._logprobs(tasks, rows, out)
+            return StepResult(rows, out.token_ids.tolist(), logprobs)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, all_logits: bool = False) -> torch.Tensor:
@@ -149,25 +218,50 @@ class Executor:
         pending.launch_seconds = time.perf_counter() - start
         return pending
 
-    def _threads_for(self, tasks: list[ScheduledTask]) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def _threads_for(self, tasks: list[ScheduledTask]) -> Iterator[None]:
         if self._max_threads is None:
-            return contextlib.nullcontext()
-        threads = self.step_threads(sum(t.num_new for t in tasks))
-        assert threads is not None
-        return _torch_threads(threads)
+            yield
+            return
+        with self._threads_lock:
+            threads = self.step_threads(sum(t.num_new for t in tasks))
+            assert threads is not None
+            self.main_threads = threads
+        try:
+            with _torch_threads(threads):
+                yield
+        finally:
+            with self._threads_lock:
+                self.main_threads = 0
+
+    def claim_lane(self) -> bool:
+        """The lane takes its threads for a step, if the engine's step in flight leaves them free
+        (a prompt step of the engine's own runs on every thread: the lane waits for its end)."""
+        assert self.lane is not None and self._max_threads is not None
+        with self._threads_lock:
+            if self.main_threads + self.lane.threads > self._max_threads:
+                return False
+            self.lane_busy = True
+            return True
+
+    def release_lane(self) -> None:
+        with self._threads_lock:
+            self.lane_busy = False
 
     def step_threads(self, num_tokens: int) -> int | None:
-        """Torch threads for a CPU step of `num_tokens` tokens (`cpu_small_step_tokens`); None:
-        leave them as they are. On the 2-core CPU a demo decode step of 4 requests took 78-79 ms
+        """Torch threads for a CPU step of `num_tokens` tokens (`cpu_small_step_tokens`), less
+        the prompt lane's while it runs a step; None: leave them as they are. On the 2-core CPU a demo decode step of 4 requests took 78-79 ms
         on one thread or two, of 16 requests 138-143 against 107-111 ms, and 4 decodes beside a
         64-token prompt 292-295 against 183-190 ms (benchmarks/cpu_step_threads.py;
         benchmarks/README.md, "Session 12")."""
         if self._max_threads is None:
             return None
-        assert self.config.cpu_small_step_tokens is not None
-        if num_tokens <= self.config.cpu_small_step_tokens:
-            return max(1, self._max_threads - 1)
-        return self._max_threads
+        lane = self.lane is not None and (self.lane_busy or self.lane_wanted)
+        most = self._max_threads - self.lane.threads if lane and self.lane is not None else self._max_threads
+        small = self.config.cpu_small_step_tokens
+        if small is not None and num_tokens <= small:
+            most = min(most, self._max_threads - 1)
+        return max(1, most)
 
     def resolve(self, pending: PendingStep) -> StepResult:
         """Wait for a launched step; its sampled ids (and logprobs) on the host."""

@@ -15,6 +15,7 @@ from worker.sampling import SamplingParams
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PREFILLING = "prefilling"  # its prompt runs in the CPU prompt lane (Scheduler.lane)
     FINISHED = "finished"
 
 

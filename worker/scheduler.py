@@ -11,6 +11,12 @@ When pages run out mid-decode, the newest
 running request is preempted: its pages go back (full ones stay in the prefix cache) and
 it returns to the front of the queue to be recomputed. Nothing is aborted for memory.
 A step's tasks list its one-token rows (decodes) first.
+
+With the CPU prompt lane on (`lane_on`), prompts take another path while requests are under
+way: `schedule_lane` admits waiting requests into `lane`, whose prompt steps run on a thread
+of their own beside the decode steps, and `join` moves each into `running` once its prompt is
+done and its first token sampled. The decode steps then admit no one, so they carry no
+prompt chunks; with nothing running, `schedule` admits as before.
 """
 
 from __future__ import annotations
@@ -145,11 +151,19 @@ class Scheduler:
         self.watermark_pages = int(config.admission_watermark * cache.num_total_pages)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.lane: list[Request] = []  # in the prompt lane (Status.PREFILLING)
+        self.lane_on = False  # set by an engine that runs the CPU prompt lane
         self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.lane)
+
+    @property
+    def admits(self) -> bool:
+        """May `schedule` admit waiting requests? Always, unless the prompt lane takes them:
+        then only while nothing runs and the lane is empty."""
+        return not self.lane_on or not (self.running or self.lane)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -158,6 +172,8 @@ class Scheduler:
         """Take a request out (finished or aborted) and give back its KV."""
         if request.status is Status.RUNNING:
             self.running.remove(request)
+        elif request.status is Status.PREFILLING:
+            self.lane.remove(request)
         elif request.status is Status.WAITING and request in self.waiting:
             self.waiting.remove(request)
         self.cache.release(request)
@@ -189,8 +205,47 @@ class Scheduler:
             budget -= num_new
             if pending > 1:
                 prefill -= num_new
-        self._admit(tasks, budget, prefill)
+        if self.admits:
+            self._admit(tasks, budget, prefill)
         return _one_token_rows_first(tasks), too_long
+
+    def schedule_lane(self) -> list[ScheduledTask]:
+        """A prompt step for the lane, up to the token budget: the lane's unfinished prompts
+        first, then waiting requests admitted (their pages reserved here, above the watermark)
+        while requests run: with nothing running, `schedule` takes new prompts, on every thread."""
+        budget = self.token_budget
+        tasks: list[ScheduledTask] = []
+        for request in self.lane:
+            num_new = min(request.num_pending, budget)
+            if num_new == 0 or not self.cache.reserve(request, num_new):
+                continue
+            tasks.append(ScheduledTask(request, num_new))
+            budget -= num_new
+        while self.running and self.waiting and budget > 0 and len(self.running) + len(self.lane) < self.max_running:
+            request = self.waiting[0]
+            if not self.cache.admit(request):
+                break
+            num_new = min(request.num_pending, budget)
+            free_after = self.cache.num_free_pages - self.cache.pages_needed(request, num_new)
+            if free_after < self.watermark_pages or not self.cache.reserve(request, num_new):
+                self.cache.release(request)
+                request.num_computed = 0
+                break
+            self.waiting.popleft()
+            self.cache.admitted(request)
+            request.status = Status.PREFILLING
+            self.lane.append(request)
+            tasks.append(ScheduledTask(request, num_new))
+            budget -= num_new
+        return tasks
+
+    def join(self, requests: Collection[Request]) -> None:
+        """Lane requests whose prompt is done (their first token sampled) start decoding."""
+        for request in requests:
+            if request.status is Status.PREFILLING and request.num_pending == 1:
+                self.lane.remove(request)
+                request.status = Status.RUNNING
+                self.running.append(request)
 
     def prompt_share(self, num_decodes: int) -> int:
         """Prompt tokens a step may carry next to `num_decodes` decodes."""

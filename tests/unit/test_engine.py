@@ -268,7 +268,7 @@ def test_small_cpu_steps_compute_on_one_thread_fewer_and_the_callers_count_is_re
     torch.set_num_threads(3)
     try:
         engine = engine_factory(cpu_small_step_tokens=4)
-        plain = engine_factory(cpu_small_step_tokens=None)
+        plain = engine_factory(cpu_small_step_tokens=None, cpu_prompt_lane=False)
     finally:
         torch.set_num_threads(built_with)
     seen: list[tuple[int, int]] = []

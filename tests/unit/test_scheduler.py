@@ -190,3 +190,46 @@ def test_with_a_slowdown_prompt_chunks_next_to_decodes_take_the_pacers_share() -
     assert step(s) == {"a": 1, "long": 1, "next": 20}
     s.prefill_budget = 6  # a configured cap still holds when it is the smaller one
     assert step(s) == {"a": 1, "long": 1, "next": 6}
+
+
+def lane_step(s: Scheduler) -> dict[str, int]:
+    """Run one `schedule_lane` as the prompt lane would, then `join`."""
+    tasks = s.schedule_lane()
+    for t in tasks:
+        t.request.num_computed += t.num_new
+        if t.request.num_pending == 0:
+            t.request.output_ids.append(7)
+    s.join([t.request for t in tasks])
+    return {t.request.request_id: t.num_new for t in tasks}
+
+
+def test_with_the_prompt_lane_decode_steps_admit_no_one_and_the_lane_takes_the_prompts() -> None:
+    s = scheduler(token_budget=64, prefill_budget=None)
+    s.lane_on = True
+    s.add(request("a", 5))
+    assert lane_step(s) == {}  # nothing runs: the engine's own step takes the prompt
+    assert step(s) == {"a": 5}
+    s.add(request("b", 6))
+    s.add(request("c", 100))
+    assert step(s) == {"a": 1}  # a decodes; b and c wait for the lane
+    assert lane_step(s) == {"b": 6, "c": 58}  # the lane's token budget, c chunked
+    assert [r.request_id for r in s.running] == ["a", "b"] and [r.request_id for r in s.lane] == ["c"]
+    assert step(s) == {"a": 1, "b": 1}  # c, in the lane, is in no decode step
+    assert lane_step(s) == {"c": 42}
+    assert [r.request_id for r in s.running] == ["a", "b", "c"] and not s.lane
+    assert step(s) == {"a": 1, "b": 1, "c": 1}
+
+
+def test_the_lane_finishes_its_prompts_even_when_nothing_runs_and_then_the_engine_admits_again() -> None:
+    s = scheduler(token_budget=16, prefill_budget=None)
+    s.lane_on = True
+    s.add(request("a", 3))
+    step(s)
+    s.add(request("long", 20))
+    assert lane_step(s) == {"long": 16}
+    s.remove(s.running[0])  # a ends while long is half done
+    s.add(request("next", 4))
+    assert step(s) == {}  # the lane holds a prompt: the engine admits no one meanwhile
+    assert lane_step(s) == {"long": 4}  # nothing runs, but the lane's own prompt goes on
+    assert step(s) == {"long": 1}
+    assert lane_step(s) == {"next": 4}
