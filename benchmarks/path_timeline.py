@@ -45,6 +45,8 @@ def read_timelines(directory: Path) -> dict[str, dict[str, float]]:
     for points in timelines.values():
         if "queued" in points and "engine_ttft" in points:
             points["published"] = points["queued"] + points["engine_ttft"]
+        if "queued" in points and "engine_queue" in points:
+            points["scheduled"] = points["queued"] + points["engine_queue"]
     return dict(timelines)
 
 
@@ -69,6 +71,8 @@ def summarize(timelines: dict[str, dict[str, float]]) -> dict[str, Any]:
     out["to_engine"] = stats([t["queued"] - t["arrived"] for t in complete])
     out["from_engine"] = stats([t["first_sent"] - t["published"] for t in complete])
     out["ingress_path"] = stats([t["queued"] - t["arrived"] + t["first_sent"] - t["published"] for t in complete])
+    if all("scheduled" in t for t in complete):  # the engine's queue, from the worker's metrics
+        out["engine_queue"] = stats([t["scheduled"] - t["queued"] for t in complete])
     return out
 
 
@@ -88,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         ("published -> first_sent: the way back", summary["from_engine"]),
         ("both ways (the ingress's TTFT less the engine's)", summary["ingress_path"]),
     ]
+    if "engine_queue" in summary:
+        rows.append(("queued -> scheduled: the engine's queue", summary["engine_queue"]))
     for title, s in rows:
         print(f"{title[:57]:58}{s['mean']:9.3f}{s['p50']:9.3f}{s['p90']:9.3f}")
     if args.out:

@@ -120,6 +120,7 @@ class Generation:
             self._record(choice, now)
         if delta.metrics is not None:
             timeline.mark(delta.request_id, "engine_ttft", delta.metrics.time_to_first_token)
+            timeline.mark(delta.request_id, "engine_queue", delta.metrics.queue_time)
             if self.on_engine_metrics is not None:
                 self.on_engine_metrics(delta.metrics)
         return ChoiceDelta(choice.index, text, delta.new_token_ids, delta.logprobs, finish)

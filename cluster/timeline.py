@@ -20,8 +20,9 @@ The points, in the order a first token passes them:
 - `first_read`: the ingress read that frame;
 - `first_sent`: the ingress handed the first token's SSE chunk to the HTTP server.
 
-The ingress also records `engine_ttft`, the engine's own time to first token (a duration,
-not a time: `queued + engine_ttft` is when the engine published the token).
+The ingress also records `engine_ttft`, the engine's own time to first token, and
+`engine_queue`, its wait in the engine before its first step was scheduled (durations, not
+times: `queued + engine_ttft` is when the engine published the token).
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def test_the_ingress_and_engine_time_to_first_token_and_queue_time_are_read_back
 
 
 def test_the_path_timeline_joins_each_requests_points_across_processes(tmp_path) -> None:
-    ingress = ["arrived 1.000", "dispatched 1.001", "routed 1.002", "sent 1.003", "first_read 1.207", "first_sent 1.208", "engine_ttft 0.2"]
+    ingress = ["arrived 1.000", "dispatched 1.001", "routed 1.002", "sent 1.003", "first_read 1.207", "first_sent 1.208", "engine_ttft 0.2", "engine_queue 0.03"]
     worker = ["received 1.004", "queued 1.005", "first_written 1.2062"]
     for pid, lines in (("100", ingress), ("200", worker)):
         (tmp_path / f"{pid}.txt").write_text("".join(f"r-1 {line}\n" for line in lines) + "r-2 arrived 3.0\n")
@@ -102,3 +102,4 @@ def test_the_path_timeline_joins_each_requests_points_across_processes(tmp_path)
     assert summary["to_engine"]["mean"] == pytest.approx(5.0)
     assert summary["from_engine"]["mean"] == pytest.approx(3.0)
     assert summary["ingress_path"]["p50"] == pytest.approx(8.0)
+    assert summary["engine_queue"]["p50"] == pytest.approx(30.0)  # queued -> its first step scheduled

@@ -94,7 +94,7 @@ def test_a_request_aborted_while_its_prompt_is_in_the_lane_ends_after_that_step(
     initial = cache.num_free_pages
     streams = [engine.submit(_reqs("a", [9], max_tokens=30))]
     engine.step()
-    streams.append(engine.submit(_reqs("bb", [14, 21])))
+    streams.append(engine.submit(_reqs("bb", [14, 9])))
     engine.step()
     run_prompts = engine.executor.run_prompts
 

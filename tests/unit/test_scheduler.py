@@ -209,15 +209,17 @@ def test_with_the_prompt_lane_decode_steps_admit_no_one_and_the_lane_takes_the_p
     s.add(request("a", 5))
     assert lane_step(s) == {}  # nothing runs: the engine's own step takes the prompt
     assert step(s) == {"a": 5}
-    s.add(request("b", 6))
-    s.add(request("c", 100))
-    assert step(s) == {"a": 1}  # a decodes; b and c wait for the lane
-    assert lane_step(s) == {"b": 6, "c": 58}  # the lane's token budget, c chunked
-    assert [r.request_id for r in s.running] == ["a", "b"] and [r.request_id for r in s.lane] == ["c"]
-    assert step(s) == {"a": 1, "b": 1}  # c, in the lane, is in no decode step
-    assert lane_step(s) == {"c": 42}
-    assert [r.request_id for r in s.running] == ["a", "b", "c"] and not s.lane
-    assert step(s) == {"a": 1, "b": 1, "c": 1}
+    for rid, n in (("b", 6), ("c", 20), ("d", 7), ("e", 100)):
+        s.add(request(rid, n))
+    assert step(s) == {"a": 1}  # a decodes; the others wait for the lane
+    assert lane_step(s) == {"b": 6, "c": 20}  # short prompts together, within LANE_BATCH_TOKENS
+    assert lane_step(s) == {"d": 7}  # e would take the step past it: next time
+    assert lane_step(s) == {"e": 64}  # alone, whole up to the token budget: chunked
+    assert [r.request_id for r in s.running] == ["a", "b", "c", "d"] and [r.request_id for r in s.lane] == ["e"]
+    assert step(s) == {"a": 1, "b": 1, "c": 1, "d": 1}  # e, in the lane, is in no decode step
+    assert lane_step(s) == {"e": 36}
+    assert [r.request_id for r in s.running] == ["a", "b", "c", "d", "e"] and not s.lane
+    assert step(s) == {"a": 1, "b": 1, "c": 1, "d": 1, "e": 1}
 
 
 def test_the_lane_finishes_its_prompts_even_when_nothing_runs_and_then_the_engine_admits_again() -> None:
