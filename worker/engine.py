@@ -503,6 +503,7 @@ class Engine:
                     self.scheduler.join([t.request for t in tasks])
                     self._num_lane_steps += 1
                     self._publish(deltas)
+                    self._snapshot()  # a lane step is a step: the health check sees it
         finally:
             executor.release_lane()
         with self._cv:

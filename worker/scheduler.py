@@ -28,7 +28,6 @@ from worker.cache import KVCache
 from worker.config import EngineConfig
 from worker.request import Request, ScheduledTask, Status
 
-
 # A prompt step of the lane takes the next waiting prompt whole, and more only while the step
 # stays within this many tokens. On one CPU thread a step costs a fixed ~60 ms (reading every
 # weight: the demo model's one-request decode step) plus ~4 ms a prompt token, so two prompts
