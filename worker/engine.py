@@ -542,7 +542,9 @@ class Engine:
         must not make a busy replica look idle (a `len` is atomic; the rest needs the step)."""
         with self._cv:
             pending = len(self._inbox)
-        alive = self._thread.is_alive() if self._thread is not None else False
+        alive = self._thread is not None and self._thread.is_alive()
+        if self._lane_thread is not None:  # prompts wait for the lane: it must be alive too
+            alive = alive and self._lane_thread.is_alive()
         sched = self.scheduler
         return dataclasses.replace(
             self.stats_snapshot,

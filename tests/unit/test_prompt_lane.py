@@ -183,8 +183,10 @@ def test_a_started_engine_runs_new_prompts_in_the_lane_with_the_plain_engines_to
         deadline = time.monotonic() + 10
         while engine.has_work and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert engine.stats().loop_alive  # both threads
     finally:
         engine.shutdown()
+    assert not engine.stats().loop_alive
     assert engine.stats().num_lane_steps >= 1
     want = _reference(make_engine, [first, later])
     assert {**got, **late_got} == want
