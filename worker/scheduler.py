@@ -234,20 +234,13 @@ class Scheduler:
             request = self.waiting[0]
             if tasks and self.token_budget - budget + request.num_pending > LANE_BATCH_TOKENS:
                 break
-            if not self.cache.admit(request):
+            task = self._admit_head(budget, budget, keep_free=True)
+            if task is None:
                 break
-            num_new = min(request.num_pending, budget)
-            free_after = self.cache.num_free_pages - self.cache.pages_needed(request, num_new)
-            if free_after < self.watermark_pages or not self.cache.reserve(request, num_new):
-                self.cache.release(request)
-                request.num_computed = 0
-                break
-            self.waiting.popleft()
-            self.cache.admitted(request)
             request.status = Status.PREFILLING
             self.lane.append(request)
-            tasks.append(ScheduledTask(request, num_new))
-            budget -= num_new
+            tasks.append(task)
+            budget -= task.num_new
         return tasks
 
     def join(self, requests: Collection[Request]) -> None:
@@ -284,24 +277,34 @@ class Scheduler:
 
     def _admit(self, tasks: list[ScheduledTask], budget: int, prefill: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            request = self.waiting[0]
-            if not self.cache.admit(request):
+            task = self._admit_head(budget, prefill, keep_free=bool(self.running))
+            if task is None:
                 break
-            pending = request.num_pending  # after the prefix cache's hit
-            num_new = min(pending, budget if pending == 1 else min(budget, prefill))
-            free_after = self.cache.num_free_pages - self.cache.pages_needed(request, num_new)
-            if num_new == 0 or (self.running and free_after < self.watermark_pages) or not self.cache.reserve(request, num_new):
-                self.cache.release(request)
-                request.num_computed = 0
-                break
-            self.waiting.popleft()
-            self.cache.admitted(request)
-            request.status = Status.RUNNING
-            self.running.append(request)
-            tasks.append(ScheduledTask(request, num_new))
-            budget -= num_new
-            if pending > 1:
-                prefill -= num_new
+            task.request.status = Status.RUNNING
+            self.running.append(task.request)
+            tasks.append(task)
+            budget -= task.num_new
+            if task.request.num_pending > 1:
+                prefill -= task.num_new
+
+    def _admit_head(self, budget: int, prefill: int, keep_free: bool) -> ScheduledTask | None:
+        """Take the head of the queue with its row and its first tokens' pages (after the
+        prefix cache's hit): one token within `budget`, a prompt chunk within `prefill` too.
+        None, and nothing changed, when no row, chunk or pages (above the watermark, with
+        `keep_free`) are left for it. The caller sets its status."""
+        request = self.waiting[0]
+        if not self.cache.admit(request):
+            return None
+        pending = request.num_pending
+        num_new = min(pending, budget if pending == 1 else min(budget, prefill))
+        free_after = self.cache.num_free_pages - self.cache.pages_needed(request, num_new)
+        if num_new == 0 or (keep_free and free_after < self.watermark_pages) or not self.cache.reserve(request, num_new):
+            self.cache.release(request)
+            request.num_computed = 0
+            return None
+        self.waiting.popleft()
+        self.cache.admitted(request)
+        return ScheduledTask(request, num_new)
 
 
 def _one_token_rows_first(tasks: list[ScheduledTask]) -> list[ScheduledTask]:
