@@ -125,7 +125,7 @@ class Executor:
         self.lane_busy = False  # the lane runs a step now: its threads are taken
         self.lane_wanted = False  # prompts wait for the lane: the engine's next step leaves it its threads
         self.main_threads = 0  # torch threads of the engine's own step in flight (0: none)
-        self._threads_lock = threading.Lock()  # the two above change together
+        self._threads_lock = threading.Lock()  # lane_busy and main_threads change under it
         self.graphs: DecodeGraphRunner | None = None
         self.prompt_graphs: PromptGraphRunner | None = None
         if config.cuda_graphs and self.backend.supports_graph:
