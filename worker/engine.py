@@ -332,7 +332,7 @@ class Engine:
             aborts, self._aborts = self._aborts, []
         self._drain_inbox()
         deltas = []
-        in_lane = {id(t.request) for t in self._lane_step}
+        in_lane = {id(t.request) for t in self._lane_step} if aborts else set()
         for rid in aborts:
             request = self._requests.get(rid)
             if request is None or request.status is Status.FINISHED:
