@@ -48,8 +48,8 @@ def _tokens(streams) -> dict[str, list[int]]:
     return got
 
 
-def _reference(make_engine, batches: list[list[EngineRequest]]) -> dict[str, list[int]]:
-    plain = make_engine(cpu_prompt_lane=False)
+def _reference(make_engine, batches: list[list[EngineRequest]], **overrides) -> dict[str, list[int]]:
+    plain = make_engine(cpu_prompt_lane=False, **overrides)
     streams = [plain.submit(b) for b in batches]
     while plain.has_work:
         plain.step()
@@ -156,10 +156,11 @@ def test_the_engines_steps_leave_the_lane_its_threads_while_it_runs_or_prompts_w
 
 
 def test_a_started_engine_runs_new_prompts_in_the_lane_with_the_plain_engines_tokens(make_engine):
-    engine = make_engine()
+    roomy = dict(max_seq_len=512, num_pages=400)  # a0 and a1 decode long enough for the others to arrive
+    engine = make_engine(**roomy)
     engine.start()
     try:
-        first = _reqs("a", [9, 14], max_tokens=100)
+        first = _reqs("a", [9, 14], max_tokens=400)
         later = _reqs("bb", [21, 5, 17], max_tokens=8)
         stream = engine.submit(first)
         started = threading.Event()
@@ -188,6 +189,6 @@ def test_a_started_engine_runs_new_prompts_in_the_lane_with_the_plain_engines_to
         engine.shutdown()
     assert not engine.stats().loop_alive
     assert engine.stats().num_lane_steps >= 1
-    want = _reference(make_engine, [first, later])
+    want = _reference(make_engine, [first, later], **roomy)
     assert {**got, **late_got} == want
     assert engine.executor.cache.num_free_pages == engine.executor.cache.num_total_pages
