@@ -192,3 +192,36 @@ def test_a_started_engine_runs_new_prompts_in_the_lane_with_the_plain_engines_to
     want = _reference(make_engine, [first, later], **roomy)
     assert {**got, **late_got} == want
     assert engine.executor.cache.num_free_pages == engine.executor.cache.num_total_pages
+
+
+def test_streams_closed_at_random_moments_leave_no_request_behind(make_engine):
+    """Both threads running; requests arrive while others decode and are cancelled at random
+    points: in the queue, in the lane's forward, decoding. Each round ends with nothing
+    running or waiting, and at the end every page is free."""
+    import random
+
+    engine = make_engine(max_seq_len=512, num_pages=400)
+    engine.start()
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    try:
+        for round_ in range(15):
+            streams = []
+            for i in range(4):
+                prompt = random_prompts([rng.randint(20, 60)], seed=10 * round_ + i)[0]
+                streams.append(engine.submit([EngineRequest(f"r{round_}-{i}", prompt, params)]))
+                time.sleep(rng.random() * 0.01)
+            time.sleep(rng.random() * 0.05)
+            for s in streams:
+                s.close()
+                time.sleep(rng.random() * 0.003)
+            deadline = time.monotonic() + 10
+            while (engine.stats().num_running or engine.stats().num_waiting) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            stats = engine.stats()
+            assert (stats.num_running, stats.num_waiting) == (0, 0), round_
+        assert engine.stats().num_lane_steps >= 1
+    finally:
+        engine.shutdown()
+    cache = engine.executor.cache
+    assert cache.num_free_pages == cache.num_total_pages
