@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 
 import torch
 
+from benchmarks.cpu_step_threads import _fmt
 from benchmarks.decode_step import run_until_decoding
 from worker.config import EngineConfig
 from worker.engine import Engine, EngineRequest
@@ -152,10 +153,6 @@ def run(batches: list[int], prompt_len: int, steps: int, rounds: int, oversubscr
                 flush=True,
             )
     return results
-
-
-def _fmt(values: list[float]) -> str:
-    return " / ".join(f"{v:.1f}" for v in values)
 
 
 def main() -> None:
