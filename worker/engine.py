@@ -243,7 +243,7 @@ class Engine:
                 self._inflight = None  # it ran on the failed step's state
                 deltas.extend(self._fail(current.tasks + queued, e))
             else:
-                deltas.extend(self._postprocess(current, result))
+                deltas.extend(self._apply(current, result))
             self._num_steps += 1
             if record is not None:
                 record.seconds = time.perf_counter() - start
@@ -281,6 +281,25 @@ class Engine:
         except Exception as e:
             deltas.extend(self._fail(tasks, e))
             return None
+
+    def _apply(self, step: PendingStep, result: StepResult) -> list[RequestDelta]:
+        """`_postprocess`; should it raise (a bug in the bookkeeping, not in the device's
+        step), the step's requests end with an error rather than stay half-advanced, or stuck
+        in the prompt lane with no step to take them, their clients waiting for ever."""
+        live = [t.request for t in step.tasks if t.request.status is not Status.FINISHED]
+        try:
+            return self._postprocess(step, result)
+        except Exception as e:
+            log.exception("applying a step's results failed; failing its %d requests", len(live))
+            error = f"{type(e).__name__}: {e}"
+            deltas = []
+            for request in dict.fromkeys(live):
+                if request.status is Status.FINISHED:  # finished in there: its delta is lost, send one
+                    request.finish_reason, request.error = "error", error
+                    deltas.append(self._delta(request, [], None))
+                else:
+                    deltas.append(self._finish(request, "error", error))
+            return deltas
 
     def _fail(self, tasks: list[ScheduledTask], e: Exception) -> list[RequestDelta]:
         """Isolate a failed step to its requests."""
@@ -497,7 +516,7 @@ class Engine:
             else:
                 with self._state:  # published before the engine's step can advance these requests
                     self._lane_step = []
-                    deltas = self._postprocess(PendingStep(tasks, result.task_indices), result)
+                    deltas = self._apply(PendingStep(tasks, result.task_indices), result)
                     aborted, self._lane_aborts = self._lane_aborts, []
                     deltas.extend(self._finish(r, "abort") for r in aborted if r.status is not Status.FINISHED)
                     self.scheduler.join([t.request for t in tasks])

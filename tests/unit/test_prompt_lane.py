@@ -137,6 +137,39 @@ def test_a_failing_lane_step_fails_only_its_own_requests(make_engine):
     assert cache.num_free_pages == initial
 
 
+def test_a_step_whose_results_cannot_be_applied_fails_its_requests_instead_of_stranding_them(make_engine):
+    """A bug in applying a step's results (not in the step itself): its requests end with an
+    error and give their pages back; the lane's are not left in the lane with no step to take
+    them, and one that finished in there before the bug still gets its end. Later requests
+    run as usual."""
+    engine = make_engine()
+    engine.scheduler.lane_on = True
+    cache = engine.executor.cache
+    initial = cache.num_free_pages
+    streams = [engine.submit(_reqs("a", [9]))]
+    engine.step()
+    streams.append(engine.submit(_reqs("bb", [14]) + _reqs("c", [6], max_tokens=1)))
+    applied = Engine._postprocess
+
+    def broken(self, step, result):
+        applied(self, step, result)  # "c0" finishes with its only token in here
+        raise RuntimeError("bookkeeping broke")
+
+    engine._postprocess = broken.__get__(engine)  # type: ignore[method-assign]
+    assert engine.lane_step()
+    assert not engine.scheduler.lane  # nothing stranded in the lane
+    engine.step()  # the engine's own step: "a0" fails the same way
+    del engine._postprocess
+    ends = {d.request_id: d for s in streams for frame in s.poll() for d in frame if d.finish_reason}
+    assert {rid: d.finish_reason for rid, d in ends.items()} == {"a0": "error", "bb0": "error", "c0": "error"}
+    assert all("bookkeeping broke" in (d.error or "") for d in ends.values())
+    assert not engine.has_work and cache.num_free_pages == initial
+    later = engine.submit(_reqs("d", [8], max_tokens=3))
+    while engine.has_work:
+        engine.step()
+    assert _tokens([later]) == _reference(make_engine, [_reqs("d", [8], max_tokens=3)])
+
+
 def test_the_engines_steps_leave_the_lane_its_threads_while_it_runs_or_prompts_wait_for_it(make_engine):
     engine = make_engine(cpu_small_step_tokens=None)
     executor = engine.executor
