@@ -233,7 +233,8 @@ class Ingress:
         info = await self._engine_info()
         for prompt in prompts:
             self._check_length(prompt, params.max_tokens, info["max_seq_len"], chat)
-        group = self._group(prompts, params, req.n, info)
+        rid, model = new_id("chatcmpl" if chat else "cmpl"), self._config.model_name
+        group = self._group(rid, prompts, params, req.n, info)
         if timeline.enabled():
             for r in group.requests:
                 timeline.mark(r.request_id, "arrived", arrival)
@@ -256,7 +257,6 @@ class Ingress:
         except asyncio.CancelledError:  # the client left while the call was being routed
             stream.close()
             raise
-        rid, model = new_id("chatcmpl" if chat else "cmpl"), self._config.model_name
         headers = {REPLICA_HEADER: replica_id}
         if req.stream:
             writer = ChunkWriter(rid, now(), model, chat, self._token_text, req.include_usage)
@@ -302,15 +302,16 @@ class Ingress:
         yield "data: [DONE]\n\n"
 
     def _group(
-        self, prompts: list[list[int]], params: SamplingParams, n: int, info: dict[str, Any]
+        self, rid: str, prompts: list[list[int]], params: SamplingParams, n: int, info: dict[str, Any]
     ) -> Group:
-        base = new_id("req")
+        """The engine requests of one response: prompt `p`'s choice `i` is `{rid}-{p}-{i}`, so
+        a request id in a worker's log or timeline names the response the client got."""
         requests = []
         for p, prompt in enumerate(prompts):
             for i in range(n):
                 seed = params.seed + i if params.seed is not None and n > 1 else params.seed
                 one = params.model_copy(update={"seed": seed}) if seed != params.seed else params
-                requests.append(WireRequest(f"{base}-{p}-{i}", prompt, one))
+                requests.append(WireRequest(f"{rid}-{p}-{i}", prompt, one))
         hashes: tuple[tuple[int, ...], ...] = ()
         if info.get("prefix_cache") and self._config.router.prefix_affinity:
             pages = self._config.router.prompt_pages

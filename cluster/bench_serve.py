@@ -25,6 +25,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from cluster import timeline
 from cluster.bench_stats import (
     BenchSample,
     RequestPlan,
@@ -191,21 +194,38 @@ def local_app(config: Any) -> Iterator[str]:
     from cluster.local_ray import lower_control_plane
 
     set_serve_env()
-    # "local": a fresh Ray instance, never another process's cluster on this machine
-    ray.init(
-        address="local",
-        runtime_env=cluster_runtime_env(config),
-        include_dashboard=False,
-        log_to_driver=False,
-    )
+    with _timeline_recorded():
+        # "local": a fresh Ray instance, never another process's cluster on this machine
+        ray.init(
+            address="local",
+            runtime_env=cluster_runtime_env(config),
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+        try:
+            serve.start(http_options={"host": config.host, "port": config.port})
+            lower_control_plane()  # as `kvray serve` does
+            serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
+            yield f"http://{config.host}:{config.port}"
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+
+
+@contextlib.contextmanager
+def _timeline_recorded() -> Iterator[None]:
+    """The local app's processes record a timeline (`_path_per_request` reads it): into
+    KVRAY_TIMELINE_DIR when set, else into a temporary directory, removed afterwards."""
+    if timeline.enabled():
+        yield
+        return
+    directory = tempfile.mkdtemp(prefix="kvray-timeline-")
+    timeline.enable(directory)
     try:
-        serve.start(http_options={"host": config.host, "port": config.port})
-        lower_control_plane()  # as `kvray serve` does
-        serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
-        yield f"http://{config.host}:{config.port}"
+        yield
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        timeline.disable()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def http_client(base_url: str, concurrency: int, timeout_s: float, api_key: str | None = None) -> Any:
@@ -252,6 +272,8 @@ async def http_run(
         before = await _scrape_metrics(client)
         summary, results = await _drive(samples, arrivals, concurrency, one)
         after = await _scrape_metrics(client)
+    if (recorded := timeline.recording_dir()) is not None:
+        summary.update(await _path_per_request(recorded, results))
     parsers = (
         ("engine_step_ms", parse_engine_steps),
         ("ingress_ttft_mean_ms", parse_ingress_ttft),
@@ -308,6 +330,29 @@ def parse_engine_queue(text: str) -> tuple[float, int] | None:
     return _sum_series(text, f"{name}_sum", f"{name}_count")
 
 
+async def _path_per_request(directory: str, results: list[RequestResult]) -> dict[str, Any]:
+    """What Serve added to each request's TTFT, from the run's timeline (cluster/timeline.py)
+    joined with this client's times: `path_ms`, the client's TTFT less the engine's, per
+    request; `http_front_ms`, the part outside the ingress; `ingress_path_ms`, the part
+    between the ingress and the engine. Paired by request, so unlike the two sides' TTFT
+    difference it does not move with the machine's speed between them. Empty when the
+    server records no timeline (a `--base-url` server started without KVRAY_TIMELINE_DIR)."""
+    times = [(f"{r.response_id}-0-0", r.sent_at, r.sent_at + r.ttft) for r in results if r.ttft is not None and r.response_id]
+    if not times:
+        return {}
+    timeline.write_client(directory, times)
+    await asyncio.sleep(2 * timeline.FLUSH_S)  # the replicas write what they recorded
+    summary = timeline.summarize(timeline.read_timelines(directory))
+    if "path" not in summary:
+        return {}
+    return {
+        "path_ms": summary["path"],
+        "http_front_ms": summary["http_front"],
+        "ingress_path_ms": summary["ingress_path"],
+        "path_requests": summary["complete"],
+    }
+
+
 async def _scrape_metrics(client: Any) -> str:
     """The /metrics page, or "" without one. Its engine step counters give the mean engine
     step under Serve next to the in-process engine's, so a slower engine (the host shared
@@ -343,7 +388,7 @@ async def http_request(
     if plan.stop:
         body["stop"] = list(plan.stop)
     result = RequestResult(prompt_tokens=len(sample.prompt))
-    start = time.perf_counter()
+    start = result.sent_at = time.perf_counter()
     leave = plan.leave_after_s is not None
     try:
         async with asyncio.timeout(plan.leave_after_s if leave else timeout_s):
@@ -398,6 +443,7 @@ async def _read_events(
             now = time.perf_counter()
             if result.ttft is None:
                 result.ttft = now - start
+                result.response_id = chunk.get("id")
             else:
                 result.itls.append(now - last)
             last, chunks = now, chunks + 1

@@ -46,6 +46,8 @@ class RequestResult:
     outcome: Outcome = "completed"
     status: int = 200
     retry_after: str | None = None
+    response_id: str | None = None  # the response's `id`, which the server's timeline knows
+    sent_at: float = 0.0  # time.perf_counter() when it was sent
 
     @property
     def ok(self) -> bool:
@@ -221,6 +223,10 @@ def _optional_cell(key: str) -> Callable[[dict[str, Any]], str]:
     return lambda s: f"{s[key]:.2f}" if key in s else "-"
 
 
+def _mean_p50_cell(key: str) -> Callable[[dict[str, Any]], str]:
+    return lambda s: f"{s[key]['mean']:.2f} / {s[key]['p50']:.2f}" if key in s else "-"
+
+
 def print_report(summaries: dict[str, dict[str, Any]], args: dict[str, Any]) -> None:
     keys = (
         "num_prompts",
@@ -255,6 +261,15 @@ def print_report(summaries: dict[str, dict[str, Any]], args: dict[str, Any]) -> 
     for key, title in times:
         if any(key in summaries[n] for n in names):
             rows.append((title, _optional_cell(key)))
+    # per request, from the server's timeline: what Serve added to its TTFT, and the two parts
+    paths = (
+        ("path_ms", "Serve path mean/p50 (ms)"),
+        ("http_front_ms", " HTTP front mean/p50"),
+        ("ingress_path_ms", " ingress<->engine mean/p50"),
+    )
+    for key, title in paths:
+        if any(key in summaries[n] for n in names):
+            rows.append((title, _mean_p50_cell(key)))
     for title, cell in rows:
         print(f"{title:26}" + "".join(f"{cell(summaries[n]):>{width + 2}}" for n in names))
     if len(names) == 2:
@@ -262,6 +277,8 @@ def print_report(summaries: dict[str, dict[str, Any]], args: dict[str, Any]) -> 
         print(
             f"\nserve - engine: TTFT p50 {a['ttft_ms']['p50'] - b['ttft_ms']['p50']:+.2f} ms, ITL p50 {a['itl_ms']['p50'] - b['itl_ms']['p50']:+.2f} ms"
         )
+        if "path_ms" in a:
+            print(f"added to each request's TTFT by Serve (client TTFT less engine TTFT): p50 {a['path_ms']['p50']:.2f} ms, p90 {a['path_ms']['p90']:.2f} ms")
         print(
             f"ITL p99 / p50: serve {a['itl_ms']['p99'] / a['itl_ms']['p50']:.2f}, engine {b['itl_ms']['p99'] / b['itl_ms']['p50']:.2f}"
         )

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 
 import cluster.deployment as deployment
-from benchmarks.path_timeline import read_timelines
 from cluster import timeline
 from cluster.config import RequestLimits
 from cluster.deployment import WorkerDeployment
@@ -419,9 +418,9 @@ def test_the_timeline_records_a_first_tokens_hops_between_dispatcher_and_worker(
     finally:
         timeline.configure(None)  # writes what is recorded
     assert tokens_by_request(deltas) == {"t-1": 5}
-    points = read_timelines(tmp_path)["t-1"]
+    points = timeline.read_timelines(tmp_path)["t-1"]
     order = ["routed", "sent", "received", "queued", "first_written", "first_read"]
     assert [points[p] for p in order] == sorted(points[p] for p in order)
     timeline.mark("t-2", "routed")  # off again: nothing more is written
     timeline.flush()
-    assert "t-2" not in read_timelines(tmp_path)
+    assert "t-2" not in timeline.read_timelines(tmp_path)

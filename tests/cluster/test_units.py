@@ -557,3 +557,17 @@ def test_the_model_list_names_the_context_length_from_its_first_request(monkeypa
     assert [m["max_model_len"] for m in asyncio.run(listed(worker))] == [512, 512]
     assert worker.asked == 1
     assert [m["max_model_len"] for m in asyncio.run(listed(Worker(None)))] == [None, None]
+
+
+def test_a_responses_engine_requests_are_named_after_its_id() -> None:
+    """Prompt p's choice i of response `rid` is the engine request `{rid}-p-i`: a request id
+    in a worker's log or timeline names the response (`kvray bench serve` joins them)."""
+    from types import SimpleNamespace
+
+    import cluster.api as api
+
+    ingress_class = api.Ingress.__mro__[1]  # the class under serve.ingress's wrapper
+    ingress = SimpleNamespace(_config=ClusterConfig())
+    group = ingress_class._group(ingress, "cmpl-7", [[1, 2], [3]], SamplingParams(seed=5), 2, {"prefix_cache": False})
+    assert [r.request_id for r in group.requests] == ["cmpl-7-0-0", "cmpl-7-0-1", "cmpl-7-1-0", "cmpl-7-1-1"]
+    assert [r.params.seed for r in group.requests] == [5, 6, 5, 6]  # n > 1: one seed a choice

@@ -6,7 +6,6 @@ import time
 
 import pytest
 
-from benchmarks.path_timeline import read_timelines, summarize
 from cluster.bench_serve import (
     parse_engine_queue,
     parse_engine_steps,
@@ -15,6 +14,7 @@ from cluster.bench_serve import (
 )
 from cluster.bench_stats import step_summary
 from cluster.metrics import Metrics
+from cluster.timeline import read_timelines, summarize, write_client
 from tests.factories.tiny_models import random_prompts
 from worker.config import EngineConfig
 from worker.engine import Engine, EngineRequest, StepRecord
@@ -103,3 +103,21 @@ def test_the_path_timeline_joins_each_requests_points_across_processes(tmp_path)
     assert summary["from_engine"]["mean"] == pytest.approx(3.0)
     assert summary["ingress_path"]["p50"] == pytest.approx(8.0)
     assert summary["engine_queue"]["p50"] == pytest.approx(30.0)  # queued -> its first step scheduled
+
+
+def test_a_clients_times_join_the_timeline_and_give_each_requests_whole_serve_path(tmp_path) -> None:
+    ingress = ["arrived 1.000", "dispatched 1.001", "routed 1.002", "sent 1.003", "first_read 1.207", "first_sent 1.208", "engine_ttft 0.2"]
+    worker = ["received 1.004", "queued 1.005", "first_written 1.2062"]
+    for pid, lines in (("100", ingress), ("200", worker)):
+        (tmp_path / f"{pid}.txt").write_text("".join(f"cmpl-a-0-0 {line}\n" for line in lines) + "warm-0-0 arrived 0.5\n")
+    write_client(tmp_path, [("cmpl-a-0-0", 0.998, 1.2115)])  # 2 ms to the ingress, 3.5 ms back
+    summary = summarize(read_timelines(tmp_path))
+    assert (summary["requests"], summary["complete"]) == (2, 1)  # the warm-up has no client times
+    hops = {(h["from"], h["to"]): h["p50"] for h in summary["hops"]}
+    assert hops[("client_sent", "arrived")] == pytest.approx(2.0)
+    assert hops[("first_sent", "client_first")] == pytest.approx(3.5)
+    assert summary["ingress_path"]["p50"] == pytest.approx(8.0)
+    assert summary["http_front"]["p50"] == pytest.approx(5.5)
+    # the client's TTFT (213.5 ms) less the engine's (200 ms): the front and the ingress's part
+    assert summary["path"]["p50"] == pytest.approx(13.5)
+
