@@ -115,14 +115,20 @@ def test_a_request_aborted_while_its_prompt_is_in_the_lane_ends_after_that_step(
     assert cache.num_free_pages == initial
 
 
-def test_a_failing_lane_step_fails_only_its_own_requests(make_engine):
+def _one_decoding_then(make_engine, arriving: list[EngineRequest]):
+    """An engine with its lane on (driven by hand), "a0" decoding after its first step, and
+    `arriving` submitted for the lane; the engine, its streams and its free pages at first."""
     engine = make_engine()
     engine.scheduler.lane_on = True
-    cache = engine.executor.cache
-    initial = cache.num_free_pages
+    initial = engine.executor.cache.num_free_pages
     streams = [engine.submit(_reqs("a", [9]))]
     engine.step()
-    streams.append(engine.submit(_reqs("bb", [14])))
+    streams.append(engine.submit(arriving))
+    return engine, streams, initial
+
+
+def test_a_failing_lane_step_fails_only_its_own_requests(make_engine):
+    engine, streams, initial = _one_decoding_then(make_engine, _reqs("bb", [14]))
 
     def fail(tasks):
         raise RuntimeError("lane broke")
@@ -134,7 +140,7 @@ def test_a_failing_lane_step_fails_only_its_own_requests(make_engine):
     ends = {d.request_id: d for s in streams for frame in s.poll() for d in frame if d.finish_reason}
     assert ends["bb0"].finish_reason == "error" and "lane broke" in (ends["bb0"].error or "")
     assert ends["a0"].finish_reason == "length"
-    assert cache.num_free_pages == initial
+    assert engine.executor.cache.num_free_pages == initial
 
 
 def test_a_step_whose_results_cannot_be_applied_fails_its_requests_instead_of_stranding_them(make_engine):
@@ -142,13 +148,7 @@ def test_a_step_whose_results_cannot_be_applied_fails_its_requests_instead_of_st
     error and give their pages back; the lane's are not left in the lane with no step to take
     them, and one that finished in there before the bug still gets its end. Later requests
     run as usual."""
-    engine = make_engine()
-    engine.scheduler.lane_on = True
-    cache = engine.executor.cache
-    initial = cache.num_free_pages
-    streams = [engine.submit(_reqs("a", [9]))]
-    engine.step()
-    streams.append(engine.submit(_reqs("bb", [14]) + _reqs("c", [6], max_tokens=1)))
+    engine, streams, initial = _one_decoding_then(make_engine, _reqs("bb", [14]) + _reqs("c", [6], max_tokens=1))
     applied = Engine._postprocess
 
     def broken(self, step, result):
@@ -163,7 +163,7 @@ def test_a_step_whose_results_cannot_be_applied_fails_its_requests_instead_of_st
     ends = {d.request_id: d for s in streams for frame in s.poll() for d in frame if d.finish_reason}
     assert {rid: d.finish_reason for rid, d in ends.items()} == {"a0": "error", "bb0": "error", "c0": "error"}
     assert all("bookkeeping broke" in (d.error or "") for d in ends.values())
-    assert not engine.has_work and cache.num_free_pages == initial
+    assert not engine.has_work and engine.executor.cache.num_free_pages == initial
     later = engine.submit(_reqs("d", [8], max_tokens=3))
     while engine.has_work:
         engine.step()
