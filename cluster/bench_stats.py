@@ -250,26 +250,20 @@ def print_report(summaries: dict[str, dict[str, Any]], args: dict[str, Any]) -> 
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         for stat in ("mean", "p50", "p99"):
             rows.append((f"{metric[:-3].upper()} {stat} (ms)", _stat_cell(metric, stat)))
-    if any("engine_step_ms" in summaries[n] for n in names):  # the engine's own mean step
-        rows.append(("engine step mean (ms)", _optional_cell("engine_step_ms")))
-    # the ingress's and the engine's own times, from a request's arrival there
-    times = (
-        ("ingress_ttft_mean_ms", "ingress TTFT mean (ms)"),
-        ("engine_ttft_mean_ms", "engine TTFT mean (ms)"),
-        ("engine_queue_mean_ms", "engine queue mean (ms)"),
+    optional = (  # rows only some runs have
+        ("engine_step_ms", "engine step mean (ms)", _optional_cell),  # the engine's own mean step
+        # the ingress's and the engine's own times, from a request's arrival there
+        ("ingress_ttft_mean_ms", "ingress TTFT mean (ms)", _optional_cell),
+        ("engine_ttft_mean_ms", "engine TTFT mean (ms)", _optional_cell),
+        ("engine_queue_mean_ms", "engine queue mean (ms)", _optional_cell),
+        # per request, from the server's timeline: what Serve added to its TTFT, and its parts
+        ("path_ms", "Serve path mean/p50 (ms)", _mean_p50_cell),
+        ("http_front_ms", " HTTP front mean/p50", _mean_p50_cell),
+        ("ingress_path_ms", " ingress<->engine mean/p50", _mean_p50_cell),
     )
-    for key, title in times:
+    for key, title, cell_of in optional:
         if any(key in summaries[n] for n in names):
-            rows.append((title, _optional_cell(key)))
-    # per request, from the server's timeline: what Serve added to its TTFT, and the two parts
-    paths = (
-        ("path_ms", "Serve path mean/p50 (ms)"),
-        ("http_front_ms", " HTTP front mean/p50"),
-        ("ingress_path_ms", " ingress<->engine mean/p50"),
-    )
-    for key, title in paths:
-        if any(key in summaries[n] for n in names):
-            rows.append((title, _mean_p50_cell(key)))
+            rows.append((title, cell_of(key)))
     for title, cell in rows:
         print(f"{title:26}" + "".join(f"{cell(summaries[n]):>{width + 2}}" for n in names))
     if len(names) == 2:
