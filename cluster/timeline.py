@@ -33,6 +33,7 @@ less its engine's, both durations on one clock each.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import statistics
 import threading
@@ -40,6 +41,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 ENV = "KVRAY_TIMELINE_DIR"
 _dir: str | None = os.environ.get(ENV) or None
@@ -78,14 +81,20 @@ def flush() -> None:
         rows = list(_rows)
         _rows.clear()
     if rows and directory is not None:
+        os.makedirs(directory, exist_ok=True)  # the variable may name one no one made yet
         with open(os.path.join(directory, f"{os.getpid()}.txt"), "a") as f:
             f.writelines(rows)
 
 
 def _flush_forever() -> None:
+    """Flush every FLUSH_S; a directory that cannot be written loses those rows, not the
+    flusher (the rows would otherwise pile up in memory for the process's life)."""
     while True:
         time.sleep(FLUSH_S)
-        flush()
+        try:
+            flush()
+        except OSError as exc:
+            log.warning("timeline rows lost: %s", exc)
 
 
 def configure(directory: str | None) -> None:
@@ -151,6 +160,7 @@ def read_timelines(directory: str | Path) -> dict[str, dict[str, float]]:
 def write_client(directory: str | Path, times: list[tuple[str, float, float]]) -> None:
     """A client's (request id, sent, first token) times, its `time.perf_counter()`, into the
     run's directory beside the processes' files."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
     with open(Path(directory) / "client.txt", "a") as f:
         f.writelines(f"{rid} client_sent {sent:.6f}\n{rid} client_first {first:.6f}\n" for rid, sent, first in times)
 

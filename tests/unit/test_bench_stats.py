@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from cluster import timeline
 from cluster.bench_serve import (
     parse_engine_queue,
     parse_engine_steps,
@@ -121,3 +122,20 @@ def test_a_clients_times_join_the_timeline_and_give_each_requests_whole_serve_pa
     # the client's TTFT (213.5 ms) less the engine's (200 ms): the front and the ingress's part
     assert summary["path"]["p50"] == pytest.approx(13.5)
 
+
+
+def test_a_timeline_directory_no_one_made_yet_is_made_by_whoever_writes_first(tmp_path, monkeypatch) -> None:
+    """`KVRAY_TIMELINE_DIR=/new/dir kvray bench serve`: the replicas and the client make it
+    (before, a replica's flusher thread died on the missing directory and kept every row in
+    memory, and the client's write failed the benchmark at its end)."""
+    directory = tmp_path / "new" / "run"
+    monkeypatch.setattr(timeline, "_rows", [])
+    timeline.configure(str(directory))
+    try:
+        timeline.mark("cmpl-a-0-0", "arrived", 1.0)
+        timeline.flush()
+    finally:
+        timeline.configure(None)
+    write_client(tmp_path / "other", [("cmpl-a-0-0", 0.998, 1.2)])
+    assert read_timelines(directory) == {"cmpl-a-0-0": {"arrived": 1.0}}
+    assert read_timelines(tmp_path / "other")["cmpl-a-0-0"]["client_first"] == 1.2
