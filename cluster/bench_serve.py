@@ -39,6 +39,8 @@ from cluster.bench_stats import (
     BenchSample,
     RequestPlan,
     RequestResult,
+    cpu_shares,
+    cpu_times,
     make_arrivals,
     make_plans,
     make_samples,
@@ -83,7 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-engine", action="store_true", help="do not run the in-process engine baseline"
     )
-    parser.add_argument("--result-json", help="write both summaries to this file")
+    parser.add_argument(
+        "--engine-beside-app",
+        action="store_true",
+        help="launched server: also run the in-process load while the app stands idle, which "
+        "splits what Serve adds into Ray and Serve standing by and the requests' way through it",
+    )
+    parser.add_argument("--result-json", help="write the summaries to this file")
     parser.add_argument(
         "--cancel-fraction", type=float, default=0.0, help="share of clients that leave early"
     )
@@ -109,9 +117,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+ENGINE = "in-process engine"
+BESIDE_APP = "in-process, app idle"  # the same load, while the launched app stands by
+
+
 def run(args: argparse.Namespace) -> int:
     from cluster.app import load_config
 
+    if args.engine_beside_app and (args.base_url or args.skip_engine or args.soak):
+        raise SystemExit("--engine-beside-app needs the launched app and the in-process run (no --base-url, --skip-engine or --soak)")
     config = load_config(args.config)
     if args.model:
         config = config.model_copy(
@@ -147,8 +161,12 @@ def run(args: argparse.Namespace) -> int:
             summaries[label] = asyncio.run(
                 http_run(base_url, key, config.model_name, samples, plans, arrivals, args)
             )
+            if args.engine_beside_app:  # the same machine, every process of the app up, no requests through it
+                summaries[BESIDE_APP] = asyncio.run(
+                    _engine_run(config.engine, samples, arrivals, args.max_concurrency, config.worker_cpu_threads)
+                )
     if not args.skip_engine:
-        summaries["in-process engine"] = asyncio.run(
+        summaries[ENGINE] = asyncio.run(
             _engine_run(config.engine, samples, arrivals, args.max_concurrency, config.worker_cpu_threads)
         )
     print_report(summaries, vars(args))
@@ -540,6 +558,7 @@ async def _drive(
 ) -> tuple[dict[str, Any], list[RequestResult]]:
     """Send every sample at its arrival time (at most `concurrency` in flight); summarize."""
     gate = asyncio.Semaphore(concurrency)
+    cpu_before = cpu_times()
     start = time.perf_counter()
 
     async def scheduled(sample: BenchSample, at: float) -> RequestResult:
@@ -555,4 +574,6 @@ async def _drive(
     results = await asyncio.gather(
         *(scheduled(s, float(t)) for s, t in zip(samples, arrivals, strict=True))
     )
-    return summarize(results, time.perf_counter() - start), results
+    summary = summarize(results, time.perf_counter() - start)
+    summary.update(cpu_shares(cpu_before, cpu_times()))
+    return summary, results

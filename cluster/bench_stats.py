@@ -223,8 +223,40 @@ def _optional_cell(key: str) -> Callable[[dict[str, Any]], str]:
     return lambda s: f"{s[key]:.2f}" if key in s else "-"
 
 
+def _cpu_cell(s: dict[str, Any]) -> str:
+    return f"{s['cpu_busy_pct']:.1f} / {s['cpu_steal_pct']:.2f}" if "cpu_busy_pct" in s else "-"
+
+
 def _mean_p50_cell(key: str) -> Callable[[dict[str, Any]], str]:
     return lambda s: f"{s[key]['mean']:.2f} / {s[key]['p50']:.2f}" if key in s else "-"
+
+
+def cpu_times() -> list[int] | None:
+    """This machine's CPU time so far, in jiffies, as /proc/stat's first line counts it: user,
+    nice, system, idle, iowait, irq, softirq, steal (None off Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_shares(before: list[int] | None, after: list[int] | None) -> dict[str, float]:
+    """The machine's CPU between two `cpu_times`, in % of all its cores' time: busy (neither idle
+    nor waiting on I/O nor stolen) and stolen by the hypervisor for other guests. On a VM, steal
+    is time the engine wanted and did not get: a side measured with more of it ran on a slower
+    machine."""
+    if before is None or after is None or len(before) < 8 or len(after) < 8:
+        return {}
+    delta = [b - a for a, b in zip(before, after, strict=True)]
+    total = sum(delta)
+    if total <= 0:
+        return {}
+    user, nice, system, _idle, _iowait, irq, softirq, steal = delta[:8]
+    return {
+        "cpu_busy_pct": 100 * (user + nice + system + irq + softirq) / total,
+        "cpu_steal_pct": 100 * steal / total,
+    }
 
 
 def print_report(summaries: dict[str, dict[str, Any]], args: dict[str, Any]) -> None:
@@ -260,22 +292,49 @@ def print_report(summaries: dict[str, dict[str, Any]], args: dict[str, Any]) -> 
         ("path_ms", "Serve path mean/p50 (ms)", _mean_p50_cell),
         ("http_front_ms", " HTTP front mean/p50", _mean_p50_cell),
         ("ingress_path_ms", " ingress<->engine mean/p50", _mean_p50_cell),
+        # this machine's CPU during the load (/proc/stat): all of it busy, and stolen by the host
+        ("cpu_busy_pct", "CPU busy / stolen (%)", lambda _key: _cpu_cell),
     )
     for key, title, cell_of in optional:
         if any(key in summaries[n] for n in names):
             rows.append((title, cell_of(key)))
     for title, cell in rows:
         print(f"{title:26}" + "".join(f"{cell(summaries[n]):>{width + 2}}" for n in names))
-    if len(names) == 2:
-        a, b = (summaries[n] for n in names)
-        print(
-            f"\nserve - engine: TTFT p50 {a['ttft_ms']['p50'] - b['ttft_ms']['p50']:+.2f} ms, ITL p50 {a['itl_ms']['p50'] - b['itl_ms']['p50']:+.2f} ms"
-        )
-        if "path_ms" in a:
-            print(f"added to each request's TTFT by Serve (client TTFT less engine TTFT): p50 {a['path_ms']['p50']:.2f} ms, p90 {a['path_ms']['p90']:.2f} ms")
-        print(
-            f"ITL p99 / p50: serve {a['itl_ms']['p99'] / a['itl_ms']['p50']:.2f}, engine {b['itl_ms']['p99'] / b['itl_ms']['p50']:.2f}"
-        )
+    for line in comparisons(summaries):
+        print(line)
     for name in names:
         for error in summaries[name]["errors"]:
             print(f"{name}: error: {error}")
+
+
+def comparisons(summaries: dict[str, dict[str, Any]]) -> list[str]:
+    """The differences the report ends with. `summaries` in the order `kvray bench serve` runs
+    them: the Serve side, then, optionally, the in-process load while the app stood idle, then
+    the in-process engine alone (the reference)."""
+    names = list(summaries)
+    if len(names) < 2:
+        return []
+    serve, *engines = (summaries[n] for n in names)
+    alone = engines[-1]
+
+    def diff(x: dict[str, Any], y: dict[str, Any]) -> str:
+        return (
+            f"TTFT p50 {x['ttft_ms']['p50'] - y['ttft_ms']['p50']:+.2f} ms, "
+            f"ITL p50 {x['itl_ms']['p50'] - y['itl_ms']['p50']:+.2f} ms"
+        )
+
+    lines = ["", f"serve - engine: {diff(serve, alone)}"]
+    if len(engines) == 2:  # the app standing by, then the requests' way through it
+        idle = engines[0]
+        lines.append(f" Ray and Serve standing by (engine beside the idle app - engine): {diff(idle, alone)}")
+        lines.append(f" requests through Serve (serve - engine beside the idle app): {diff(serve, idle)}")
+    if "path_ms" in serve:
+        path = serve["path_ms"]
+        lines.append(
+            f"added to each request's TTFT by Serve (client TTFT less engine TTFT): "
+            f"p50 {path['p50']:.2f} ms, p90 {path['p90']:.2f} ms"
+        )
+    short = ["serve", *(["engine beside the idle app"] if len(engines) == 2 else []), "engine"]
+    ratios = (s["itl_ms"]["p99"] / s["itl_ms"]["p50"] for s in (serve, *engines))
+    lines.append("ITL p99 / p50: " + ", ".join(f"{n} {r:.2f}" for n, r in zip(short, ratios, strict=True)))
+    return lines

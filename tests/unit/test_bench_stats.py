@@ -13,7 +13,7 @@ from cluster.bench_serve import (
     parse_engine_ttft,
     parse_ingress_ttft,
 )
-from cluster.bench_stats import step_summary
+from cluster.bench_stats import comparisons, cpu_shares, cpu_times, step_summary
 from cluster.metrics import Metrics
 from cluster.timeline import read_timelines, summarize, write_client
 from tests.factories.tiny_models import random_prompts
@@ -139,3 +139,32 @@ def test_a_timeline_directory_no_one_made_yet_is_made_by_whoever_writes_first(tm
     write_client(tmp_path / "other", [("cmpl-a-0-0", 0.998, 1.2)])
     assert read_timelines(directory) == {"cmpl-a-0-0": {"arrived": 1.0}}
     assert read_timelines(tmp_path / "other")["cmpl-a-0-0"]["client_first"] == 1.2
+
+
+def test_the_report_splits_what_serve_adds_into_the_app_standing_by_and_the_requests_way() -> None:
+    def side(ttft_p50: float, itl_p50: float, itl_p99: float) -> dict:
+        return {"ttft_ms": {"p50": ttft_p50}, "itl_ms": {"p50": itl_p50, "p99": itl_p99}}
+
+    serve = side(400.0, 90.0, 171.0) | {"path_ms": {"mean": 6.9, "p50": 6.0, "p90": 11.6}}
+    summaries = {"serve": serve, "in-process, app idle": side(390.0, 85.0, 153.0), "in-process engine": side(360.0, 80.0, 136.0)}
+    lines = comparisons(summaries)
+    assert "serve - engine: TTFT p50 +40.00 ms, ITL p50 +10.00 ms" in lines
+    assert any(line.startswith(" Ray and Serve standing by") and line.endswith("TTFT p50 +30.00 ms, ITL p50 +5.00 ms") for line in lines)
+    assert any(line.startswith(" requests through Serve") and line.endswith("TTFT p50 +10.00 ms, ITL p50 +5.00 ms") for line in lines)
+    assert "p50 6.00 ms, p90 11.60 ms" in lines[-2]
+    assert lines[-1] == "ITL p99 / p50: serve 1.90, engine beside the idle app 1.80, engine 1.70"
+    # the usual pair: no split; the Serve side alone: nothing to compare
+    two = comparisons({"serve": serve, "in-process engine": summaries["in-process engine"]})
+    assert not any("standing by" in line for line in two) and two[-1] == "ITL p99 / p50: serve 1.90, engine 1.70"
+    assert comparisons({"serve": serve}) == []
+
+
+def test_each_side_reports_how_busy_the_machine_was_and_how_much_the_host_stole() -> None:
+    before = [1000, 10, 200, 5000, 5, 0, 3, 40]
+    after = [1600, 110, 300, 5150, 5, 0, 13, 80]  # 1000 jiffies: 810 busy, 150 idle, 40 stolen
+    shares = cpu_shares(before, after)
+    assert shares["cpu_busy_pct"] == pytest.approx(81.0)
+    assert shares["cpu_steal_pct"] == pytest.approx(4.0)
+    assert cpu_shares(None, after) == {} and cpu_shares(after, after) == {}
+    now = cpu_times()
+    assert now is None or (len(now) == 8 and all(x >= 0 for x in now))
