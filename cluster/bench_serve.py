@@ -117,7 +117,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-ENGINE = "in-process engine"
 BESIDE_APP = "in-process, app idle"  # the same load, while the launched app stands by
 
 
@@ -166,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
                     _engine_run(config.engine, samples, arrivals, args.max_concurrency, config.worker_cpu_threads)
                 )
     if not args.skip_engine:
-        summaries[ENGINE] = asyncio.run(
+        summaries["in-process engine"] = asyncio.run(
             _engine_run(config.engine, samples, arrivals, args.max_concurrency, config.worker_cpu_threads)
         )
     print_report(summaries, vars(args))

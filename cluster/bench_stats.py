@@ -223,8 +223,8 @@ def _optional_cell(key: str) -> Callable[[dict[str, Any]], str]:
     return lambda s: f"{s[key]:.2f}" if key in s else "-"
 
 
-def _cpu_cell(s: dict[str, Any]) -> str:
-    return f"{s['cpu_busy_pct']:.1f} / {s['cpu_steal_pct']:.2f}" if "cpu_busy_pct" in s else "-"
+def _busy_stolen_cell(key: str) -> Callable[[dict[str, Any]], str]:
+    return lambda s: f"{s[key]:.1f} / {s['cpu_steal_pct']:.2f}" if key in s else "-"
 
 
 def _mean_p50_cell(key: str) -> Callable[[dict[str, Any]], str]:
@@ -293,7 +293,7 @@ def print_report(summaries: dict[str, dict[str, Any]], args: dict[str, Any]) -> 
         ("http_front_ms", " HTTP front mean/p50", _mean_p50_cell),
         ("ingress_path_ms", " ingress<->engine mean/p50", _mean_p50_cell),
         # this machine's CPU during the load (/proc/stat): all of it busy, and stolen by the host
-        ("cpu_busy_pct", "CPU busy / stolen (%)", lambda _key: _cpu_cell),
+        ("cpu_busy_pct", "CPU busy / stolen (%)", _busy_stolen_cell),
     )
     for key, title, cell_of in optional:
         if any(key in summaries[n] for n in names):
