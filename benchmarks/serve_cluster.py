@@ -203,7 +203,7 @@ def _client_part(
                 return await http_request(client, model, sample, RequestPlan(), 900.0)
 
             start = time.time()
-            _, results = await _drive(samples, np.zeros(len(samples)), concurrency, one)
+            results = (await _drive(samples, np.zeros(len(samples)), concurrency, one)).results
             return start, time.time(), results
 
     return asyncio.run(run())
@@ -263,8 +263,7 @@ async def _nonstream_run(
             result.output_tokens = json.loads(payload)["usage"]["completion_tokens"]
             return result
 
-        summary, _ = await _drive(samples, np.zeros(len(samples)), concurrency, one)
-        return summary
+        return (await _drive(samples, np.zeros(len(samples)), concurrency, one)).summary()
 
 
 def _prefix_samples(args: argparse.Namespace, vocab: int, seed: int) -> list[BenchSample]:

@@ -37,17 +37,16 @@ import numpy as np
 from cluster import timeline
 from cluster.bench_stats import (
     BenchSample,
+    Measured,
     RequestPlan,
     RequestResult,
-    cpu_shares,
     cpu_times,
     make_arrivals,
     make_plans,
     make_samples,
     print_report,
+    round_lines,
     step_summary,
-    summarize,
-    tally,
 )
 
 NO_PLAN = RequestPlan()
@@ -91,6 +90,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="launched server: also run the in-process load while the app stands idle, which "
         "splits what Serve adds into Ray and Serve standing by and the requests' way through it",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="cut the prompts into this many rounds and run the sides round by round, in turns "
+        "(ABBA: the app first, then the engine first, ...), each round on a freshly launched app, "
+        "so the machine's drift during the run falls on both sides alike",
+    )
     parser.add_argument("--result-json", help="write the summaries to this file")
     parser.add_argument(
         "--cancel-fraction", type=float, default=0.0, help="share of clients that leave early"
@@ -118,6 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 BESIDE_APP = "in-process, app idle"  # the same load, while the launched app stands by
+ALONE = "in-process engine"  # the same load, no app (with --base-url: beside that server)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.engine_beside_app and (args.base_url or args.skip_engine or args.soak):
         raise SystemExit("--engine-beside-app needs the launched app and the in-process run (no --base-url, --skip-engine or --soak)")
+    if not 1 <= args.rounds <= args.num_prompts or (args.rounds > 1 and args.soak):
+        raise SystemExit("--rounds: 1 to --num-prompts, and 1 with --soak")
     config = load_config(args.config)
     if args.model:
         config = config.model_copy(
@@ -148,31 +158,76 @@ def run(args: argparse.Namespace) -> int:
         report = soak_launched(config, args, samples, plans, arrivals, vocab)
         _write(args, report)
         return 0 if report["passed"] else 1
-    summaries: dict[str, dict[str, Any]] = {}
     label = f"serve ({config.worker_replicas} worker replica(s), batch window {config.router.batch_window_ms} ms)"
+    sides: dict[str, Measured] = {}
+    rounds: list[dict[str, dict[str, Any]]] = []
+    # the launched apps' timeline: one directory over every round
+    with contextlib.nullcontext() if args.base_url else _timeline_recorded():
+        for number, part in enumerate(_rounds(samples, plans, arrivals, args.rounds)):
+            measured = _round(config, args, label, *part, engine_first=number % 2 == 1)
+            order = [name for name in (label, BESIDE_APP, ALONE) if name in measured]  # as the report lists them
+            rounds.append({name: measured[name].summary() for name in order})
+            for name in order:
+                sides[name] = sides[name] + measured[name] if name in sides else measured[name]
+        summaries = {name: sides[name].summary() for name in order}
+        if (recorded := timeline.recording_dir()) is not None:
+            summaries[label].update(_path_summary(recorded))
+    print_report(summaries, vars(args))
+    for line in round_lines(rounds):
+        print(line)
+    # the cluster config the run used (its file may be gone later), without the API keys
+    used = config.model_dump(mode="json", exclude={"api_keys"})
+    data: dict[str, Any] = {"args": vars(args), "config": used, "results": summaries}
+    if len(rounds) > 1:
+        data["rounds"] = rounds
+    _write(args, data)
+    return 0
+
+
+def _rounds(
+    samples: list[BenchSample], plans: list[RequestPlan], arrivals: np.ndarray, count: int
+) -> Iterator[tuple[list[BenchSample], list[RequestPlan], np.ndarray]]:
+    """The load cut into `count` consecutive parts, each part's arrivals from its own start."""
+    bounds = np.linspace(0, len(samples), count + 1).round().astype(int)
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        yield samples[lo:hi], plans[lo:hi], arrivals[lo:hi] - arrivals[lo]
+
+
+def _round(
+    config: Any,
+    args: argparse.Namespace,
+    label: str,
+    samples: list[BenchSample],
+    plans: list[RequestPlan],
+    arrivals: np.ndarray,
+    engine_first: bool,
+) -> dict[str, Measured]:
+    """One round of the comparison: the load through Serve (on a freshly launched app, or
+    `--base-url`'s server), with `--engine-beside-app` the in-process load while the app
+    stands idle, and the in-process engine alone, before the app when `engine_first`."""
+    measured: dict[str, Measured] = {}
+
+    def alone() -> None:
+        if not args.skip_engine:
+            measured[ALONE] = asyncio.run(_engine_load(config.engine, samples, arrivals, args.max_concurrency, config.worker_cpu_threads))
+
+    if engine_first:
+        alone()
     if args.base_url:
-        summaries[label] = asyncio.run(
-            http_run(args.base_url, args.api_key, config.model_name, samples, plans, arrivals, args)
+        measured[label] = asyncio.run(
+            http_load(args.base_url, args.api_key, config.model_name, samples, plans, arrivals, args)
         )
     else:
         with local_app(config) as base_url:
             key = config.api_keys[0] if config.api_keys else "unused"
-            summaries[label] = asyncio.run(
-                http_run(base_url, key, config.model_name, samples, plans, arrivals, args)
-            )
+            measured[label] = asyncio.run(http_load(base_url, key, config.model_name, samples, plans, arrivals, args))
             if args.engine_beside_app:  # the same machine, every process of the app up, no requests through it
-                summaries[BESIDE_APP] = asyncio.run(
-                    _engine_run(config.engine, samples, arrivals, args.max_concurrency, config.worker_cpu_threads)
+                measured[BESIDE_APP] = asyncio.run(
+                    _engine_load(config.engine, samples, arrivals, args.max_concurrency, config.worker_cpu_threads)
                 )
-    if not args.skip_engine:
-        summaries["in-process engine"] = asyncio.run(
-            _engine_run(config.engine, samples, arrivals, args.max_concurrency, config.worker_cpu_threads)
-        )
-    print_report(summaries, vars(args))
-    # the cluster config the run used (its file may be gone later), without the API keys
-    used = config.model_dump(mode="json", exclude={"api_keys"})
-    _write(args, {"args": vars(args), "config": used, "results": summaries})
-    return 0
+    if not engine_first:
+        alone()
+    return measured
 
 
 def request_plans(args: argparse.Namespace, samples: list[BenchSample]) -> list[RequestPlan]:
@@ -276,6 +331,24 @@ async def http_run(
     warm_up: bool = True,
 ) -> dict[str, Any]:
     """Send every sample with its plan over HTTP; the latency summary and the outcomes."""
+    summary = (await http_load(base_url, api_key, model, samples, plans, arrivals, args, warm_up)).summary()
+    if (recorded := timeline.recording_dir()) is not None:
+        summary.update(_path_summary(recorded))
+    return summary
+
+
+async def http_load(
+    base_url: str,
+    api_key: str,
+    model: str,
+    samples: list[BenchSample],
+    plans: list[RequestPlan],
+    arrivals: np.ndarray,
+    args: argparse.Namespace,
+    warm_up: bool = True,
+) -> Measured:
+    """`http_run`'s load, not yet summarized. Where this process records a timeline, the
+    requests' client times go into it, and the replicas have written theirs on return."""
     concurrency = args.max_concurrency
     plan_of = {id(s): p for s, p in zip(samples, plans, strict=True)}
     async with http_client(base_url, concurrency, args.request_timeout, api_key) as client:
@@ -285,12 +358,13 @@ async def http_run(
             return await http_request(client, model, sample, plan, args.request_timeout)
 
         if warm_up:
-            await asyncio.gather(*(http_request(client, model, s) for s in samples[:2]))
+            await asyncio.gather(*(http_request(client, model, s) for s in warm_up_samples(samples)))
         before = await _scrape_metrics(client)
-        summary, results = await _drive(samples, arrivals, concurrency, one)
+        measured = await _drive(samples, arrivals, concurrency, one)
         after = await _scrape_metrics(client)
+    measured.plans = list(plans)
     if (recorded := timeline.recording_dir()) is not None:
-        summary.update(await _path_per_request(recorded, results))
+        await _write_client_times(recorded, measured.results)
     parsers = (
         ("engine_step_ms", parse_engine_steps),
         ("ingress_ttft_mean_ms", parse_ingress_ttft),
@@ -299,8 +373,14 @@ async def http_run(
     )
     for key, parse in parsers:
         if (first := parse(before)) is not None and (last := parse(after)) is not None and last[1] > first[1]:
-            summary[key] = 1e3 * (last[0] - first[0]) / (last[1] - first[1])
-    return {**summary, "outcomes": tally(results, plans)}
+            measured.sums[key] = (last[0] - first[0], last[1] - first[1])
+    return measured
+
+
+def warm_up_samples(samples: list[BenchSample]) -> list[BenchSample]:
+    """Two requests before the timed load, to warm the server (or engine) up: the first two
+    samples with their prompts reversed, so no timed request finds its prompt cached."""
+    return [BenchSample(s.prompt[::-1], s.output_len) for s in samples[:2]]
 
 
 def _sum_series(text: str, seconds_name: str, count_name: str) -> tuple[float, int] | None:
@@ -347,18 +427,22 @@ def parse_engine_queue(text: str) -> tuple[float, int] | None:
     return _sum_series(text, f"{name}_sum", f"{name}_count")
 
 
-async def _path_per_request(directory: str, results: list[RequestResult]) -> dict[str, Any]:
+async def _write_client_times(directory: str, results: list[RequestResult]) -> None:
+    """This client's (response id, sent, first token) times into the run's timeline, then a
+    wait for the replicas to write what they recorded (while they still run)."""
+    times = [(f"{r.response_id}-0-0", r.sent_at, r.sent_at + r.ttft) for r in results if r.ttft is not None and r.response_id]
+    if times:
+        timeline.write_client(directory, times)
+        await asyncio.sleep(2 * timeline.FLUSH_S)
+
+
+def _path_summary(directory: str) -> dict[str, Any]:
     """What Serve added to each request's TTFT, from the run's timeline (cluster/timeline.py)
     joined with this client's times: `path_ms`, the client's TTFT less the engine's, per
     request; `http_front_ms`, the part outside the ingress; `ingress_path_ms`, the part
     between the ingress and the engine. Paired by request, so unlike the two sides' TTFT
     difference it does not move with the machine's speed between them. Empty when the
     server records no timeline (a `--base-url` server started without KVRAY_TIMELINE_DIR)."""
-    times = [(f"{r.response_id}-0-0", r.sent_at, r.sent_at + r.ttft) for r in results if r.ttft is not None and r.response_id]
-    if not times:
-        return {}
-    timeline.write_client(directory, times)
-    await asyncio.sleep(2 * timeline.FLUSH_S)  # the replicas write what they recorded
     summary = timeline.summarize(timeline.read_timelines(directory))
     if "path" not in summary:
         return {}
@@ -493,6 +577,19 @@ async def _engine_run(
     """The same load against an engine in this process; `cpu_threads` as a worker replica's
     (`ClusterConfig.worker_cpu_threads`), so both sides compute with the same torch threads.
     `step_log`: the summary's "steps" say how long the load's steps took (`step_summary`)."""
+    measured = await _engine_load(engine_config, samples, arrivals, concurrency, cpu_threads, step_log)
+    return measured.summary()
+
+
+async def _engine_load(
+    engine_config: Any,
+    samples: list[BenchSample],
+    arrivals: np.ndarray,
+    concurrency: int,
+    cpu_threads: int | None = None,
+    step_log: bool = False,
+) -> Measured:
+    """`_engine_run`'s load, not yet summarized."""
     import torch
 
     from worker.engine import Engine, EngineRequest
@@ -527,24 +624,26 @@ async def _engine_run(
         return result
 
     try:
-        await asyncio.gather(*(one(s) for s in samples[:2]))
+        await asyncio.gather(*(one(s) for s in warm_up_samples(samples)))
         if step_log:
             engine.step_log = []
         before = engine.stats()
         engine_ttfts.clear()
         engine_queues.clear()
-        summary, _ = await _drive(samples, arrivals, concurrency, one)
+        measured = await _drive(samples, arrivals, concurrency, one)
         after = engine.stats()
         if engine_ttfts:
-            summary["engine_ttft_mean_ms"] = 1e3 * sum(engine_ttfts) / len(engine_ttfts)
-            summary["engine_queue_mean_ms"] = 1e3 * sum(engine_queues) / len(engine_queues)
-        if (steps := after.num_steps - before.num_steps) > 0:
-            summary["engine_step_ms"] = 1e3 * (after.step_seconds_total - before.step_seconds_total) / steps
+            measured.sums["engine_ttft_mean_ms"] = (sum(engine_ttfts), len(engine_ttfts))
+            measured.sums["engine_queue_mean_ms"] = (sum(engine_queues), len(engine_queues))
+        measured.sums["engine_step_ms"] = (
+            after.step_seconds_total - before.step_seconds_total,
+            after.num_steps - before.num_steps,
+        )
         if engine.step_log is not None:
-            summary["steps"] = step_summary(list(engine.step_log))
+            measured.extra["steps"] = step_summary(list(engine.step_log))
         if engine.scheduler.pacer is not None:  # what EngineConfig.prefill_slowdown learnt
-            summary["pacer"] = engine.scheduler.pacer.describe()
-        return summary
+            measured.extra["pacer"] = engine.scheduler.pacer.describe()
+        return measured
     finally:
         engine.shutdown()
 
@@ -552,10 +651,8 @@ async def _engine_run(
 # -- the load ------------------------------------------------------------------------------------
 
 
-async def _drive(
-    samples: list[BenchSample], arrivals: np.ndarray, concurrency: int, one: Any
-) -> tuple[dict[str, Any], list[RequestResult]]:
-    """Send every sample at its arrival time (at most `concurrency` in flight); summarize."""
+async def _drive(samples: list[BenchSample], arrivals: np.ndarray, concurrency: int, one: Any) -> Measured:
+    """Send every sample at its arrival time (at most `concurrency` in flight)."""
     gate = asyncio.Semaphore(concurrency)
     cpu_before = cpu_times()
     start = time.perf_counter()
@@ -573,6 +670,6 @@ async def _drive(
     results = await asyncio.gather(
         *(scheduled(s, float(t)) for s, t in zip(samples, arrivals, strict=True))
     )
-    summary = summarize(results, time.perf_counter() - start)
-    summary.update(cpu_shares(cpu_before, cpu_times()))
-    return summary, results
+    seconds, cpu_after = time.perf_counter() - start, cpu_times()
+    jiffies = None if cpu_before is None or cpu_after is None else [b - a for a, b in zip(cpu_before, cpu_after, strict=True)]
+    return Measured(list(results), seconds, jiffies)

@@ -215,6 +215,47 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict[str, Any]
     }
 
 
+@dataclass(slots=True)
+class Measured:
+    """One side's load, over one round or several (`+`): its requests, the seconds the load
+    ran, the machine's CPU meanwhile (/proc/stat jiffies, a `cpu_times` difference) and the
+    engine's own figures as (seconds, count) sums, keyed by the summary key of their mean in
+    ms (`engine_step_ms`, ...). With `plans`, the summary tallies the outcomes. `extra` goes
+    into the summary as it is (the latest round's, where rounds are added)."""
+
+    results: list[RequestResult] = field(default_factory=list)
+    seconds: float = 0.0
+    jiffies: list[int] | None = None
+    sums: dict[str, tuple[float, int]] = field(default_factory=dict)
+    plans: list[RequestPlan] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __add__(self, other: Measured) -> Measured:
+        jiffies = None
+        if self.jiffies is not None and other.jiffies is not None:
+            jiffies = [a + b for a, b in zip(self.jiffies, other.jiffies, strict=True)]
+        sums = dict(self.sums)
+        for key, (seconds, count) in other.sums.items():
+            before = sums.get(key, (0.0, 0))
+            sums[key] = (before[0] + seconds, before[1] + count)
+        plans = None if self.plans is None or other.plans is None else self.plans + other.plans
+        return Measured(
+            self.results + other.results, self.seconds + other.seconds, jiffies, sums, plans, self.extra | other.extra
+        )
+
+    def summary(self) -> dict[str, Any]:
+        summary = summarize(self.results, self.seconds)
+        if self.jiffies is not None:
+            summary.update(cpu_shares([0] * len(self.jiffies), self.jiffies))
+        for key, (seconds, count) in self.sums.items():
+            if count > 0:
+                summary[key] = 1e3 * seconds / count
+        summary.update(self.extra)
+        if self.plans is not None:
+            summary["outcomes"] = tally(self.results, self.plans)
+        return summary
+
+
 def _stat_cell(metric: str, stat: str) -> Callable[[dict[str, Any]], str]:
     return lambda summary: f"{summary[metric][stat]:.2f}"
 
@@ -337,4 +378,28 @@ def comparisons(summaries: dict[str, dict[str, Any]]) -> list[str]:
     short = ["serve", *(["engine beside the idle app"] if len(engines) == 2 else []), "engine"]
     ratios = (s["itl_ms"]["p99"] / s["itl_ms"]["p50"] for s in (serve, *engines))
     lines.append("ITL p99 / p50: " + ", ".join(f"{n} {r:.2f}" for n, r in zip(short, ratios, strict=True)))
+    return lines
+
+
+def round_lines(rounds: list[dict[str, dict[str, Any]]]) -> list[str]:
+    """The differences of `comparisons`, round by round (`kvray bench serve --rounds`), each
+    summary named as there; with their median. Where the machine's speed drifts between a
+    run's phases, their spread is the difference's uncertainty."""
+    if len(rounds) < 2 or len(rounds[0]) < 2:
+        return []
+
+    def ttft_p50(side: dict[str, Any]) -> float:
+        return float(side["ttft_ms"]["p50"])
+
+    pairs = [("serve - engine", 0, -1)]
+    if len(rounds[0]) == 3:
+        pairs += [(" standing by", 1, -1), (" through Serve", 0, 1)]
+    lines = []
+    for title, a, b in pairs:
+        diffs = []
+        for sides in rounds:
+            summaries = list(sides.values())
+            diffs.append(ttft_p50(summaries[a]) - ttft_p50(summaries[b]))
+        listed = ", ".join(f"{d:+.1f}" for d in diffs)
+        lines.append(f"{title}, TTFT p50 by round (ms): {listed}; median {float(np.median(diffs)):+.1f}")
     return lines

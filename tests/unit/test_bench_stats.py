@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
 
 import pytest
 
-from cluster import timeline
+from cluster import bench_serve, timeline
 from cluster.bench_serve import (
     parse_engine_queue,
     parse_engine_steps,
     parse_engine_ttft,
     parse_ingress_ttft,
 )
-from cluster.bench_stats import comparisons, cpu_shares, cpu_times, step_summary
+from cluster.bench_stats import (
+    Measured,
+    RequestPlan,
+    RequestResult,
+    comparisons,
+    cpu_shares,
+    cpu_times,
+    round_lines,
+    step_summary,
+)
 from cluster.metrics import Metrics
 from cluster.timeline import read_timelines, summarize, write_client
 from tests.factories.tiny_models import random_prompts
@@ -168,3 +179,70 @@ def test_each_side_reports_how_busy_the_machine_was_and_how_much_the_host_stole(
     assert cpu_shares(None, after) == {} and cpu_shares(after, after) == {}
     now = cpu_times()
     assert now is None or (len(now) == 8 and all(x >= 0 for x in now))
+
+
+def _result(ttft_s: float, tokens: int = 4) -> RequestResult:
+    return RequestResult(prompt_tokens=8, output_tokens=tokens, ttft=ttft_s, itls=[0.01] * (tokens - 1), e2e=ttft_s + 0.03)
+
+
+def test_a_sides_rounds_pool_into_one_summary() -> None:
+    first = Measured([_result(0.1), _result(0.3)], 2.0, [100, 0, 0, 100, 0, 0, 0, 0], {"engine_step_ms": (0.5, 10)})
+    second = Measured([_result(0.2)], 1.0, [50, 0, 0, 0, 0, 0, 0, 50], {"engine_step_ms": (0.7, 10)}, extra={"steps": "last"})
+    pooled = (first + second).summary()
+    assert pooled["completed"] == 3 and pooled["duration_s"] == 3.0
+    assert pooled["ttft_ms"]["p50"] == pytest.approx(200.0)  # over every round's requests
+    assert pooled["output_throughput"] == pytest.approx(12 / 3.0)
+    assert pooled["engine_step_ms"] == pytest.approx(60.0)  # 1.2 s over 20 steps
+    assert pooled["cpu_busy_pct"] == pytest.approx(50.0) and pooled["cpu_steal_pct"] == pytest.approx(16.67, abs=0.01)
+    assert pooled["steps"] == "last" and "outcomes" not in pooled
+    with_plans = Measured([_result(0.1)], 1.0, plans=[RequestPlan()]) + Measured([_result(0.1)], 1.0, plans=[RequestPlan()])
+    assert with_plans.summary()["outcomes"]["completed"] == 2
+
+
+def test_the_report_lists_each_rounds_difference_and_their_median() -> None:
+    def side(ttft_p50: float) -> dict:
+        return {"ttft_ms": {"p50": ttft_p50}}
+
+    rounds = [
+        {"serve": side(310.0), "in-process, app idle": side(300.0), "in-process engine": side(296.0)},
+        {"serve": side(290.0), "in-process, app idle": side(295.0), "in-process engine": side(280.0)},
+        {"serve": side(330.0), "in-process, app idle": side(320.0), "in-process engine": side(329.0)},
+    ]
+    lines = round_lines(rounds)
+    assert lines[0] == "serve - engine, TTFT p50 by round (ms): +14.0, +10.0, +1.0; median +10.0"
+    assert lines[1] == " standing by, TTFT p50 by round (ms): +4.0, +15.0, -9.0; median +4.0"
+    assert lines[2] == " through Serve, TTFT p50 by round (ms): +10.0, -5.0, +10.0; median +10.0"
+    assert round_lines(rounds[:1]) == []  # one round: the pooled comparison says it all
+
+
+def test_rounds_cut_the_load_and_take_turns_between_the_sides(monkeypatch, tmp_path, capsys) -> None:
+    calls: list[tuple[str, int, float]] = []
+
+    async def fake_http(base_url, api_key, model, samples, plans, arrivals, args, warm_up=True) -> Measured:
+        calls.append(("serve", len(samples), float(arrivals[0])))
+        return Measured([_result(0.2) for _ in samples], 1.0, plans=list(plans))
+
+    async def fake_engine(engine_config, samples, arrivals, concurrency, cpu_threads=None, step_log=False) -> Measured:
+        calls.append(("engine", len(samples), float(arrivals[0])))
+        return Measured([_result(0.1) for _ in samples], 1.0, sums={"engine_step_ms": (0.1, 2)})
+
+    monkeypatch.setattr(bench_serve, "http_load", fake_http)
+    monkeypatch.setattr(bench_serve, "_engine_load", fake_engine)
+    monkeypatch.setattr(bench_serve, "_vocab_size", lambda model: 49152)
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    out = tmp_path / "result.json"
+    argv = ["--base-url", "http://127.0.0.1:9", "--num-prompts", "10", "--request-rate", "5", "--rounds", "3"]
+    assert bench_serve.run(parser.parse_args([*argv, "--result-json", str(out)])) == 0
+    # ABBA...: the engine goes first in every other round; 10 prompts in parts of 3, 4, 3,
+    # each part's arrivals counted from its own first
+    assert [(side, n) for side, n, _ in calls] == [("serve", 3), ("engine", 3), ("engine", 4), ("serve", 4), ("serve", 3), ("engine", 3)]
+    assert all(at == 0.0 for _, _, at in calls)
+    data = json.loads(out.read_text())
+    serve_label, engine_label = list(data["results"])
+    assert data["results"][serve_label]["completed"] == 10 and data["results"][serve_label]["outcomes"]["requests"] == 10
+    assert data["results"][engine_label]["engine_step_ms"] == pytest.approx(50.0)
+    assert len(data["rounds"]) == 3 and data["rounds"][1][engine_label]["completed"] == 4
+    assert "serve - engine, TTFT p50 by round (ms): +100.0, +100.0, +100.0; median +100.0" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_serve.run(parser.parse_args([*argv[:-1], "11"]))  # more rounds than prompts
