@@ -92,9 +92,9 @@ def test_a_request_aborted_while_its_prompt_is_in_the_lane_ends_after_that_step(
     engine.scheduler.lane_on = True
     cache = engine.executor.cache
     initial = cache.num_free_pages
-    streams = [engine.submit(_reqs("a", [9], max_tokens=30))]
+    streams = [engine.submit(_reqs("a", [9, 11], max_tokens=30))]
     engine.step()
-    streams.append(engine.submit(_reqs("bb", [14, 9])))
+    streams.append(engine.submit(_reqs("bb", [14, 9])))  # as many as decode: for the lane
     engine.step()
     run_prompts = engine.executor.run_prompts
 
@@ -109,7 +109,7 @@ def test_a_request_aborted_while_its_prompt_is_in_the_lane_ends_after_that_step(
     deltas = [d for s in streams for frame in s.poll() for d in frame]
     bb0 = [d for d in deltas if d.request_id == "bb0"]
     assert bb0[-1].finish_reason == "abort"
-    assert [r.request_id for r in engine.scheduler.running] == ["a0", "bb1"]
+    assert [r.request_id for r in engine.scheduler.running] == ["a0", "a1", "bb1"]
     while engine.has_work:
         engine.step()
     assert cache.num_free_pages == initial
@@ -125,6 +125,23 @@ def _one_decoding_then(make_engine, arriving: list[EngineRequest]):
     engine.step()
     streams.append(engine.submit(arriving))
     return engine, streams, initial
+
+
+def test_prompts_that_outnumber_the_decodes_go_into_the_engines_own_step(make_engine):
+    """A burst (three prompts while one request decodes): the engine's next step takes them all
+    beside its decode instead of leaving them to the lane one by one; same tokens."""
+    burst = _reqs("bb", [14, 9, 21])
+    engine, streams, initial = _one_decoding_then(make_engine, burst)
+    engine.step_log = []
+    engine.step()
+    first = engine.step_log[0]
+    assert (first.num_decodes, first.num_prompt_tokens) == (1, 14 + 9 + 21)
+    assert not engine.scheduler.waiting and not engine.scheduler.lane
+    while engine.has_work:
+        engine.step()
+    assert _tokens(streams) == _reference(make_engine, [_reqs("a", [9]), burst])
+    assert engine.stats_snapshot.num_lane_steps == 0
+    assert engine.executor.cache.num_free_pages == initial
 
 
 def test_a_failing_lane_step_fails_only_its_own_requests(make_engine):
@@ -194,7 +211,7 @@ def test_a_started_engine_runs_new_prompts_in_the_lane_with_the_plain_engines_to
     engine.start()
     try:
         first = _reqs("a", [9, 14], max_tokens=400)
-        later = _reqs("bb", [21, 5, 17], max_tokens=8)
+        later = _reqs("bb", [21, 17], max_tokens=8)  # as many as decode: for the lane
         stream = engine.submit(first)
         started = threading.Event()
         got: dict[str, list[int]] = {}

@@ -206,23 +206,44 @@ def lane_step(s: Scheduler) -> dict[str, int]:
 def test_with_the_prompt_lane_decode_steps_admit_no_one_and_the_lane_takes_the_prompts() -> None:
     s = scheduler(token_budget=64, prefill_budget=None)
     s.lane_on = True
-    s.add(request("a", 5))
-    assert lane_step(s) == {}  # nothing runs: the engine's own step takes the prompt
-    assert step(s) == {"a": 5}
+    for rid in "awxy":
+        s.add(request(rid, 5))
+    assert lane_step(s) == {}  # nothing runs: the engine's own step takes the prompts
+    assert step(s) == {"a": 5, "w": 5, "x": 5, "y": 5}
     for rid, n in (("b", 6), ("c", 20), ("d", 7), ("e", 100)):
         s.add(request(rid, n))
-    assert step(s) == {"a": 1}  # a decodes; the others wait for the lane
+    assert step(s) == {"a": 1, "w": 1, "x": 1, "y": 1}  # no more wait than decode: the lane takes them
     assert lane_step(s) == {"b": 6, "c": 20}  # short prompts together, within LANE_BATCH_TOKENS
     assert lane_step(s) == {"d": 7}  # e would take the step past it: next time
     assert lane_step(s) == {"e": 64}  # alone, whole up to the token budget: chunked
-    assert [r.request_id for r in s.running] == ["a", "b", "c", "d"] and [r.request_id for r in s.lane] == ["e"]
-    assert step(s) == {"a": 1, "b": 1, "c": 1, "d": 1}  # e, in the lane, is in no decode step
+    assert [r.request_id for r in s.running] == ["a", "w", "x", "y", "b", "c", "d"]
+    assert [r.request_id for r in s.lane] == ["e"]
+    decodes = {rid: 1 for rid in "awxybcd"}
+    assert step(s) == decodes  # e, in the lane, is in no decode step
     assert lane_step(s) == {"e": 36}
-    assert [r.request_id for r in s.running] == ["a", "b", "c", "d", "e"] and not s.lane
-    assert step(s) == {"a": 1, "b": 1, "c": 1, "d": 1, "e": 1}
+    assert not s.lane and step(s) == decodes | {"e": 1}
 
 
-def test_the_lane_finishes_its_prompts_even_when_nothing_runs_and_then_the_engine_admits_again() -> None:
+def test_with_the_prompt_lane_a_burst_of_prompts_goes_into_the_engines_steps_too() -> None:
+    """Prompts that arrived during the first one's step: the lane takes one, and as long as more
+    wait than decode, the engine's own step takes the rest instead of leaving them to wait out
+    each other in the lane."""
+    s = scheduler(token_budget=64, prefill_budget=None)
+    s.lane_on = True
+    s.add(request("a", 5))
+    assert step(s) == {"a": 5}
+    for rid in "bcd":
+        s.add(request(rid, 20))
+    in_lane = s.schedule_lane()  # the lane's thread came first: it starts b
+    assert [t.request.request_id for t in in_lane] == ["b"]
+    assert step(s) == {"a": 1, "c": 20, "d": 20}  # 2 wait, 1 decodes: the engine's step takes both
+    assert not s.waiting and [r.request_id for r in s.running] == ["a", "c", "d"]
+    s.add(request("f", 20))  # one waits, three decode: the lane's again
+    assert step(s) == {"a": 1, "c": 1, "d": 1}
+    assert [r.request_id for r in s.waiting] == ["f"]
+
+
+def test_the_lane_finishes_its_prompts_even_when_nothing_runs_and_the_engine_takes_what_waits() -> None:
     s = scheduler(token_budget=16, prefill_budget=None)
     s.lane_on = True
     s.add(request("a", 3))
@@ -231,7 +252,6 @@ def test_the_lane_finishes_its_prompts_even_when_nothing_runs_and_then_the_engin
     assert lane_step(s) == {"long": 16}
     s.remove(s.running[0])  # a ends while long is half done
     s.add(request("next", 4))
-    assert step(s) == {}  # the lane holds a prompt: the engine admits no one meanwhile
-    assert lane_step(s) == {"long": 4}  # nothing runs, but the lane's own prompt goes on
-    assert step(s) == {"long": 1}
-    assert lane_step(s) == {"next": 4}
+    assert step(s) == {"next": 4}  # nothing decodes: the engine's step takes it, beside the lane
+    assert lane_step(s) == {"long": 4}  # nothing else in the lane: its own prompt goes on
+    assert step(s) == {"next": 1, "long": 1}
