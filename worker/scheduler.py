@@ -286,7 +286,8 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit(self, tasks: list[ScheduledTask], budget: int, prefill: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+        # the lane's requests join `running` when their prompt is done: they count already
+        while self.waiting and budget > 0 and len(self.running) + len(self.lane) < self.max_running:
             task = self._admit_head(budget, prefill, keep_free=bool(self.running))
             if task is None:
                 break

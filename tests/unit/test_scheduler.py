@@ -15,7 +15,9 @@ from worker.workspace import InferenceWorkspace
 PAGE, PAGES = 4, 128
 
 
-def scheduler(token_budget: int, prefill_budget: int | None, prefill_slowdown: float | None = None) -> Scheduler:
+def scheduler(
+    token_budget: int, prefill_budget: int | None, prefill_slowdown: float | None = None, max_running: int = 8
+) -> Scheduler:
     dev = torch.device("cpu")
     ws = InferenceWorkspace(max_tokens=256, max_running=8, max_seq_len=256, num_heads=2, head_dim=8,
                             dtype=torch.float32, device=dev, split_kv=False)  # fmt: skip
@@ -25,7 +27,7 @@ def scheduler(token_budget: int, prefill_budget: int | None, prefill_slowdown: f
         token_budget=token_budget,
         prefill_budget=prefill_budget,
         prefill_slowdown=prefill_slowdown,
-        max_running=8,
+        max_running=max_running,
         admission_watermark=0.0,
     )
     return Scheduler(config, cache)
@@ -241,6 +243,20 @@ def test_with_the_prompt_lane_a_burst_of_prompts_goes_into_the_engines_steps_too
     s.add(request("f", 20))  # one waits, three decode: the lane's again
     assert step(s) == {"a": 1, "c": 1, "d": 1}
     assert [r.request_id for r in s.waiting] == ["f"]
+
+
+def test_a_burst_admitted_beside_the_lane_leaves_room_for_the_lanes_requests() -> None:
+    s = scheduler(token_budget=256, prefill_budget=None, max_running=5)  # 8 slots in the cache
+    s.lane_on = True
+    s.add(request("a", 5))
+    step(s)
+    s.add(request("b", 20))
+    assert len(s.schedule_lane()) == 1  # b in the lane's forward
+    for i in range(6):
+        s.add(request(f"w{i}", 5))
+    admitted = step(s)
+    assert len(admitted) == 1 + 3  # a's decode and three prompts: with a and b, five under way
+    assert len(s.running) + len(s.lane) == 5 and len(s.waiting) == 3
 
 
 def test_the_lane_finishes_its_prompts_even_when_nothing_runs_and_the_engine_takes_what_waits() -> None:
