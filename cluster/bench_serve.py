@@ -44,6 +44,7 @@ from cluster.bench_stats import (
     make_arrivals,
     make_plans,
     make_samples,
+    paired_lines,
     print_report,
     round_lines,
     step_summary,
@@ -173,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         if (recorded := timeline.recording_dir()) is not None:
             summaries[label].update(_path_summary(recorded))
     print_report(summaries, vars(args))
-    for line in round_lines(rounds):
+    for line in paired_lines(summaries) + round_lines(rounds):
         print(line)
     # the cluster config the run used (its file may be gone later), without the API keys
     used = config.model_dump(mode="json", exclude={"api_keys"})

@@ -170,17 +170,22 @@ class Scheduler:
     @property
     def admits(self) -> bool:
         """May `schedule` admit waiting requests? Always, unless the prompt lane takes them:
-        then only while more wait than run (none running: any waiting at all).
+        then only while more wait than are under way (running or in the lane; with none under
+        way, any waiting at all).
 
         The lane runs one long prompt at a time, which suits requests that arrive while others
-        decode, one by one. A burst is another matter: requests that arrive a few ms apart
+        decode, one by one: at a steady load one arrives as one leaves, and the decode steps
+        carry no prompts. A burst is another matter: requests that arrive a few ms apart
         (through HTTP, never at once) find the first one's prompt step under way, and the lane
         would take the rest one by one, the last waiting for all of them (four 64-token demo
         prompts on the 2-core CPU: ~270 ms each on the lane's thread). While the prompts waiting
-        outnumber the requests decoding, the engine's own steps take them too (all of them,
+        outnumber the requests under way, the engine's own steps take them too (all of them,
         within the token budget, on the threads the lane leaves): those decodes wait out one
-        long step, so that the prompts do not wait out each other."""
-        return not self.lane_on or len(self.waiting) > len(self.running)
+        long step, so that the prompts do not wait out each other. (Counting only the requests
+        decoding let in prompts at a steady load too, whenever two requests ended together
+        while the lane ran a prompt: ITL p99 / p50 rose from 1.8-2.0 to 2.3-2.4 at concurrency
+        4; benchmarks/README.md, "Session 17".)"""
+        return not self.lane_on or len(self.waiting) > len(self.running) + len(self.lane)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)

@@ -22,6 +22,8 @@ from cluster.bench_stats import (
     comparisons,
     cpu_shares,
     cpu_times,
+    paired_difference,
+    paired_lines,
     round_lines,
     step_summary,
 )
@@ -246,3 +248,24 @@ def test_rounds_cut_the_load_and_take_turns_between_the_sides(monkeypatch, tmp_p
     assert "serve - engine, TTFT p50 by round (ms): +100.0, +100.0, +100.0; median +100.0" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench_serve.run(parser.parse_args([*argv[:-1], "11"]))  # more rounds than prompts
+
+
+def test_the_difference_paired_by_request_ignores_what_the_prompts_lengths_spread() -> None:
+    # first tokens spread over 100-400 ms by prompt length; Serve adds 4 ms to each
+    engine = [100.0 + 300.0 * i / 39 for i in range(40)]
+    serve: list[float | None] = [t + 4.0 for t in engine]
+    serve[3] = None  # a request Serve did not complete drops out of the pairs
+    d = paired_difference(serve, engine)
+    assert d is not None and d["pairs"] == 39
+    assert d["median"] == pytest.approx(4.0) and d["low"] == pytest.approx(4.0) and d["high"] == pytest.approx(4.0)
+    assert paired_difference(serve[:6], engine[:6]) is None  # too few pairs to say anything
+
+    def side(ttfts: list) -> dict:
+        return {"ttft_per_request_ms": ttfts}
+
+    lines = paired_lines({"serve": side(serve), "in-process engine": side(engine)})
+    assert lines == ["serve - engine, TTFT paired by request: median +4.0 ms (95 % interval +4.0 to +4.0, 39 pairs)"]
+    three = paired_lines({"serve": side(serve), "in-process, app idle": side([t + 1.0 for t in engine]), "in-process engine": side(engine)})
+    assert [line.split(",")[0] for line in three] == ["serve - engine", " standing by", " through Serve"]
+    assert "median +1.0 ms" in three[1] and "median +3.0 ms" in three[2]
+    assert Measured([_result(0.25)], 1.0).summary()["ttft_per_request_ms"] == [250.0]

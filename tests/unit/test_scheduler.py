@@ -227,22 +227,29 @@ def test_with_the_prompt_lane_decode_steps_admit_no_one_and_the_lane_takes_the_p
 
 
 def test_with_the_prompt_lane_a_burst_of_prompts_goes_into_the_engines_steps_too() -> None:
-    """Prompts that arrived during the first one's step: the lane takes one, and as long as more
-    wait than decode, the engine's own step takes the rest instead of leaving them to wait out
-    each other in the lane."""
-    s = scheduler(token_budget=64, prefill_budget=None)
+    """Prompts that arrived during the first one's step outnumber the requests under way: the
+    engine's own step takes them instead of leaving them to wait out each other in the lane."""
+    s = scheduler(token_budget=128, prefill_budget=None)
     s.lane_on = True
     s.add(request("a", 5))
     assert step(s) == {"a": 5}
     for rid in "bcd":
         s.add(request(rid, 20))
-    in_lane = s.schedule_lane()  # the lane's thread came first: it starts b
-    assert [t.request.request_id for t in in_lane] == ["b"]
-    assert step(s) == {"a": 1, "c": 20, "d": 20}  # 2 wait, 1 decodes: the engine's step takes both
-    assert not s.waiting and [r.request_id for r in s.running] == ["a", "c", "d"]
-    s.add(request("f", 20))  # one waits, three decode: the lane's again
-    assert step(s) == {"a": 1, "c": 1, "d": 1}
-    assert [r.request_id for r in s.waiting] == ["f"]
+    assert step(s) == {"a": 1, "b": 20, "c": 20, "d": 20}  # 3 wait, 1 decodes
+    assert not s.waiting and not s.lane
+    s.add(request("f", 20))  # one waits, four decode: the lane's
+    assert step(s) == {rid: 1 for rid in "abcd"}
+    assert lane_step(s) == {"f": 20}
+    # had the lane's thread come first and taken b, c and d would wait as many as are under
+    # way (a decoding, b in the lane): the lane's, one after the other
+    s = scheduler(token_budget=128, prefill_budget=None)
+    s.lane_on = True
+    s.add(request("a", 5))
+    step(s)
+    for rid in "bcd":
+        s.add(request(rid, 20))
+    assert [t.request.request_id for t in s.schedule_lane()] == ["b"]
+    assert step(s) == {"a": 1}
 
 
 def test_a_burst_admitted_beside_the_lane_leaves_room_for_the_lanes_requests() -> None:
@@ -259,7 +266,7 @@ def test_a_burst_admitted_beside_the_lane_leaves_room_for_the_lanes_requests() -
     assert len(s.running) + len(s.lane) == 5 and len(s.waiting) == 3
 
 
-def test_the_lane_finishes_its_prompts_even_when_nothing_runs_and_the_engine_takes_what_waits() -> None:
+def test_the_lane_finishes_its_prompts_even_when_nothing_runs_and_then_the_engine_admits_again() -> None:
     s = scheduler(token_budget=16, prefill_budget=None)
     s.lane_on = True
     s.add(request("a", 3))
@@ -268,6 +275,7 @@ def test_the_lane_finishes_its_prompts_even_when_nothing_runs_and_the_engine_tak
     assert lane_step(s) == {"long": 16}
     s.remove(s.running[0])  # a ends while long is half done
     s.add(request("next", 4))
-    assert step(s) == {"next": 4}  # nothing decodes: the engine's step takes it, beside the lane
-    assert lane_step(s) == {"long": 4}  # nothing else in the lane: its own prompt goes on
-    assert step(s) == {"next": 1, "long": 1}
+    assert step(s) == {}  # the lane holds a prompt (one under way, one waiting): no one admitted
+    assert lane_step(s) == {"long": 4}  # nothing runs, but the lane's own prompt goes on
+    assert step(s) == {"long": 1}
+    assert lane_step(s) == {"next": 4}
