@@ -181,10 +181,9 @@ class Scheduler:
         prompts on the 2-core CPU: ~270 ms each on the lane's thread). While the prompts waiting
         outnumber the requests under way, the engine's own steps take them too (all of them,
         within the token budget, on the threads the lane leaves): those decodes wait out one
-        long step, so that the prompts do not wait out each other. (Counting only the requests
-        decoding let in prompts at a steady load too, whenever two requests ended together
-        while the lane ran a prompt: ITL p99 / p50 rose from 1.8-2.0 to 2.3-2.4 at concurrency
-        4; benchmarks/README.md, "Session 17".)"""
+        long step, so that the prompts do not wait out each other. The lane's requests count as
+        under way: a prompt admitted beside the lane's always makes the decodes wait, and with
+        them counted that happens only in a burst (benchmarks/README.md, "Session 17")."""
         return not self.lane_on or len(self.waiting) > len(self.running) + len(self.lane)
 
     def add(self, request: Request) -> None:
