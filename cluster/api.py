@@ -45,6 +45,7 @@ from cluster.protocol import (
 from cluster.responses import ChunkWriter, Collector, usage_of
 from cluster.router import RouteHint
 from cluster.transport import WireRequest
+from worker.heap import freeze_heap
 from worker.model.demo import resolve_model_path
 from worker.page_hash import page_hashes
 from worker.sampling import SamplingParams
@@ -85,6 +86,7 @@ class Ingress:
         self._info: dict[str, Any] | None = None
         self._info_lock = asyncio.Lock()
         self._token_text_cache: dict[int, str] = {}
+        freeze_heap()  # no full collection walks the tokenizer and modules mid-stream
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(

@@ -49,6 +49,7 @@ from cluster.bench_stats import (
     round_lines,
     step_summary,
 )
+from worker.heap import frozen_heap
 
 NO_PLAN = RequestPlan()
 
@@ -653,24 +654,27 @@ async def _engine_load(
 
 
 async def _drive(samples: list[BenchSample], arrivals: np.ndarray, concurrency: int, one: Any) -> Measured:
-    """Send every sample at its arrival time (at most `concurrency` in flight)."""
-    gate = asyncio.Semaphore(concurrency)
-    cpu_before = cpu_times()
-    start = time.perf_counter()
+    """Send every sample at its arrival time (at most `concurrency` in flight), with this
+    process's heap frozen as a replica's is (`worker.heap`): no full collection of the
+    client's (or the in-process engine's) heap stalls the load."""
+    with frozen_heap():
+        gate = asyncio.Semaphore(concurrency)
+        cpu_before = cpu_times()
+        start = time.perf_counter()
 
-    async def scheduled(sample: BenchSample, at: float) -> RequestResult:
-        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-        async with gate:
-            try:
-                return await one(sample)
-            except Exception as exc:  # a failed request is counted, not fatal
-                return RequestResult(
-                    prompt_tokens=len(sample.prompt), error=repr(exc), outcome="lost"
-                )
+        async def scheduled(sample: BenchSample, at: float) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            async with gate:
+                try:
+                    return await one(sample)
+                except Exception as exc:  # a failed request is counted, not fatal
+                    return RequestResult(
+                        prompt_tokens=len(sample.prompt), error=repr(exc), outcome="lost"
+                    )
 
-    results = await asyncio.gather(
-        *(scheduled(s, float(t)) for s, t in zip(samples, arrivals, strict=True))
-    )
-    seconds, cpu_after = time.perf_counter() - start, cpu_times()
-    jiffies = None if cpu_before is None or cpu_after is None else [b - a for a, b in zip(cpu_before, cpu_after, strict=True)]
-    return Measured(list(results), seconds, jiffies)
+        results = await asyncio.gather(
+            *(scheduled(s, float(t)) for s, t in zip(samples, arrivals, strict=True))
+        )
+        seconds, cpu_after = time.perf_counter() - start, cpu_times()
+        jiffies = None if cpu_before is None or cpu_after is None else [b - a for a, b in zip(cpu_before, cpu_after, strict=True)]
+        return Measured(list(results), seconds, jiffies)

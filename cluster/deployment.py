@@ -56,6 +56,7 @@ from cluster.transport import (
 )
 from worker.config import EngineConfig
 from worker.engine import Engine, EngineFull, EngineRequest, EngineStats
+from worker.heap import freeze_heap
 from worker.outputs import RequestDelta, merge_steps
 from worker.request import ScheduledTask
 from worker.streams import OutputStream
@@ -206,7 +207,8 @@ class WorkerDeployment:
         self._link_submits = 0  # submits that came over submit links (the rest: Serve calls)
         self._server: asyncio.Server | None = None
         self._replica_id = serve.get_replica_context().replica_id.unique_id
-        log.info("worker replica %s ready: %s", self._replica_id, self._engine.config)
+        frozen = freeze_heap()  # no full collection walks the weights and modules mid-step
+        log.info("worker replica %s ready (%d objects frozen): %s", self._replica_id, frozen, self._engine.config)
 
     async def generate(self, hint: RouteHint, payload: bytes) -> AsyncIterator[bytes]:
         """Queue a batch of requests; stream accept/refuse, then one frame per engine step."""
