@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime as dt
-import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import struct
 import time
+
+from benchmarks import write_result
 
 SYS_SCHED_SETATTR = 314  # x86_64
 SPIN_MS, PERIOD_MS = 1.0, 14.0
@@ -30,7 +29,9 @@ def set_slice(nanoseconds: int) -> None:
     """This thread's EEVDF slice (SCHED_OTHER, its niceness kept)."""
     libc = ctypes.CDLL(None, use_errno=True)
     nice = os.getpriority(os.PRIO_PROCESS, 0)
-    attr = ctypes.create_string_buffer(struct.pack("IIQiIQQQII", 56, 0, 0, nice, 0, nanoseconds, 0, 0, 0, 0))
+    attr = ctypes.create_string_buffer(
+        struct.pack("IIQiIQQQII", 56, 0, 0, nice, 0, nanoseconds, 0, 0, 0, 0)
+    )
     if libc.syscall(SYS_SCHED_SETATTR, 0, attr, 0) != 0:
         raise OSError(ctypes.get_errno(), "sched_setattr")
 
@@ -67,7 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(2)
     engine = Engine(EngineConfig(model="demo", device="cpu", max_running=8))
     params = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True)
-    engine.submit([EngineRequest(f"r{i}", list(range(1000 + 64 * i, 1064 + 64 * i)), params) for i in range(4)])
+    engine.submit(
+        [
+            EngineRequest(f"r{i}", list(range(1000 + 64 * i, 1064 + 64 * i)), params)
+            for i in range(4)
+        ]
+    )
 
     def steps(n: int) -> list[float]:
         times = []
@@ -82,7 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     medians: dict[str, list[float]] = {k: [] for k in kinds}
     for rep in range(args.reps):
         for kind in kinds:
-            procs = [mp.Process(target=background, args=KINDS[kind], daemon=True) for _ in range(args.procs)] if kind != "none" else []
+            procs = (
+                [
+                    mp.Process(target=background, args=KINDS[kind], daemon=True)
+                    for _ in range(args.procs)
+                ]
+                if kind != "none"
+                else []
+            )
             for p in procs:
                 p.start()
             time.sleep(0.3)
@@ -93,16 +106,12 @@ def main(argv: list[str] | None = None) -> int:
             medians[kind].append(median)
             print(f"repetition {rep}  {kind:10s} decode step p50 {median:6.1f} ms", flush=True)
     for kind in kinds:
-        print(f"{kind:10s} " + ", ".join(f"{m:.1f}" for m in medians[kind]) + f"  (median {statistics.median(medians[kind]):.1f} ms)")
-    if args.out:
-        result = {
-            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-            "args": vars(args),
-            "decode_step_p50_ms": medians,
-        }
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        print(
+            f"{kind:10s} "
+            + ", ".join(f"{m:.1f}" for m in medians[kind])
+            + f"  (median {statistics.median(medians[kind]):.1f} ms)"
+        )
+    write_result(args.out, args, decode_step_p50_ms=medians)
     return 0
 
 

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import gc
-import json
-import os
-import platform
 import time
 from typing import Any
+
+from benchmarks import write_result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,22 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"generation {generation}: {len(ms):4d} collections, {sum(ms):7.1f} ms in all, longest {max(ms, default=0.0):6.1f} ms"
         )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                    "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-                    "args": vars(args),
-                    "objects_tracked": tracked,
-                    "objects_frozen": frozen,
-                    "load_seconds": seconds,
-                    "step_mean_ms": steps,
-                    "pauses_ms": {str(g): ms for g, ms in pauses.items()},
-                },
-                f,
-                indent=2,
-            )
+    write_result(
+        args.out,
+        args,
+        objects_tracked=tracked,
+        objects_frozen=frozen,
+        load_seconds=seconds,
+        step_mean_ms=steps,
+        pauses_ms={str(g): ms for g, ms in pauses.items()},
+    )
     return 0
 
 

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
 import os
-import platform
 import statistics
 import time
 from typing import Any
+
+from benchmarks import write_result
 
 
 async def decode_load(
@@ -125,18 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{s:.2f}" for s in steps)
             + f"  (median {statistics.median(steps):.2f} ms)"
         )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                    "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-                    "args": vars(args),
-                    "results": results,
-                },
-                f,
-                indent=2,
-            )
+    write_result(args.out, args, results=results)
     return 0
 
 
