@@ -44,6 +44,7 @@ from cluster.bench_stats import (
     make_arrivals,
     make_plans,
     make_samples,
+    opening_lines,
     paired_lines,
     print_report,
     round_lines,
@@ -175,7 +176,9 @@ def run(args: argparse.Namespace) -> int:
         if (recorded := timeline.recording_dir()) is not None:
             summaries[label].update(_path_summary(recorded))
     print_report(summaries, vars(args))
-    for line in paired_lines(summaries) + round_lines(rounds):
+    closed_loop = args.request_rate == float("inf")  # every round opens with a burst
+    opening = opening_lines(rounds, args.max_concurrency) if closed_loop else []
+    for line in paired_lines(summaries) + opening + round_lines(rounds):
         print(line)
     # the cluster config the run used (its file may be gone later), without the API keys
     used = config.model_dump(mode="json", exclude={"api_keys"})

@@ -393,17 +393,49 @@ def round_lines(rounds: list[dict[str, dict[str, Any]]]) -> list[str]:
     def ttft_p50(side: dict[str, Any]) -> float:
         return float(side["ttft_ms"]["p50"])
 
-    pairs = [("serve - engine", 0, -1)]
-    if len(rounds[0]) == 3:
-        pairs += [(" standing by", 1, -1), (" through Serve", 0, 1)]
     lines = []
-    for title, a, b in pairs:
+    for title, a, b in _compared(len(rounds[0])):
         diffs = []
         for sides in rounds:
             summaries = list(sides.values())
             diffs.append(ttft_p50(summaries[a]) - ttft_p50(summaries[b]))
         listed = ", ".join(f"{d:+.1f}" for d in diffs)
         lines.append(f"{title}, TTFT p50 by round (ms): {listed}; median {float(np.median(diffs)):+.1f}")
+    return lines
+
+
+def _compared(num_sides: int) -> list[tuple[str, int, int]]:
+    """`comparisons`' differences as (title, minuend, subtrahend) indices of the sides, in
+    report order: Serve, [the engine beside the idle app,] the engine alone."""
+    pairs = [("serve - engine", 0, -1)]
+    if num_sides == 3:
+        pairs += [(" standing by", 1, -1), (" through Serve", 0, 1)]
+    return pairs
+
+
+def opening_lines(rounds: list[dict[str, dict[str, Any]]], opening: int) -> list[str]:
+    """`paired_lines` for each round's first `opening` requests and for the rest, apart. A
+    closed loop (`--max-concurrency`, no `--request-rate`) opens every round with a burst at an
+    idle engine: in-process its requests arrive at one instant and share one prompt step;
+    through Serve they arrive a few ms apart. The rest is the steady load."""
+    if not rounds or len(rounds[0]) < 2 or any("ttft_per_request_ms" not in s for r in rounds for s in r.values()):
+        return []
+    lines = []
+    for title, a, b in _compared(len(rounds[0])):
+        first: tuple[list[float | None], list[float | None]] = ([], [])
+        rest: tuple[list[float | None], list[float | None]] = ([], [])
+        for sides in rounds:
+            summaries = list(sides.values())
+            x, y = summaries[a]["ttft_per_request_ms"], summaries[b]["ttft_per_request_ms"]
+            first[0].extend(x[:opening])
+            first[1].extend(y[:opening])
+            rest[0].extend(x[opening:])
+            rest[1].extend(y[opening:])
+        if (f := paired_difference(*first)) is not None and (r := paired_difference(*rest)) is not None:
+            lines.append(
+                f"{title}, TTFT paired: each round's first {opening} median {f['median']:+.1f} ms "
+                f"({f['pairs']} pairs), the rest {r['median']:+.1f} ms ({r['pairs']} pairs)"
+            )
     return lines
 
 
@@ -428,13 +460,10 @@ def paired_lines(summaries: dict[str, dict[str, Any]]) -> list[str]:
     names = list(summaries)
     if len(names) < 2 or not all("ttft_per_request_ms" in summaries[n] for n in names):
         return []
-    serve, *engines = (summaries[n]["ttft_per_request_ms"] for n in names)
-    pairs = [("serve - engine", serve, engines[-1])]
-    if len(engines) == 2:
-        pairs += [(" standing by", engines[0], engines[-1]), (" through Serve", serve, engines[0])]
+    ttfts = [summaries[n]["ttft_per_request_ms"] for n in names]
     lines = []
-    for title, x, y in pairs:
-        if (d := paired_difference(x, y)) is not None:
+    for title, a, b in _compared(len(names)):
+        if (d := paired_difference(ttfts[a], ttfts[b])) is not None:
             lines.append(
                 f"{title}, TTFT paired by request: median {d['median']:+.1f} ms "
                 f"(95 % interval {d['low']:+.1f} to {d['high']:+.1f}, {d['pairs']} pairs)"

@@ -22,6 +22,7 @@ from cluster.bench_stats import (
     comparisons,
     cpu_shares,
     cpu_times,
+    opening_lines,
     paired_difference,
     paired_lines,
     round_lines,
@@ -269,3 +270,18 @@ def test_the_difference_paired_by_request_ignores_what_the_prompts_lengths_sprea
     assert [line.split(",")[0] for line in three] == ["serve - engine", " standing by", " through Serve"]
     assert "median +1.0 ms" in three[1] and "median +3.0 ms" in three[2]
     assert Measured([_result(0.25)], 1.0).summary()["ttft_per_request_ms"] == [250.0]
+
+
+def test_the_rounds_opening_bursts_are_paired_apart_from_the_steady_load() -> None:
+    # each round: 4 requests that open it (Serve +50 ms each), then 6 of the steady load (+5 ms)
+    def round_(serve_extra: list[float]) -> dict:
+        engine = [200.0 + 10.0 * i for i in range(10)]
+        serve = [t + extra for t, extra in zip(engine, serve_extra, strict=True)]
+        return {"serve": {"ttft_per_request_ms": serve}, "in-process engine": {"ttft_per_request_ms": engine}}
+
+    rounds = [round_([50.0] * 4 + [5.0] * 6) for _ in range(3)]
+    assert opening_lines(rounds, 4) == [
+        "serve - engine, TTFT paired: each round's first 4 median +50.0 ms (12 pairs), the rest +5.0 ms (18 pairs)"
+    ]
+    assert opening_lines(rounds[:1], 4) == []  # 4 openers are too few pairs to say anything
+    assert opening_lines([{"serve": {"ttft_ms": {}}, "in-process engine": {"ttft_ms": {}}}], 4) == []
