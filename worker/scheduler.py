@@ -17,7 +17,7 @@ way: `schedule_lane` admits waiting requests into `lane`, whose prompt steps run
 of their own beside the decode steps, and `join` moves each into `running` once its prompt is
 done and its first token sampled. The decode steps then admit no one, so they carry no
 prompt chunks; with nothing running, `schedule` admits as before, and so it does while more
-prompts wait than requests decode (`admits`).
+prompts wait than requests are under way, decoding or in the lane (`admits`).
 """
 
 from __future__ import annotations
