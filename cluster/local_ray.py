@@ -57,7 +57,8 @@ def ray_session(
 
 # Ray's control plane, by a process's argv[0] (the process title Ray gives it) or a script it
 # runs: the GCS, the dashboard with its agents, the log and autoscaler monitors, and Serve's
-# controller. Serve's proxies and the replicas are not in it: requests go through them. Nor
+# controller; and whatever those start (the dashboard's module processes, forked by a
+# forkserver of its own, ~2 % of a core between them on the 2-core CPU while idle). Serve's proxies and the replicas are not in it: requests go through them. Nor
 # is the raylet: it forks the workers, which start at its niceness plus Ray's
 # `worker_niceness` (measured: workers started after a raylet went to 19 ran at 19).
 CONTROL_PLANE_TITLES = ("gcs_server", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::ServeController")
@@ -73,7 +74,7 @@ CONTROL_PLANE_NICENESS = 19
 
 def lower_control_plane(niceness: int = CONTROL_PLANE_NICENESS) -> list[int]:
     """Put the control plane of the Ray this process started (its descendants that
-    `is_control_plane`), every thread of it, at `niceness`; their pids.
+    `is_control_plane`, and theirs), every thread of it, at `niceness`; their pids.
 
     On a small machine the engine shares the cores with these processes, and each of their
     periodic wakeups preempts one of its threads while the other waits for it (~0.1 core of
@@ -84,14 +85,18 @@ def lower_control_plane(niceness: int = CONTROL_PLANE_NICENESS) -> list[int]:
     privilege. Linux only (it reads /proc); elsewhere a no-op."""
     if not os.path.isdir("/proc/self/task"):
         return []
-    lowered = []
-    for pid in _descendants(os.getpid()):
-        if not is_control_plane(_argv(pid)):
+    children = _children()
+    lowered: list[int] = []
+    for pid in _descendants(os.getpid(), children):
+        if pid in lowered or not is_control_plane(_argv(pid)):
             continue
-        for tid in _threads(pid):
-            with suppress(OSError):  # gone since, or not ours
-                os.setpriority(os.PRIO_PROCESS, tid, niceness)  # per thread on Linux
-        lowered.append(pid)
+        for member in (pid, *_descendants(pid, children)):
+            if member in lowered:
+                continue
+            for tid in _threads(member):
+                with suppress(OSError):  # gone since, or not ours
+                    os.setpriority(os.PRIO_PROCESS, tid, niceness)  # per thread on Linux
+            lowered.append(member)
     return lowered
 
 
@@ -106,7 +111,19 @@ def is_control_plane(argv: list[str]) -> bool:
     return any(arg.endswith(script) for arg in argv[1:3] for script in CONTROL_PLANE_SCRIPTS)
 
 
-def _descendants(root: int) -> list[int]:
+def _descendants(root: int, children: dict[int, list[int]] | None = None) -> list[int]:
+    """Every process below `root` (`children`: a `_children()` map, or read now)."""
+    children = _children() if children is None else children
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _children() -> dict[int, list[int]]:
+    """Each process's children, by pid."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -117,12 +134,7 @@ def _descendants(root: int) -> list[int]:
                 continue
             ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
             children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    return children
 
 
 def _argv(pid: int) -> list[str]:

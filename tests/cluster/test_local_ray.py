@@ -4,7 +4,10 @@ its own Serve HTTP proxy, all on one port."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,6 +25,8 @@ from cluster.local_ray import (
     ray_session,
 )
 from tests.cluster.conftest import RayHarness, free_port
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 1})
@@ -132,3 +137,36 @@ def test_kvray_serve_refuses_ray_nodes_with_an_address(ray_harness: RayHarness):
     with pytest.raises(SystemExit, match="cannot be combined with --address"):
         main(["serve", "--model", "demo", "--ray-nodes", "2", "--address", "auto"])
     assert not ray.is_initialized()
+
+
+def test_what_the_control_plane_starts_is_lowered_with_it(tmp_path):
+    """The dashboard forks its module processes from a forkserver of its own; they are neither
+    titled nor run as the control plane, yet are part of it. Stood in for by a process that
+    runs a script named like Ray's log monitor and starts a child, both under a process that
+    lowers its control plane."""
+    monitor = tmp_path / "log_monitor.py"
+    monitor.write_text(
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "time.sleep(60)\n"
+    )
+    driver = (
+        "import os, subprocess, sys, time\n"
+        "from cluster.local_ray import _children, _descendants, lower_control_plane\n"
+        "before = os.getpriority(os.PRIO_PROCESS, 0)\n"
+        f"monitor = subprocess.Popen([sys.executable, {str(monitor)!r}])\n"
+        "deadline = time.monotonic() + 30\n"
+        "while not _children().get(monitor.pid) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "family = [monitor.pid, *_descendants(monitor.pid)]\n"
+        "lowered = lower_control_plane()\n"
+        "print(len(family), sorted(lowered) == sorted(family),\n"
+        "      {os.getpriority(os.PRIO_PROCESS, pid) for pid in family}, os.getpriority(os.PRIO_PROCESS, 0) == before)\n"
+        "for pid in reversed(family):\n"
+        "    os.kill(pid, 9)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", driver], capture_output=True, text=True, timeout=60, check=True, cwd=REPO
+    )
+    # the monitor and its child, exactly those, at the control plane's niceness; not the driver
+    assert out.stdout.split() == ["2", "True", f"{{{CONTROL_PLANE_NICENESS}}}", "True"], out
