@@ -151,7 +151,8 @@ class Ingress:
     async def models(self, request: Request) -> Response:
         self._authorize(request)
         if self._info is None:  # the context length comes from a worker, asked once
-            with contextlib.suppress(ApiError, TimeoutError):  # none up yet: list the model without it
+            # none up yet: list the model without it
+            with contextlib.suppress(ApiError, TimeoutError):
                 await asyncio.wait_for(self._engine_info(), _MODELS_INFO_TIMEOUT_S)
         info = self._info or {}
         card = ModelCard(
@@ -304,7 +305,12 @@ class Ingress:
         yield "data: [DONE]\n\n"
 
     def _group(
-        self, rid: str, prompts: list[list[int]], params: SamplingParams, n: int, info: dict[str, Any]
+        self,
+        rid: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        info: dict[str, Any],
     ) -> Group:
         """The engine requests of one response: prompt `p`'s choice `i` is `{rid}-{p}-{i}`, so
         a request id in a worker's log or timeline names the response the client got."""

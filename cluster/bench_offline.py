@@ -240,12 +240,10 @@ def _model_path(args: argparse.Namespace) -> Path:
     if args.random_shape is None:
         return resolve_model_path(args.model or "demo")
     root = Path(args.random_dir) if args.random_dir else demo_model_dir().parent
-    device = (
-        "cuda" if torch.cuda.is_available() else "cpu"
-    )  # drawing 8B numbers on the GPU takes seconds
-    weights = (
-        getattr(args, "load_format", None) != "random"
-    )  # that engine draws its own: config.json is enough
+    # drawing 8B numbers on the GPU takes seconds
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # that engine draws its own: config.json is enough
+    weights = getattr(args, "load_format", None) != "random"
     return ensure_random_model(
         root, args.random_shape, args.random_dtype, device=device, weights=weights
     )
@@ -323,15 +321,18 @@ def step_profile(steps: list[StepRecord]) -> list[dict[str, Any]]:
     rows = []
     for (kind, band), group in sorted(groups.items()):
         seconds = sum(s.seconds for s in group)
-        rows.append({
-            "kind": kind,
-            "batch_up_to": band or None,
-            "steps": len(group),
-            "seconds": seconds,
-            "mean_ms": 1e3 * seconds / len(group),
-            "mean_decodes": sum(s.num_decodes for s in group) / len(group),
-            "mean_prompt_tokens": sum(s.num_prompt_tokens for s in group) / len(group),
-        })  # fmt: skip
+        # fmt: skip
+        rows.append(
+            {
+                "kind": kind,
+                "batch_up_to": band or None,
+                "steps": len(group),
+                "seconds": seconds,
+                "mean_ms": 1e3 * seconds / len(group),
+                "mean_decodes": sum(s.num_decodes for s in group) / len(group),
+                "mean_prompt_tokens": sum(s.num_prompt_tokens for s in group) / len(group),
+            }
+        )
     return rows
 
 
@@ -504,7 +505,9 @@ def _print_summary(r: dict[str, Any]) -> None:
         f"kvray:        {k['seconds']:8.2f} s  {k['output_tok_s']:10.1f} output tok/s  ({k['steps']} steps, "
         f"{k['preemptions']} preemptions, other processes used {k['others_cpu_cores']} cores)"
     )
-    print("  where the time went:  kind                    batch<=  steps  seconds  ms/step  decodes  prompt tok")
+    print(
+        "  where the time went:  kind                    batch<=  steps  seconds  ms/step  decodes  prompt tok"
+    )
     for row in k["step_profile"]:
         print(
             f"  {'':20}{row['kind']:24}{row['batch_up_to'] or '':>7}{row['steps']:7d}{row['seconds']:9.2f}"

@@ -135,7 +135,9 @@ def run(args: argparse.Namespace) -> int:
     from cluster.app import load_config
 
     if args.engine_beside_app and (args.base_url or args.skip_engine or args.soak):
-        raise SystemExit("--engine-beside-app needs the launched app and the in-process run (no --base-url, --skip-engine or --soak)")
+        raise SystemExit(
+            "--engine-beside-app needs the launched app and the in-process run (no --base-url, --skip-engine or --soak)"
+        )
     if not 1 <= args.rounds <= args.num_prompts or (args.rounds > 1 and args.soak):
         raise SystemExit("--rounds: 1 to --num-prompts, and 1 with --soak")
     config = load_config(args.config)
@@ -168,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.nullcontext() if args.base_url else _timeline_recorded():
         for number, part in enumerate(_rounds(samples, plans, arrivals, args.rounds)):
             measured = _round(config, args, label, *part, engine_first=number % 2 == 1)
-            order = [name for name in (label, BESIDE_APP, ALONE) if name in measured]  # as the report lists them
+            # as the report lists them
+            order = [name for name in (label, BESIDE_APP, ALONE) if name in measured]
             rounds.append({name: measured[name].summary() for name in order})
             for name in order:
                 sides[name] = sides[name] + measured[name] if name in sides else measured[name]
@@ -214,21 +217,40 @@ def _round(
 
     def alone() -> None:
         if not args.skip_engine:
-            measured[ALONE] = asyncio.run(_engine_load(config.engine, samples, arrivals, args.max_concurrency, config.worker_cpu_threads))
+            measured[ALONE] = asyncio.run(
+                _engine_load(
+                    config.engine,
+                    samples,
+                    arrivals,
+                    args.max_concurrency,
+                    config.worker_cpu_threads,
+                )
+            )
 
     if engine_first:
         alone()
     if args.base_url:
         measured[label] = asyncio.run(
-            http_load(args.base_url, args.api_key, config.model_name, samples, plans, arrivals, args)
+            http_load(
+                args.base_url, args.api_key, config.model_name, samples, plans, arrivals, args
+            )
         )
     else:
         with local_app(config) as base_url:
             key = config.api_keys[0] if config.api_keys else "unused"
-            measured[label] = asyncio.run(http_load(base_url, key, config.model_name, samples, plans, arrivals, args))
-            if args.engine_beside_app:  # the same machine, every process of the app up, no requests through it
+            measured[label] = asyncio.run(
+                http_load(base_url, key, config.model_name, samples, plans, arrivals, args)
+            )
+            # the same machine, every process of the app up, no requests through it
+            if args.engine_beside_app:
                 measured[BESIDE_APP] = asyncio.run(
-                    _engine_load(config.engine, samples, arrivals, args.max_concurrency, config.worker_cpu_threads)
+                    _engine_load(
+                        config.engine,
+                        samples,
+                        arrivals,
+                        args.max_concurrency,
+                        config.worker_cpu_threads,
+                    )
                 )
     if not engine_first:
         alone()
@@ -305,7 +327,9 @@ def _timeline_recorded() -> Iterator[None]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def http_client(base_url: str, concurrency: int, timeout_s: float, api_key: str | None = None) -> Any:
+def http_client(
+    base_url: str, concurrency: int, timeout_s: float, api_key: str | None = None
+) -> Any:
     """The load generator's HTTP session (aiohttp, which Ray Serve brings).
 
     Not httpx: its connection pool costs CPU per request that grows with the connections
@@ -336,7 +360,9 @@ async def http_run(
     warm_up: bool = True,
 ) -> dict[str, Any]:
     """Send every sample with its plan over HTTP; the latency summary and the outcomes."""
-    summary = (await http_load(base_url, api_key, model, samples, plans, arrivals, args, warm_up)).summary()
+    summary = (
+        await http_load(base_url, api_key, model, samples, plans, arrivals, args, warm_up)
+    ).summary()
     if (recorded := timeline.recording_dir()) is not None:
         summary.update(_path_summary(recorded))
     return summary
@@ -363,7 +389,9 @@ async def http_load(
             return await http_request(client, model, sample, plan, args.request_timeout)
 
         if warm_up:
-            await asyncio.gather(*(http_request(client, model, s) for s in warm_up_samples(samples)))
+            await asyncio.gather(
+                *(http_request(client, model, s) for s in warm_up_samples(samples))
+            )
         before = await _scrape_metrics(client)
         measured = await _drive(samples, arrivals, concurrency, one)
         after = await _scrape_metrics(client)
@@ -377,7 +405,11 @@ async def http_load(
         ("engine_queue_mean_ms", parse_engine_queue),
     )
     for key, parse in parsers:
-        if (first := parse(before)) is not None and (last := parse(after)) is not None and last[1] > first[1]:
+        if (
+            (first := parse(before)) is not None
+            and (last := parse(after)) is not None
+            and last[1] > first[1]
+        ):
             measured.sums[key] = (last[0] - first[0], last[1] - first[1])
     return measured
 
@@ -435,7 +467,11 @@ def parse_engine_queue(text: str) -> tuple[float, int] | None:
 async def _write_client_times(directory: str, results: list[RequestResult]) -> None:
     """This client's (response id, sent, first token) times into the run's timeline, then a
     wait for the replicas to write what they recorded (while they still run)."""
-    times = [(f"{r.response_id}-0-0", r.sent_at, r.sent_at + r.ttft) for r in results if r.ttft is not None and r.response_id]
+    times = [
+        (f"{r.response_id}-0-0", r.sent_at, r.sent_at + r.ttft)
+        for r in results
+        if r.ttft is not None and r.response_id
+    ]
     if times:
         timeline.write_client(directory, times)
         await asyncio.sleep(2 * timeline.FLUSH_S)
@@ -561,7 +597,9 @@ async def _read_events(
     if result.outcome == "error":
         return
     if not done or finish is None:
-        missing = " and ".join(m for m, ok in (("a finish_reason", finish), ("[DONE]", done)) if not ok)
+        missing = " and ".join(
+            m for m, ok in (("a finish_reason", finish), ("[DONE]", done)) if not ok
+        )
         result.outcome = "lost"
         result.error = f"the stream ended after {chunks} chunks without {missing}"
     else:
@@ -582,7 +620,9 @@ async def _engine_run(
     """The same load against an engine in this process; `cpu_threads` as a worker replica's
     (`ClusterConfig.worker_cpu_threads`), so both sides compute with the same torch threads.
     `step_log`: the summary's "steps" say how long the load's steps took (`step_summary`)."""
-    measured = await _engine_load(engine_config, samples, arrivals, concurrency, cpu_threads, step_log)
+    measured = await _engine_load(
+        engine_config, samples, arrivals, concurrency, cpu_threads, step_log
+    )
     return measured.summary()
 
 
@@ -656,7 +696,9 @@ async def _engine_load(
 # -- the load ------------------------------------------------------------------------------------
 
 
-async def _drive(samples: list[BenchSample], arrivals: np.ndarray, concurrency: int, one: Any) -> Measured:
+async def _drive(
+    samples: list[BenchSample], arrivals: np.ndarray, concurrency: int, one: Any
+) -> Measured:
     """Send every sample at its arrival time (at most `concurrency` in flight), with this
     process's heap frozen as a replica's is (`worker.heap`): no full collection of the
     client's (or the in-process engine's) heap stalls the load."""
@@ -679,5 +721,9 @@ async def _drive(samples: list[BenchSample], arrivals: np.ndarray, concurrency: 
             *(scheduled(s, float(t)) for s, t in zip(samples, arrivals, strict=True))
         )
         seconds, cpu_after = time.perf_counter() - start, cpu_times()
-        jiffies = None if cpu_before is None or cpu_after is None else [b - a for a, b in zip(cpu_before, cpu_after, strict=True)]
+        jiffies = (
+            None
+            if cpu_before is None or cpu_after is None
+            else [b - a for a, b in zip(cpu_before, cpu_after, strict=True)]
+        )
         return Measured(list(results), seconds, jiffies)

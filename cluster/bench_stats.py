@@ -174,7 +174,9 @@ def step_summary(steps: list[Any]) -> dict[str, Any]:
         "decode_only": kind([s for s in steps if s.num_prompt_tokens == 0]),
         "with_prompt": kind(mixed),
         "with_prompt_by_tokens": {
-            f"{lo}-{hi}" if hi < 1 << 30 else f">{lo - 1}": kind([s for s in mixed if lo <= s.num_prompt_tokens <= hi])
+            f"{lo}-{hi}" if hi < 1 << 30 else f">{lo - 1}": kind(
+                [s for s in mixed if lo <= s.num_prompt_tokens <= hi]
+            )
             for lo, hi in bins
             if any(lo <= s.num_prompt_tokens <= hi for s in mixed)
         },
@@ -182,11 +184,19 @@ def step_summary(steps: list[Any]) -> dict[str, Any]:
             "steps": len(slow),
             "overlapped": sum(steps[i].overlapped for i in slow),
             "after_prompt_step": sum(i > 0 and steps[i - 1].num_prompt_tokens > 0 for i in slow),
-            "before_prompt_step": sum(i + 1 < len(steps) and steps[i + 1].num_prompt_tokens > 0 for i in slow),
-            "decodes_p50": float(np.median([steps[i].num_decodes for i in slow])) if slow else float("nan"),
+            "before_prompt_step": sum(
+                i + 1 < len(steps) and steps[i + 1].num_prompt_tokens > 0 for i in slow
+            ),
+            "decodes_p50": float(np.median([steps[i].num_decodes for i in slow]))
+            if slow
+            else float("nan"),
             # the launch of the step after each: with overlap it runs inside the slow step's call
-            "next_launch_ms": _stats_ms([steps[i + 1].launch_seconds for i in slow if i + 1 < len(steps)]),
-            "next_schedule_ms": _stats_ms([steps[i + 1].schedule_seconds for i in slow if i + 1 < len(steps)]),
+            "next_launch_ms": _stats_ms(
+                [steps[i + 1].launch_seconds for i in slow if i + 1 < len(steps)]
+            ),
+            "next_schedule_ms": _stats_ms(
+                [steps[i + 1].schedule_seconds for i in slow if i + 1 < len(steps)]
+            ),
         },
     }
 
@@ -240,7 +250,12 @@ class Measured:
             sums[key] = (before[0] + seconds, before[1] + count)
         plans = None if self.plans is None or other.plans is None else self.plans + other.plans
         return Measured(
-            self.results + other.results, self.seconds + other.seconds, jiffies, sums, plans, self.extra | other.extra
+            self.results + other.results,
+            self.seconds + other.seconds,
+            jiffies,
+            sums,
+            plans,
+            self.extra | other.extra,
         )
 
     def summary(self) -> dict[str, Any]:
@@ -254,7 +269,9 @@ class Measured:
         if self.plans is not None:
             summary["outcomes"] = tally(self.results, self.plans)
         # in sample order, so two sides' lists pair request by request (`paired_lines`)
-        summary["ttft_per_request_ms"] = [1e3 * r.ttft if r.ok and r.ttft is not None else None for r in self.results]
+        summary["ttft_per_request_ms"] = [
+            1e3 * r.ttft if r.ok and r.ttft is not None else None for r in self.results
+        ]
         return summary
 
 
@@ -369,8 +386,12 @@ def comparisons(summaries: dict[str, dict[str, Any]]) -> list[str]:
     lines = ["", f"serve - engine: {diff(serve, alone)}"]
     if len(engines) == 2:  # the app standing by, then the requests' way through it
         idle = engines[0]
-        lines.append(f" Ray and Serve standing by (engine beside the idle app - engine): {diff(idle, alone)}")
-        lines.append(f" requests through Serve (serve - engine beside the idle app): {diff(serve, idle)}")
+        lines.append(
+            f" Ray and Serve standing by (engine beside the idle app - engine): {diff(idle, alone)}"
+        )
+        lines.append(
+            f" requests through Serve (serve - engine beside the idle app): {diff(serve, idle)}"
+        )
     if "path_ms" in serve:
         path = serve["path_ms"]
         lines.append(
@@ -379,7 +400,9 @@ def comparisons(summaries: dict[str, dict[str, Any]]) -> list[str]:
         )
     short = ["serve", *(["engine beside the idle app"] if len(engines) == 2 else []), "engine"]
     ratios = (s["itl_ms"]["p99"] / s["itl_ms"]["p50"] for s in (serve, *engines))
-    lines.append("ITL p99 / p50: " + ", ".join(f"{n} {r:.2f}" for n, r in zip(short, ratios, strict=True)))
+    lines.append(
+        "ITL p99 / p50: " + ", ".join(f"{n} {r:.2f}" for n, r in zip(short, ratios, strict=True))
+    )
     return lines
 
 
@@ -400,7 +423,9 @@ def round_lines(rounds: list[dict[str, dict[str, Any]]]) -> list[str]:
             summaries = list(sides.values())
             diffs.append(ttft_p50(summaries[a]) - ttft_p50(summaries[b]))
         listed = ", ".join(f"{d:+.1f}" for d in diffs)
-        lines.append(f"{title}, TTFT p50 by round (ms): {listed}; median {float(np.median(diffs)):+.1f}")
+        lines.append(
+            f"{title}, TTFT p50 by round (ms): {listed}; median {float(np.median(diffs)):+.1f}"
+        )
     return lines
 
 
@@ -418,7 +443,11 @@ def opening_lines(rounds: list[dict[str, dict[str, Any]]], opening: int) -> list
     closed loop (`--max-concurrency`, no `--request-rate`) opens every round with a burst at an
     idle engine: in-process its requests arrive at one instant and share one prompt step;
     through Serve they arrive a few ms apart. The rest is the steady load."""
-    if not rounds or len(rounds[0]) < 2 or any("ttft_per_request_ms" not in s for r in rounds for s in r.values()):
+    if (
+        not rounds
+        or len(rounds[0]) < 2
+        or any("ttft_per_request_ms" not in s for r in rounds for s in r.values())
+    ):
         return []
     lines = []
     for title, a, b in _compared(len(rounds[0])):
@@ -431,7 +460,9 @@ def opening_lines(rounds: list[dict[str, dict[str, Any]]], opening: int) -> list
             first[1].extend(y[:opening])
             rest[0].extend(x[opening:])
             rest[1].extend(y[opening:])
-        if (f := paired_difference(*first)) is not None and (r := paired_difference(*rest)) is not None:
+        if (f := paired_difference(*first)) is not None and (
+            r := paired_difference(*rest)
+        ) is not None:
             lines.append(
                 f"{title}, TTFT paired: each round's first {opening} median {f['median']:+.1f} ms "
                 f"({f['pairs']} pairs), the rest {r['median']:+.1f} ms ({r['pairs']} pairs)"
@@ -439,7 +470,9 @@ def opening_lines(rounds: list[dict[str, dict[str, Any]]], opening: int) -> list
     return lines
 
 
-def paired_difference(x: list[float | None], y: list[float | None], seed: int = 0) -> dict[str, float] | None:
+def paired_difference(
+    x: list[float | None], y: list[float | None], seed: int = 0
+) -> dict[str, float] | None:
     """The median of x[i] - y[i] over the requests both sides completed, and a 95 % bootstrap
     interval for it (2,000 resamples); None with fewer than 8 pairs.
 
@@ -452,7 +485,12 @@ def paired_difference(x: list[float | None], y: list[float | None], seed: int = 
     rng = np.random.default_rng(seed)
     medians = np.median(rng.choice(diffs, size=(2000, len(diffs))), axis=1)
     low, high = np.percentile(medians, [2.5, 97.5])
-    return {"median": float(np.median(diffs)), "low": float(low), "high": float(high), "pairs": len(diffs)}
+    return {
+        "median": float(np.median(diffs)),
+        "low": float(low),
+        "high": float(high),
+        "pairs": len(diffs),
+    }
 
 
 def paired_lines(summaries: dict[str, dict[str, Any]]) -> list[str]:

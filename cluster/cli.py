@@ -29,7 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="HTTP host (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="HTTP port (default 8000)")
     serve.add_argument(
-        "--http-proxy", choices=["serve", "haproxy"], help="HTTP in front of the ingress (overrides the config)"
+        "--http-proxy",
+        choices=["serve", "haproxy"],
+        help="HTTP in front of the ingress (overrides the config)",
     )
     serve.add_argument(
         "--address",
@@ -85,7 +87,12 @@ def _serve_config(args: argparse.Namespace) -> Any:
         data = yaml.safe_load(Path(args.config).read_text()) or {}
     if args.model:
         data["engine"] = {**data.get("engine", {}), "model": args.model}
-    overrides = {"worker_replicas": args.replicas, "host": args.host, "port": args.port, "http_proxy": args.http_proxy}
+    overrides = {
+        "worker_replicas": args.replicas,
+        "host": args.host,
+        "port": args.port,
+        "http_proxy": args.http_proxy,
+    }
     data.update({k: v for k, v in overrides.items() if v is not None})
     return ClusterConfig.model_validate(data)
 
@@ -99,15 +106,24 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = _serve_config(args)
     if args.address and args.ray_nodes != 1:
-        raise SystemExit("kvray serve: --ray-nodes starts a local Ray; it cannot be combined with --address")
+        raise SystemExit(
+            "kvray serve: --ray-nodes starts a local Ray; it cannot be combined with --address"
+        )
     set_serve_env()
-    with ray_session(nodes=args.ray_nodes, address=args.address, runtime_env=cluster_runtime_env(config)):
+    with ray_session(
+        nodes=args.ray_nodes, address=args.address, runtime_env=cluster_runtime_env(config)
+    ):
         try:
             # a proxy on every node (with --ray-nodes, all on the one port)
-            serve.start(http_options={"host": config.host, "port": config.port, "location": "EveryNode"})
+            serve.start(
+                http_options={"host": config.host, "port": config.port, "location": "EveryNode"}
+            )
             if args.address is None:  # a Ray of our own: its control plane yields to the engine
                 lower_control_plane()
-            print(f"kvray: deploying {config.model_name} on {len(ray.nodes())} Ray node(s) ...", flush=True)
+            print(
+                f"kvray: deploying {config.model_name} on {len(ray.nodes())} Ray node(s) ...",
+                flush=True,
+            )
             start = time.perf_counter()
             serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
             print(f"kvray: ready in {time.perf_counter() - start:.0f} s\n", flush=True)

@@ -183,7 +183,9 @@ class ClusterConfig(BaseModel):
         description="on scale-down, upgrade or shutdown, how long a replica may finish its running requests (Serve graceful_shutdown_timeout_s)",
     )
     drain_poll_s: float = Field(
-        2.0, gt=0, description="how often a draining replica checks for work left (Serve graceful_shutdown_wait_loop_s)"
+        2.0,
+        gt=0,
+        description="how often a draining replica checks for work left (Serve graceful_shutdown_wait_loop_s)",
     )
     router: RouterSettings = Field(default_factory=RouterSettings)
     limits: RequestLimits = Field(default_factory=RequestLimits)

@@ -135,7 +135,8 @@ class Mailbox:
     session: int = 0  # the number of the newest session; it alone reads the stream
     attached: bool = False
     wake: asyncio.Event | None = None  # the reading session's wakeup
-    started: set[str] = dataclasses.field(default_factory=set)  # unfinished with a token out (timeline)
+    # unfinished with a token out (timeline)
+    started: set[str] = dataclasses.field(default_factory=set)
 
 
 def _mark_first_written(frames: list[list[RequestDelta]], box: Mailbox) -> None:
@@ -208,7 +209,12 @@ class WorkerDeployment:
         self._server: asyncio.Server | None = None
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         frozen = freeze_heap()  # no full collection walks the weights and modules mid-step
-        log.info("worker replica %s ready (%d objects frozen): %s", self._replica_id, frozen, self._engine.config)
+        log.info(
+            "worker replica %s ready (%d objects frozen): %s",
+            self._replica_id,
+            frozen,
+            self._engine.config,
+        )
 
     async def generate(self, hint: RouteHint, payload: bytes) -> AsyncIterator[bytes]:
         """Queue a batch of requests; stream accept/refuse, then one frame per engine step."""
@@ -265,7 +271,9 @@ class WorkerDeployment:
         finally:
             task.cancel()
 
-    async def submit(self, hint: RouteHint, payload: bytes, ingress_id: str, received_at: float | None = None) -> bytes:
+    async def submit(
+        self, hint: RouteHint, payload: bytes, ingress_id: str, received_at: float | None = None
+    ) -> bytes:
         """Queue a batch of requests for `ingress_id`; answers accept or refuse. Their
         deltas come on that ingress's `session`. `received_at`: when a submit link read it
         (the timeline; a Serve call is received when this runs)."""
@@ -276,7 +284,9 @@ class WorkerDeployment:
             answered, _ = self._answered.get(hint.sender, (0, 0.0))
             self._answered[hint.sender] = (answered + hint.num_requests, time.monotonic())
 
-    def _submit(self, payload: bytes, ingress_id: str, frames_at: tuple[str, int] | None, received_at: float) -> bytes:
+    def _submit(
+        self, payload: bytes, ingress_id: str, frames_at: tuple[str, int] | None, received_at: float
+    ) -> bytes:
         requests = [
             EngineRequest(r.request_id, r.prompt_token_ids, r.params)
             for r in decode_requests(payload)
@@ -327,7 +337,9 @@ class WorkerDeployment:
         frames_at = await self._frames_at()
         return {} if frames_at is None else {"frames_at": list(frames_at)}
 
-    async def _frames_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _frames_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         """One connection to the frame socket: the ingress says who it is and what the
         connection carries. A session: it reads what `session` yields; the worker closes the
         connection when the session ends, and the ingress closing it (it gave up, or died)
@@ -360,7 +372,9 @@ class WorkerDeployment:
             writer.close()
             self._socket_sessions -= 1
 
-    async def _submit_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ingress_id: str) -> None:
+    async def _submit_link(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ingress_id: str
+    ) -> None:
         """Submits from one ingress over a connection of their own, each answered as the
         `submit` call answers, with the id it came with, in order. The link carries no
         deltas: those come on the ingress's session. It ends when the ingress closes it."""
@@ -513,7 +527,9 @@ class WorkerDeployment:
         are kept for good (one small entry per ingress process ever seen): a count that
         restarted from zero would make a router count its answered sends as unanswered."""
         now = time.monotonic()
-        return {sender: n for sender, (n, at) in self._answered.items() if now - at < ANSWERED_REPORT_S}
+        return {
+            sender: n for sender, (n, at) in self._answered.items() if now - at < ANSWERED_REPORT_S
+        }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         stats = self._engine.stats()
@@ -550,7 +566,8 @@ class WorkerDeployment:
         if engine is None:
             return None
         self._draining = True
-        for link in getattr(self, "_submit_links", ()):  # a submit sent meanwhile is sent again elsewhere
+        # a submit sent meanwhile is sent again elsewhere
+        for link in getattr(self, "_submit_links", ()):
             link.close()
         if self._holds_socket_work():
             return self._stop_after_socket_sessions()
@@ -562,7 +579,9 @@ class WorkerDeployment:
         link is not a Serve call, and its session opens only after its answer)."""
         if not getattr(self, "_frame_socket", False):
             return False
-        return self._socket_sessions > 0 or any(not box.stream.finished for box in self._mailboxes.values())
+        return self._socket_sessions > 0 or any(
+            not box.stream.finished for box in self._mailboxes.values()
+        )
 
     async def _stop_after_socket_sessions(self) -> None:
         while self._holds_socket_work():

@@ -250,7 +250,9 @@ class _SubmitLink:
         self._ids = 0
         self.closed = False
 
-    async def submit(self, hint: RouteHint, payload: bytes, on_sent: Callable[[], None] | None = None) -> bytes:
+    async def submit(
+        self, hint: RouteHint, payload: bytes, on_sent: Callable[[], None] | None = None
+    ) -> bytes:
         if self._writer is None:
             self._writer = asyncio.ensure_future(self._connect())
         writer = await asyncio.shield(self._writer)
@@ -276,7 +278,9 @@ class _SubmitLink:
     async def _connect(self) -> asyncio.StreamWriter:
         host, port = self.frames_at
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), FRAME_SOCKET_CONNECT_S)
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port), FRAME_SOCKET_CONNECT_S
+            )
         except BaseException:
             self.close(None)
             raise
@@ -285,7 +289,9 @@ class _SubmitLink:
         return writer
 
     async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        error: BaseException = ConnectionError(f"the worker at {self.frames_at} closed the submit link")
+        error: BaseException = ConnectionError(
+            f"the worker at {self.frames_at} closed the submit link"
+        )
         try:
             while (frame := await read_frame(reader)) is not None:
                 submit_id, answer = decode_submit_answer(frame)
@@ -367,7 +373,13 @@ class _Session:
                     asyncio.open_connection(host, port), FRAME_SOCKET_CONNECT_S
                 )
             except (OSError, TimeoutError) as exc:
-                log.warning("no frame socket to %s at %s:%d (%r): reading a Serve stream", self.replica_id, host, port, exc)
+                log.warning(
+                    "no frame socket to %s at %s:%d (%r): reading a Serve stream",
+                    self.replica_id,
+                    host,
+                    port,
+                    exc,
+                )
                 self.dispatcher.unreachable.add(self.frames_at)
             else:
                 try:
@@ -483,7 +495,9 @@ class Dispatcher:
         self._on_call = on_call
         self.submit_handle = worker_handle.options(method_name="submit")
         # Serve's choice of replica without a call to it (Ray >= 2.60)
-        self._choose = getattr(self.submit_handle, "choose_replica", None) if submit_socket else None
+        self._choose = (
+            getattr(self.submit_handle, "choose_replica", None) if submit_socket else None
+        )
         self._links: dict[tuple[str, int], _SubmitLink] = {}
         self.session_handle = worker_handle.options(method_name="session", stream=True)
         self.ingress_id = uuid.uuid4().hex[:16]  # names this ingress's mailbox on each worker
@@ -542,7 +556,9 @@ class Dispatcher:
                 self.live[r.request_id] = stream
         self._spawn(_Submit(self, streams, attempt).run())
 
-    async def call_submit(self, hint: RouteHint, payload: bytes, on_sent: Callable[[], None] | None = None) -> bytes:
+    async def call_submit(
+        self, hint: RouteHint, payload: bytes, on_sent: Callable[[], None] | None = None
+    ) -> bytes:
         """One submit, answered with the worker's accept or refuse frame; `on_sent` is told
         when it has left (the timeline).
 
@@ -565,7 +581,11 @@ class Dispatcher:
         return response
 
     async def _link_submit(
-        self, frames_at: tuple[str, int], hint: RouteHint, payload: bytes, on_sent: Callable[[], None] | None
+        self,
+        frames_at: tuple[str, int],
+        hint: RouteHint,
+        payload: bytes,
+        on_sent: Callable[[], None] | None,
     ) -> bytes | None:
         """The answer over the replica's submit link; None when no link could be opened
         (the address joins `unreachable`). A link that fails after it opened raises, as a

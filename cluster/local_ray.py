@@ -17,12 +17,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
-OBJECT_STORE_BYTES = 2 * 1024**3  # per node when there are several: the default takes 30 % of RAM each
+# per node when there are several: the default takes 30 % of RAM each
+OBJECT_STORE_BYTES = 2 * 1024**3
 
 
 @contextmanager
 def ray_session(
-    *, nodes: int = 1, address: str | None = None, num_cpus: int | None = None, runtime_env: Any = None, **init_kwargs: Any
+    *,
+    nodes: int = 1,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    runtime_env: Any = None,
+    **init_kwargs: Any,
 ) -> Iterator[None]:
     """Ray initialised for the `with` block and shut down after it: joined at `address`, or
     started here with `nodes` nodes. `init_kwargs` go to `ray.init` (e.g. `log_to_driver`;
@@ -34,7 +40,9 @@ def ray_session(
     if address is not None and nodes != 1:
         raise ValueError("several local nodes start a new Ray: they cannot join an address")
     if nodes == 1:
-        ray.init(address=address or "local", num_cpus=num_cpus, runtime_env=runtime_env, **init_kwargs)
+        ray.init(
+            address=address or "local", num_cpus=num_cpus, runtime_env=runtime_env, **init_kwargs
+        )
         try:
             yield
         finally:
@@ -61,7 +69,12 @@ def ray_session(
 # forkserver of its own, ~2 % of a core between them on the 2-core CPU while idle). Serve's proxies and the replicas are not in it: requests go through them. Nor
 # is the raylet: it forks the workers, which start at its niceness plus Ray's
 # `worker_niceness` (measured: workers started after a raylet went to 19 ran at 19).
-CONTROL_PLANE_TITLES = ("gcs_server", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::ServeController")
+CONTROL_PLANE_TITLES = (
+    "gcs_server",
+    "ray::DashboardAgent",
+    "ray::RuntimeEnvAgent",
+    "ray::ServeController",
+)
 CONTROL_PLANE_SCRIPTS = (
     "dashboard/dashboard.py",
     "dashboard/agent.py",
@@ -159,7 +172,10 @@ def gpus_of_nodes(nodes: int, num_gpus: int) -> list[list[int]]:
     """GPU ids of each of `nodes` nodes: equal shares (node i: i*k..(i+1)*k-1); with more nodes
     than GPUs, one GPU each for the first nodes and none for the rest."""
     per = max(1, num_gpus // nodes)
-    return [list(range(i * per, (i + 1) * per)) if (i + 1) * per <= num_gpus else [] for i in range(nodes)]
+    return [
+        list(range(i * per, (i + 1) * per)) if (i + 1) * per <= num_gpus else []
+        for i in range(nodes)
+    ]
 
 
 def _add_nodes(cluster: Any, nodes: int, num_cpus: int | None, dashboard: bool) -> None:
@@ -168,7 +184,11 @@ def _add_nodes(cluster: Any, nodes: int, num_cpus: int | None, dashboard: bool) 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
         for gpus in gpus_of_nodes(nodes, _gpu_count()):
-            node: dict[str, Any] = {"num_cpus": cpus, "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": dashboard}
+            node: dict[str, Any] = {
+                "num_cpus": cpus,
+                "object_store_memory": OBJECT_STORE_BYTES,
+                "include_dashboard": dashboard,
+            }
             if gpus:  # a node takes its GPU ids from CUDA_VISIBLE_DEVICES as it starts
                 os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
                 node["num_gpus"] = len(gpus)

@@ -115,7 +115,8 @@ class _ReplicaMemory:
     sent_total: dict[str, int] = field(default_factory=dict)  # requests sent, per sender
     stats_time: float = -1.0
     reported_keys: frozenset[int] = frozenset()
-    claimed: dict[int, float] = field(default_factory=dict)  # page key -> until when it counts as cached
+    # page key -> until when it counts as cached
+    claimed: dict[int, float] = field(default_factory=dict)
     pruned_at: float = 0.0
 
 

@@ -162,7 +162,10 @@ def write_client(directory: str | Path, times: list[tuple[str, float, float]]) -
     run's directory beside the processes' files."""
     Path(directory).mkdir(parents=True, exist_ok=True)
     with open(Path(directory) / "client.txt", "a") as f:
-        f.writelines(f"{rid} client_sent {sent:.6f}\n{rid} client_first {first:.6f}\n" for rid, sent, first in times)
+        f.writelines(
+            f"{rid} client_sent {sent:.6f}\n{rid} client_first {first:.6f}\n"
+            for rid, sent, first in times
+        )
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -187,13 +190,29 @@ def summarize(timelines: dict[str, dict[str, float]]) -> dict[str, Any]:
     if not complete:
         return out
     for start, end, what in hops:
-        out["hops"].append({"from": start, "to": end, "what": what, **_stats([t[end] - t[start] for t in complete])})
+        out["hops"].append(
+            {
+                "from": start,
+                "to": end,
+                "what": what,
+                **_stats([t[end] - t[start] for t in complete]),
+            }
+        )
     out["to_engine"] = _stats([t["queued"] - t["arrived"] for t in complete])
     out["from_engine"] = _stats([t["first_sent"] - t["published"] for t in complete])
-    out["ingress_path"] = _stats([t["queued"] - t["arrived"] + t["first_sent"] - t["published"] for t in complete])
+    out["ingress_path"] = _stats(
+        [t["queued"] - t["arrived"] + t["first_sent"] - t["published"] for t in complete]
+    )
     if clients:
-        out["http_front"] = _stats([t["arrived"] - t["client_sent"] + t["client_first"] - t["first_sent"] for t in complete])
-        out["path"] = _stats([t["client_first"] - t["client_sent"] - t["engine_ttft"] for t in complete])
+        out["http_front"] = _stats(
+            [
+                t["arrived"] - t["client_sent"] + t["client_first"] - t["first_sent"]
+                for t in complete
+            ]
+        )
+        out["path"] = _stats(
+            [t["client_first"] - t["client_sent"] - t["engine_ttft"] for t in complete]
+        )
     if all("scheduled" in t for t in complete):  # the engine's queue, from the worker's metrics
         out["engine_queue"] = _stats([t["scheduled"] - t["queued"] for t in complete])
     return out

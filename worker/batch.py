@@ -25,7 +25,8 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor  # [T] int64: KV slot of each new token
     req_pool_indices: torch.Tensor  # [B] int32: each request's row of req_to_token
     seq_lens: torch.Tensor  # [B] int32: KV length after this step
-    qo_indptr: torch.Tensor  # [B+1] int32: where each request's new tokens start in the packed batch
+    # [B+1] int32: where each request's new tokens start in the packed batch
+    qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor  # [B+1] int32: prefix sums of seq_lens
     logits_indices: torch.Tensor  # [B] int64: last new token of each request
     q_lens: list[int]

@@ -30,7 +30,15 @@ from worker.workspace import InferenceWorkspace
 class KVStorage:
     """One K and one V tensor `[n_layers, n_slots, n_kv_heads, head_dim]`, zeroed (masked reads stay finite)."""
 
-    def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        n_layers: int,
+        n_slots: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         shape = (n_layers, n_slots, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -94,7 +102,9 @@ class ReqToTokenPool:
         if not self._dirty:
             return
         width = self.host.shape[1]
-        flat = np.concatenate([np.arange(r * width + lo, r * width + hi) for r, lo, hi in self._dirty])
+        flat = np.concatenate(
+            [np.arange(r * width + lo, r * width + hi) for r, lo, hi in self._dirty]
+        )
         self._dirty.clear()
         values = self.host.reshape(-1)[flat]
         n = len(flat)
@@ -143,9 +153,21 @@ class StepBinder(CacheView):
     lane has one of its own over the same storage, table and rows (`KVCache.binder`), with its
     own workspace, so the two can bind steps of different requests at once."""
 
-    def __init__(self, storage: KVStorage, req_pool: ReqToTokenPool, page_size: int, workspace: InferenceWorkspace, task_len: np.ndarray):
+    def __init__(
+        self,
+        storage: KVStorage,
+        req_pool: ReqToTokenPool,
+        page_size: int,
+        workspace: InferenceWorkspace,
+        task_len: np.ndarray,
+    ):
         self.k_cache, self.v_cache = storage.k, storage.v
-        self.storage, self.req_pool, self.page_size, self.ws = storage, req_pool, page_size, workspace
+        self.storage, self.req_pool, self.page_size, self.ws = (
+            storage,
+            req_pool,
+            page_size,
+            workspace,
+        )
         self.req_to_token = req_pool.table
         self._task_len = task_len  # tokens bound per row, shared by every binder of the cache
         self._last_bind: _BindState | None = None
@@ -163,7 +185,9 @@ class StepBinder(CacheView):
         self.k_cache[layer].index_copy_(0, loc, k)
         self.v_cache[layer].index_copy_(0, loc, v)
 
-    def bind_tasks(self, tasks: list[ScheduledTask], carried: Sequence[tuple[int, int]] = ()) -> ForwardBatch:
+    def bind_tasks(
+        self, tasks: list[ScheduledTask], carried: Sequence[tuple[int, int]] = ()
+    ) -> ForwardBatch:
         """Fill the workspace metadata for this step, once for all layers.
 
         `carried`: (packed input index, row of `next_token_ids`) for input tokens the previous
@@ -173,7 +197,11 @@ class StepBinder(CacheView):
         rows = [t.request.row for t in tasks]
         starts = self._task_len[rows]
         seq_lens = [int(s) + t.num_new for s, t in zip(starts, tasks, strict=True)]
-        now = _BindState(tuple(id(t.request) for t in tasks), tuple(seq_lens), all(t.num_new == 1 and t.samples for t in tasks))
+        now = _BindState(
+            tuple(id(t.request) for t in tasks),
+            tuple(seq_lens),
+            all(t.num_new == 1 and t.samples for t in tasks),
+        )
         steady = _is_steady_increment(self._last_bind, now)
         self._last_bind = now
         self.req_pool.flush()
@@ -208,7 +236,9 @@ class StepBinder(CacheView):
         )
         return self.batch
 
-    def _bind_from_host(self, tasks, rows, starts, seq_lens, n_tokens: int, carried: Sequence[tuple[int, int]]) -> torch.Tensor | None:
+    def _bind_from_host(
+        self, tasks, rows, starts, seq_lens, n_tokens: int, carried: Sequence[tuple[int, int]]
+    ) -> torch.Tensor | None:
         """Every buffer from the host lists, with whole-batch numpy ops (a batch of 256 decodes
         binds in ~0.3 ms on CPU; one small op per request took 1.7 ms). Returns the rows of the
         tasks that sample when some do not (`ForwardBatch.sample_rows`), else None."""
@@ -220,7 +250,12 @@ class StepBinder(CacheView):
         qo = np.cumsum(q_lens)
         # token i of task j sits at position starts[j] + (i - first index of task j)
         positions = np.arange(n_tokens, dtype=np.int64) + np.repeat(starts - (qo - q_lens), q_lens)
-        h64[0, :n_tokens] = list(chain.from_iterable(t.request.token_ids(int(s), int(s) + t.num_new) for t, s in zip(tasks, starts, strict=True)))
+        h64[0, :n_tokens] = list(
+            chain.from_iterable(
+                t.request.token_ids(int(s), int(s) + t.num_new)
+                for t, s in zip(tasks, starts, strict=True)
+            )
+        )
         h64[1, :n_tokens] = positions
         h64[2, :n_tokens] = self.req_pool.host[np.repeat(rows, q_lens), positions]
         h32[0, :b] = rows
@@ -265,8 +300,20 @@ class StepBinder(CacheView):
 class KVCache(StepBinder):
     """Owns the storage and the slot table; admits, grows, binds and releases requests."""
 
-    def __init__(self, storage: KVStorage, req_pool: ReqToTokenPool, page_size: int, workspace: InferenceWorkspace):
-        super().__init__(storage, req_pool, page_size, workspace, np.zeros(req_pool.table.shape[0], dtype=np.int64))
+    def __init__(
+        self,
+        storage: KVStorage,
+        req_pool: ReqToTokenPool,
+        page_size: int,
+        workspace: InferenceWorkspace,
+    ):
+        super().__init__(
+            storage,
+            req_pool,
+            page_size,
+            workspace,
+            np.zeros(req_pool.table.shape[0], dtype=np.int64),
+        )
 
     def binder(self, workspace: InferenceWorkspace) -> StepBinder:
         """A second binder of this cache, into `workspace`: binds and writes the steps of requests
@@ -333,7 +380,9 @@ class ContiguousCache(KVCache):
         max_running, max_seq_len = req_pool.scratch_row, req_pool.table.shape[1]
         super().__init__(storage, req_pool, page_size=max_seq_len, workspace=workspace)
         for row in range(max_running):
-            req_pool.set_slots(row, 0, np.arange(row * max_seq_len, (row + 1) * max_seq_len, dtype=np.int32))
+            req_pool.set_slots(
+                row, 0, np.arange(row * max_seq_len, (row + 1) * max_seq_len, dtype=np.int32)
+            )
         req_pool.flush()
 
     @property
@@ -368,13 +417,22 @@ class ContiguousCache(KVCache):
 class PageCache(KVCache):
     """Pages of `page_size` slots; page 0 is a scratch page (graph padding writes there)."""
 
-    def __init__(self, storage: KVStorage, req_pool: ReqToTokenPool, page_size: int, num_pages: int, workspace: InferenceWorkspace, prefix_cache: bool):
+    def __init__(
+        self,
+        storage: KVStorage,
+        req_pool: ReqToTokenPool,
+        page_size: int,
+        num_pages: int,
+        workspace: InferenceWorkspace,
+        prefix_cache: bool,
+    ):
         super().__init__(storage, req_pool, page_size, workspace)
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, 0, -1))
         self._ref = np.zeros(num_pages, dtype=np.int32)
         self._pages: list[list[int]] = [[] for _ in range(req_pool.table.shape[0])]
-        self._published = np.zeros(req_pool.table.shape[0], dtype=np.int64)  # pages of a row in the prefix cache
+        # pages of a row in the prefix cache
+        self._published = np.zeros(req_pool.table.shape[0], dtype=np.int64)
         self.prefix = PrefixCache(page_size) if prefix_cache else None
 
     @property
@@ -471,7 +529,9 @@ class PageCache(KVCache):
 
     def _set_page_slots(self, row: int, first_page: int, pages: list[int]) -> None:
         ps = self.page_size
-        slots = (np.asarray(pages, dtype=np.int32)[:, None] * ps + np.arange(ps, dtype=np.int32)).reshape(-1)
+        slots = (
+            np.asarray(pages, dtype=np.int32)[:, None] * ps + np.arange(ps, dtype=np.int32)
+        ).reshape(-1)
         width = self.req_pool.host.shape[1]
         start = first_page * ps
         self.req_pool.set_slots(row, start, slots[: max(0, width - start)])

@@ -17,19 +17,38 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str = Field("demo", description="HF model directory, or 'demo' for the embedded SmolLM2-135M")
-    load_format: Literal["safetensors", "random"] = Field("safetensors", description="random: draw weights on the device (benchmarks; the directory needs only config.json)")
-    dtype: DType = Field("auto", description="weight/activation dtype; auto = bfloat16 on CUDA, float32 on CPU")
+    model: str = Field(
+        "demo", description="HF model directory, or 'demo' for the embedded SmolLM2-135M"
+    )
+    load_format: Literal["safetensors", "random"] = Field(
+        "safetensors",
+        description="random: draw weights on the device (benchmarks; the directory needs only config.json)",
+    )
+    dtype: DType = Field(
+        "auto", description="weight/activation dtype; auto = bfloat16 on CUDA, float32 on CPU"
+    )
     device: str = Field("auto", description="torch device; auto = cuda if available else cpu")
-    cache: Literal["auto", "contiguous", "paged"] = Field("auto", description="KV cache layout; auto = paged")
+    cache: Literal["auto", "contiguous", "paged"] = Field(
+        "auto", description="KV cache layout; auto = paged"
+    )
     page_size: int = Field(16, ge=1, le=1024, description="tokens per KV page (paged cache)")
-    num_pages: int | None = Field(None, ge=2, description="KV capacity in pages; None = sized from free memory")
-    kv_memory_fraction: float = Field(0.85, gt=0, le=0.98, description="share of free device memory for KV when num_pages is None")
+    num_pages: int | None = Field(
+        None, ge=2, description="KV capacity in pages; None = sized from free memory"
+    )
+    kv_memory_fraction: float = Field(
+        0.85, gt=0, le=0.98, description="share of free device memory for KV when num_pages is None"
+    )
     max_kv_cpu_gib: float = Field(2.0, gt=0, description="cap on automatic KV size on CPU, GiB")
     max_running: int = Field(64, ge=1, le=4096, description="most requests decoding at once")
-    max_waiting: int = Field(1024, ge=1, description="most requests queued before submit refuses (backpressure)")
-    max_seq_len: int | None = Field(None, ge=2, description="longest prompt + output; None = the model's limit, capped at 8192")
-    token_budget: int = Field(2048, ge=1, description="tokens per step; prefill chunks fill what decodes leave")
+    max_waiting: int = Field(
+        1024, ge=1, description="most requests queued before submit refuses (backpressure)"
+    )
+    max_seq_len: int | None = Field(
+        None, ge=2, description="longest prompt + output; None = the model's limit, capped at 8192"
+    )
+    token_budget: int = Field(
+        2048, ge=1, description="tokens per step; prefill chunks fill what decodes leave"
+    )
     prefill_budget: int | None = Field(
         None,
         ge=1,
@@ -50,7 +69,9 @@ class EngineConfig(BaseModel):
         True,
         description="on CPU, in an engine that runs its own loop (a server), the prompts of new requests run on a thread of their own with half the torch threads, beside the decode steps of the requests under way, which then neither wait for a prompt step nor carry prompt chunks; off (or with one torch thread, or overlap) = prompts are chunks of the engine's steps",
     )
-    backend: Literal["auto", "torch", "cuda"] = Field("auto", description="attention backend; auto = cuda on CUDA with paged cache, else torch")
+    backend: Literal["auto", "torch", "cuda"] = Field(
+        "auto", description="attention backend; auto = cuda on CUDA with paged cache, else torch"
+    )
     cuda_graphs: bool = Field(True, description="capture decode CUDA graphs (CUDA backend only)")
     prompt_graph_tokens: int = Field(
         2048,
@@ -61,9 +82,15 @@ class EngineConfig(BaseModel):
         None,
         description="schedule and queue each step on the device before the previous step's tokens are read, so host bookkeeping overlaps the device; None = on for CUDA",
     )
-    prefix_cache: bool = Field(True, description="reuse full KV pages across requests sharing a prefix (paged cache)")
-    admission_watermark: float = Field(0.01, ge=0, lt=1, description="share of KV pages kept free when admitting new requests")
-    seed: int = Field(0, description="seed of the engine's sampler for requests without their own seed")
+    prefix_cache: bool = Field(
+        True, description="reuse full KV pages across requests sharing a prefix (paged cache)"
+    )
+    admission_watermark: float = Field(
+        0.01, ge=0, lt=1, description="share of KV pages kept free when admitting new requests"
+    )
+    seed: int = Field(
+        0, description="seed of the engine's sampler for requests without their own seed"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -91,7 +118,9 @@ class EngineConfig(BaseModel):
                 backend=backend,
                 max_seq_len=max_seq_len,
                 cuda_graphs=self.cuda_graphs and backend == "cuda",
-                prompt_graph_tokens=min(self.prompt_graph_tokens, self.token_budget) if self.cuda_graphs and backend == "cuda" else 0,
+                prompt_graph_tokens=min(self.prompt_graph_tokens, self.token_budget)
+                if self.cuda_graphs and backend == "cuda"
+                else 0,
                 overlap=is_cuda if self.overlap is None else self.overlap,
                 prefix_cache=self.prefix_cache and cache == "paged",
             )

@@ -34,7 +34,8 @@ from worker.tokenizer import Tokenizer, read_eos_token_ids
 
 log = logging.getLogger("kvray.engine")
 
-PENDING = -1  # an output token still on the device: sampled by a step whose results are not read yet
+# an output token still on the device: sampled by a step whose results are not read yet
+PENDING = -1
 SUMMARY_PAGES = 4096  # most prefix-cache keys a replica reports to the router
 SUMMARY_REFRESH_S = 0.05
 
@@ -55,7 +56,9 @@ class StepRecord:
     num_prompt_tokens: int  # prompt (or recomputed) tokens in the step
     overlapped: bool  # queued on the device before its predecessor's tokens were read
     launch_seconds: float = 0.0  # host time that queued it (bind, forward, sampling launched)
-    schedule_seconds: float = 0.0  # host time that chose its tasks (and drained inputs, unless overlapped)
+    schedule_seconds: float = (
+        0.0  # host time that chose its tasks (and drained inputs, unless overlapped)
+    )
 
 
 class EngineFull(RuntimeError):
@@ -90,11 +93,16 @@ class Engine:
         model_config = ModelConfig.from_dir(path)
         self.config = config.resolve(model_max_len=model_config.max_len)
         if self.config.token_budget < self.config.max_running:
-            log.info("max_running capped to token_budget=%d (every running request decodes every step)", self.config.token_budget)
+            log.info(
+                "max_running capped to token_budget=%d (every running request decodes every step)",
+                self.config.token_budget,
+            )
             self.config = self.config.model_copy(update={"max_running": self.config.token_budget})
         self.model_config = model_config
         self.tokenizer = Tokenizer.from_dir(path) if _has_tokenizer(path) else None
-        eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(read_eos_token_ids(path))
+        eos = (
+            self.tokenizer.eos_token_ids if self.tokenizer else frozenset(read_eos_token_ids(path))
+        )
         self.eos_token_ids = eos
         self.executor = Executor(self.config, path, model_config, eos)
         self.scheduler = Scheduler(self.config, self.executor.cache)
@@ -119,20 +127,33 @@ class Engine:
         self._step_seconds = 0.0
         self.num_overlapped_steps = 0  # steps queued before their predecessor's tokens were read
         self._num_penalized = 0  # live requests with penalties (they keep steps from overlapping)
-        self.step_log: list[StepRecord] | None = None  # set to a list to record every step (profiling)
+        self.step_log: list[StepRecord] | None = (
+            None  # set to a list to record every step (profiling)
+        )
         self._summary: list[int] = []
         self._summary_time = 0.0
         self.work_since = 0.0  # when work last arrived at an idle engine (monotonic)
-        self.fault_hook: object | None = None  # test hook: callable(tasks) run before each step's forward
+        self.fault_hook: object | None = (
+            None  # test hook: callable(tasks) run before each step's forward
+        )
         self._snapshot()  # stats are complete before the first step
         log.info(
             "engine ready in %.1fs: %s, dtype %s, device %s, backend %s, cache %s, max_running %d, max_seq_len %d, token_budget %d",
-            time.perf_counter() - start, path.name, self.config.dtype, self.config.device, self.config.backend,
-            self.config.cache, self.config.max_running, self.config.max_seq_len, self.config.token_budget,
+            time.perf_counter() - start,
+            path.name,
+            self.config.dtype,
+            self.config.device,
+            self.config.backend,
+            self.config.cache,
+            self.config.max_running,
+            self.config.max_seq_len,
+            self.config.token_budget,
         )
 
     # -- submitting ----------------------------------------------------------------------
-    def submit(self, requests: list[EngineRequest], into: OutputStream | None = None) -> OutputStream:
+    def submit(
+        self, requests: list[EngineRequest], into: OutputStream | None = None
+    ) -> OutputStream:
         """Queue requests (thread-safe). Validates all first: bad input raises ValueError, nothing queued.
 
         Their deltas go to a new stream, or to `into`, a stream that earlier submits made."""
@@ -143,9 +164,15 @@ class Engine:
         with self._cv:
             if any(rid in self._requests for rid in ids):
                 raise ValueError("request_id already in use")
-            if self.stats_snapshot.num_waiting + len(self._inbox) + len(new) > self.config.max_waiting:
-                raise EngineFull(f"more than max_waiting={self.config.max_waiting} requests are waiting")
-            if not self._requests:  # idle until now: a stall counts from here, not from the last step
+            if (
+                self.stats_snapshot.num_waiting + len(self._inbox) + len(new)
+                > self.config.max_waiting
+            ):
+                raise EngineFull(
+                    f"more than max_waiting={self.config.max_waiting} requests are waiting"
+                )
+            # idle until now: a stall counts from here, not from the last step
+            if not self._requests:
                 self.work_since = time.monotonic()
             if into is None:
                 stream = OutputStream(ids, self.abort)
@@ -171,7 +198,9 @@ class Engine:
         if n == 0:
             raise ValueError("prompt is empty")
         if n >= self.config.max_seq_len:
-            raise ValueError(f"prompt has {n} tokens; this model's limit is {self.config.max_seq_len - 1} prompt tokens")
+            raise ValueError(
+                f"prompt has {n} tokens; this model's limit is {self.config.max_seq_len - 1} prompt tokens"
+            )
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in r.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -186,16 +215,22 @@ class Engine:
     # -- stepping ------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self._inbox or self._aborts or self.scheduler.has_work or self._inflight is not None)
+        return bool(
+            self._inbox or self._aborts or self.scheduler.has_work or self._inflight is not None
+        )
 
     @property
     def _loop_has_work(self) -> bool:
         """Work for the loop thread: what `has_work` says, less what only the prompt lane does."""
         sched = self.scheduler
+        # fmt: skip
         return bool(
-            self._inbox or self._aborts or sched.running or self._inflight is not None
+            self._inbox
+            or self._aborts
+            or sched.running
+            or self._inflight is not None
             or (sched.waiting and sched.admits)
-        )  # fmt: skip
+        )
 
     def step(self) -> list[RequestDelta]:
         """One engine iteration; returns (and publishes) every delta it produced.
@@ -221,18 +256,26 @@ class Engine:
             if tasks:
                 self._inflight = self._launch(tasks, deltas)
                 if self._inflight is not None:
-                    self._inflight.schedule_seconds = time.perf_counter() - start - self._inflight.launch_seconds
+                    self._inflight.schedule_seconds = (
+                        time.perf_counter() - start - self._inflight.launch_seconds
+                    )
         current, self._inflight = self._inflight, None
         if current is not None:
             pacer = self.scheduler.pacer
-            record = self._record(current) if self.step_log is not None or pacer is not None else None
+            record = (
+                self._record(current) if self.step_log is not None or pacer is not None else None
+            )
             scheduled_at = time.perf_counter()
             following = self._continuation(current, deltas) if self.config.overlap else None
             if following is not None:
-                self._inflight = self._launch(following, deltas, carried=_carried(current, following))
+                self._inflight = self._launch(
+                    following, deltas, carried=_carried(current, following)
+                )
                 if self._inflight is not None:
                     self._inflight.overlapped = True
-                    self._inflight.schedule_seconds = time.perf_counter() - scheduled_at - self._inflight.launch_seconds
+                    self._inflight.schedule_seconds = (
+                        time.perf_counter() - scheduled_at - self._inflight.launch_seconds
+                    )
                 self.num_overlapped_steps += 1
             device_s = None
             try:
@@ -247,8 +290,11 @@ class Engine:
             self._num_steps += 1
             if record is not None:
                 record.seconds = time.perf_counter() - start
-                if pacer is not None:  # on CUDA the step's own span on the device, not its wall time
-                    pacer.observe(device_s or record.seconds, record.num_decodes, record.num_prompt_tokens)
+                # on CUDA the step's own span on the device, not its wall time
+                if pacer is not None:
+                    pacer.observe(
+                        device_s or record.seconds, record.num_decodes, record.num_prompt_tokens
+                    )
                 if self.step_log is not None:  # the list may be unset meanwhile
                     self.step_log.append(record)
         if current is not None:
@@ -260,9 +306,16 @@ class Engine:
     def _record(step: PendingStep) -> StepRecord:
         decode = [t.num_new == 1 and bool(t.request.output_ids) for t in step.tasks]
         prompt = sum(t.num_new for t, d in zip(step.tasks, decode, strict=True) if not d)
-        return StepRecord(0.0, sum(decode), prompt, step.overlapped, step.launch_seconds, step.schedule_seconds)
+        return StepRecord(
+            0.0, sum(decode), prompt, step.overlapped, step.launch_seconds, step.schedule_seconds
+        )
 
-    def _launch(self, tasks: list[ScheduledTask], deltas: list[RequestDelta], carried: Sequence[tuple[int, int]] = ()) -> PendingStep | None:
+    def _launch(
+        self,
+        tasks: list[ScheduledTask],
+        deltas: list[RequestDelta],
+        carried: Sequence[tuple[int, int]] = (),
+    ) -> PendingStep | None:
         now = time.monotonic()
         for t in tasks:  # queue time ends when a request's first step is queued, not when it ends
             if t.request.first_scheduled_time is None:
@@ -294,7 +347,8 @@ class Engine:
             error = f"{type(e).__name__}: {e}"
             deltas = []
             for request in dict.fromkeys(live):
-                if request.status is Status.FINISHED:  # finished in there: its delta is lost, send one
+                # finished in there: its delta is lost, send one
+                if request.status is Status.FINISHED:
                     request.finish_reason, request.error = "error", error
                     deltas.append(self._delta(request, [], None))
                 else:
@@ -307,7 +361,9 @@ class Engine:
         live = dict.fromkeys(t.request for t in tasks if t.request.status is not Status.FINISHED)
         return [self._finish(r, "error", f"{type(e).__name__}: {e}") for r in live]
 
-    def _continuation(self, current: PendingStep, deltas: list[RequestDelta]) -> list[ScheduledTask] | None:
+    def _continuation(
+        self, current: PendingStep, deltas: list[RequestDelta]
+    ) -> list[ScheduledTask] | None:
         """Schedule the step after `current` before `current`'s tokens are read; None when
         that could change what the plain engine would do.
 
@@ -338,7 +394,9 @@ class Engine:
             if r.status is Status.FINISHED:
                 continue
             r.output_ids.append(PENDING)
-            if (r.params.max_tokens is not None and len(r.output_ids) >= r.params.max_tokens) or r.num_tokens >= limit:
+            if (
+                r.params.max_tokens is not None and len(r.output_ids) >= r.params.max_tokens
+            ) or r.num_tokens >= limit:
                 finishing.add(r)
         current.advanced = True
         tasks, too_long = sched.schedule(skip=finishing)
@@ -372,7 +430,8 @@ class Engine:
     def _postprocess(self, step: PendingStep, result: StepResult) -> list[RequestDelta]:
         now = time.monotonic()
         cache, tasks = self.executor.cache, step.tasks
-        live = [t.request.status is not Status.FINISHED for t in tasks]  # not aborted or failed while in flight
+        # not aborted or failed while in flight
+        live = [t.request.status is not Status.FINISHED for t in tasks]
         for t, alive in zip(tasks, live, strict=True):
             if not alive:
                 continue
@@ -381,7 +440,9 @@ class Engine:
             if t.request.row >= 0:
                 cache.commit(t.request)
         deltas = []
-        for i, token, lp in zip(result.task_indices, result.token_ids, result.logprobs, strict=True):
+        for i, token, lp in zip(
+            result.task_indices, result.token_ids, result.logprobs, strict=True
+        ):
             if not live[i]:
                 continue
             request = tasks[i].request
@@ -404,13 +465,24 @@ class Engine:
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         p, n_out = request.params, len(request.output_ids)
-        if n_out >= p.min_tokens and ((token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids):
+        if n_out >= p.min_tokens and (
+            (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        ):
             return "stop"
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or request.num_tokens >= (self.config.max_seq_len or 0):
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or request.num_tokens >= (
+            self.config.max_seq_len or 0
+        ):
             return "length"
         return None
 
-    def _finish(self, request: Request, reason: FinishReason, error: str | None = None, new_tokens: list[int] | None = None, lp=None) -> RequestDelta:
+    def _finish(
+        self,
+        request: Request,
+        reason: FinishReason,
+        error: str | None = None,
+        new_tokens: list[int] | None = None,
+        lp=None,
+    ) -> RequestDelta:
         if request.status is not Status.FINISHED:
             self.scheduler.remove(request)
             self._num_penalized -= request.params.has_penalties
@@ -420,8 +492,13 @@ class Engine:
 
     def _delta(self, request: Request, tokens: list[int], lp) -> RequestDelta:
         return RequestDelta(
-            request.request_id, tokens, [lp] if lp is not None else None, request.finish_reason, request.error,
-            num_prompt_tokens=len(request.prompt_ids), num_cached_tokens=request.num_cached,
+            request.request_id,
+            tokens,
+            [lp] if lp is not None else None,
+            request.finish_reason,
+            request.error,
+            num_prompt_tokens=len(request.prompt_ids),
+            num_cached_tokens=request.num_cached,
             metrics=_metrics(request) if request.finish_time is not None else None,
         )
 
@@ -445,7 +522,9 @@ class Engine:
             return
         if self.executor.lane is not None:
             self.scheduler.lane_on = True
-            self._lane_thread = threading.Thread(target=self._lane_loop, name="kvray-prompt-lane", daemon=True)
+            self._lane_thread = threading.Thread(
+                target=self._lane_loop, name="kvray-prompt-lane", daemon=True
+            )
             self._lane_thread.start()
         self._thread = threading.Thread(target=self._loop, name="kvray-engine", daemon=True)
         self._thread.start()
@@ -518,7 +597,9 @@ class Engine:
                     self._lane_step = []
                     deltas = self._apply(PendingStep(tasks, result.task_indices), result)
                     aborted, self._lane_aborts = self._lane_aborts, []
-                    deltas.extend(self._finish(r, "abort") for r in aborted if r.status is not Status.FINISHED)
+                    deltas.extend(
+                        self._finish(r, "abort") for r in aborted if r.status is not Status.FINISHED
+                    )
                     self.scheduler.join([t.request for t in tasks])
                     self._num_lane_steps += 1
                     self._publish(deltas)
@@ -584,7 +665,9 @@ def _metrics(r: Request) -> RequestMetrics:
     return RequestMetrics(
         queue_time=(r.first_scheduled_time or end) - r.arrival_time,
         time_to_first_token=(first or end) - r.arrival_time,
-        time_per_output_token=(end - first) / (n_out - 1) if first is not None and n_out > 1 else 0.0,
+        time_per_output_token=(end - first) / (n_out - 1)
+        if first is not None and n_out > 1
+        else 0.0,
         e2e_latency=end - r.arrival_time,
         num_preemptions=r.num_preemptions,
     )

@@ -86,14 +86,25 @@ class PromptLane:
 
 
 class Executor:
-    def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig, eos_token_ids: frozenset[int]):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: Path,
+        model_config: ModelConfig,
+        eos_token_ids: frozenset[int],
+    ):
         assert config.max_seq_len is not None
         self.config, self.model_config, self.eos_token_ids = config, model_config, eos_token_ids
         self.device = torch.device(config.device)
+        # fmt: skip
         self.model = load_model(
-            model_path, config.torch_dtype, self.device, config.max_seq_len,
-            random=config.load_format == "random", ops=OPS[config.backend](),
-        )  # fmt: skip
+            model_path,
+            config.torch_dtype,
+            self.device,
+            config.max_seq_len,
+            random=config.load_format == "random",
+            ops=OPS[config.backend](),
+        )
         self.workspace = InferenceWorkspace(
             max_tokens=config.token_budget,
             max_running=config.max_running,
@@ -105,12 +116,20 @@ class Executor:
             split_kv=config.backend == "cuda",
         )
         self.cache = build_cache(config, model_config, self.workspace)
-        self.backend = BACKENDS[config.backend](model_config.num_heads, model_config.head_dim, self.workspace)
-        log.info("attention backend: %s, layer ops: %s", type(self.backend).__name__, type(self.model.ops).__name__)
+        self.backend = BACKENDS[config.backend](
+            model_config.num_heads, model_config.head_dim, self.workspace
+        )
+        log.info(
+            "attention backend: %s, layer ops: %s",
+            type(self.backend).__name__,
+            type(self.model.ops).__name__,
+        )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self._sampling: SamplingBatchInfo | None = None
         cuda = self.device.type == "cuda"
-        self._host_ids = [torch.zeros(config.max_running, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._host_ids = [
+            torch.zeros(config.max_running, dtype=torch.int64, pin_memory=cuda) for _ in range(2)
+        ]
         # With the prompt pacer, timed events give each step's device span
         # (PendingStep.device_seconds); without it a step records one untimed event, as before.
         timed = cuda and config.prefill_slowdown is not None
@@ -120,10 +139,14 @@ class Executor:
         # The torch threads of a CPU step when they follow its size: at most the count set on
         # the thread that builds the engine (a worker replica sets it there and steps on another).
         self.lane = self._prompt_lane(model_config) if self._lane_possible() else None
-        sized = self.device.type == "cpu" and (config.cpu_small_step_tokens is not None or self.lane is not None)
+        sized = self.device.type == "cpu" and (
+            config.cpu_small_step_tokens is not None or self.lane is not None
+        )
         self._max_threads = torch.get_num_threads() if sized else None
         self.lane_busy = False  # the lane runs a step now: its threads are taken
-        self.lane_wanted = False  # prompts wait for the lane: the engine's next step leaves it its threads
+        self.lane_wanted = (
+            False  # prompts wait for the lane: the engine's next step leaves it its threads
+        )
         self.main_threads = 0  # torch threads of the engine's own step in flight (0: none)
         self._threads_lock = threading.Lock()  # lane_busy and main_threads change under it
         self.graphs: DecodeGraphRunner | None = None
@@ -138,22 +161,37 @@ class Executor:
                 self.prompt_graphs.capture()
 
     def _lane_possible(self) -> bool:
+        # fmt: skip
         return (
-            self.config.cpu_prompt_lane and self.device.type == "cpu" and not self.config.overlap
+            self.config.cpu_prompt_lane
+            and self.device.type == "cpu"
+            and not self.config.overlap
             and torch.get_num_threads() >= 2
-        )  # fmt: skip
+        )
 
     def _prompt_lane(self, model_config: ModelConfig) -> PromptLane:
         config = self.config
         assert config.max_seq_len is not None
+        # fmt: skip
         workspace = InferenceWorkspace(
-            max_tokens=config.token_budget, max_running=config.max_running, max_seq_len=config.max_seq_len,
-            num_heads=model_config.num_heads, head_dim=model_config.head_dim, dtype=config.torch_dtype,
-            device=self.device, split_kv=False,
-        )  # fmt: skip
+            max_tokens=config.token_budget,
+            max_running=config.max_running,
+            max_seq_len=config.max_seq_len,
+            num_heads=model_config.num_heads,
+            head_dim=model_config.head_dim,
+            dtype=config.torch_dtype,
+            device=self.device,
+            split_kv=False,
+        )
         backend = BACKENDS[config.backend](model_config.num_heads, model_config.head_dim, workspace)
         generator = torch.Generator(self.device).manual_seed(config.seed + 1)
-        return PromptLane(workspace, self.cache.binder(workspace), backend, torch.get_num_threads() // 2, generator)
+        return PromptLane(
+            workspace,
+            self.cache.binder(workspace),
+            backend,
+            torch.get_num_threads() // 2,
+            generator,
+        )
 
     @torch.inference_mode()
     def run_prompts(self, tasks: list[ScheduledTask]) -> StepResult:
@@ -174,11 +212,17 @@ class Executor:
                 assert batch.sample_rows is not None
                 logits = logits.index_select(0, batch.sample_rows)
             reqs = [tasks[i].request for i in rows]
+            # fmt: skip
             info = SamplingBatchInfo.build(
-                [r.params for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
-                [r.generator for r in reqs], vocab_size=self.model_config.vocab_size, device=self.device,
-                eos_token_ids=self.eos_token_ids, default_generator=lane.generator,
-            )  # fmt: skip
+                [r.params for r in reqs],
+                [r.prompt_ids for r in reqs],
+                [r.output_ids for r in reqs],
+                [r.generator for r in reqs],
+                vocab_size=self.model_config.vocab_size,
+                device=self.device,
+                eos_token_ids=self.eos_token_ids,
+                default_generator=lane.generator,
+            )
             out = sample(logits, info)
             logprobs: list[TokenLogprobs | None] = [None] * len(rows)
             if info.max_logprobs is not None:
@@ -188,9 +232,16 @@ class Executor:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, all_logits: bool = False) -> torch.Tensor:
         """Logits (float32) at each request's last new token, or at every token."""
-        if self.graphs is not None and batch.is_decode and not all_logits and self.graphs.bucket(batch.batch_size):
+        if (
+            self.graphs is not None
+            and batch.is_decode
+            and not all_logits
+            and self.graphs.bucket(batch.batch_size)
+        ):
             return self.graphs.run(batch)
-        if self.prompt_graphs is not None and (bucket := self.prompt_graphs.bucket(batch.num_tokens)):
+        if self.prompt_graphs is not None and (
+            bucket := self.prompt_graphs.bucket(batch.num_tokens)
+        ):
             hidden = self.prompt_graphs.run(batch, bucket)
         else:
             self.backend.prepare(batch, self.cache)
@@ -202,7 +253,9 @@ class Executor:
         return self.resolve(self.launch(tasks))
 
     @torch.inference_mode()
-    def launch(self, tasks: list[ScheduledTask], carried: Sequence[tuple[int, int]] = ()) -> PendingStep:
+    def launch(
+        self, tasks: list[ScheduledTask], carried: Sequence[tuple[int, int]] = ()
+    ) -> PendingStep:
         """Queue one step on the device without waiting for it: bind, forward, sample, and the
         copy of the sampled ids to the host. The engine schedules the next step meanwhile.
 
@@ -257,7 +310,11 @@ class Executor:
         if self._max_threads is None:
             return None
         lane = self.lane is not None and (self.lane_busy or self.lane_wanted)
-        most = self._max_threads - self.lane.threads if lane and self.lane is not None else self._max_threads
+        most = (
+            self._max_threads - self.lane.threads
+            if lane and self.lane is not None
+            else self._max_threads
+        )
         small = self.config.cpu_small_step_tokens
         if small is not None and num_tokens <= small:
             most = min(most, self._max_threads - 1)
@@ -283,7 +340,9 @@ class Executor:
         self.cache.invalidate_bind()
         self._sampling = None
 
-    def _launch(self, tasks: list[ScheduledTask], carried: Sequence[tuple[int, int]]) -> PendingStep:
+    def _launch(
+        self, tasks: list[ScheduledTask], carried: Sequence[tuple[int, int]]
+    ) -> PendingStep:
         ws = self.workspace
         slot = self._flip ^ 1  # the buffers of the step before this one may still be in use
         started = self._started[slot]
@@ -291,7 +350,9 @@ class Executor:
             started.record()
         batch = self.cache.bind_tasks(tasks, carried)
         if batch.steady is not None:
-            ws.input_ids[: batch.steady.batch_size].copy_(ws.next_token_ids[: batch.steady.batch_size])
+            ws.input_ids[: batch.steady.batch_size].copy_(
+                ws.next_token_ids[: batch.steady.batch_size]
+            )
         logits = self.forward(batch)
         rows = [i for i, t in enumerate(tasks) if t.samples]
         if not rows:
@@ -303,7 +364,12 @@ class Executor:
         info = self._sampling_info(tasks, rows, batch.steady is not None)
         next_ids = ws.next_token_ids[: len(rows)]
         sampled = None
-        if info.all_greedy and info.penalties is None and info.min_tokens is None and info.max_logprobs is None:
+        if (
+            info.all_greedy
+            and info.penalties is None
+            and info.min_tokens is None
+            and info.max_logprobs is None
+        ):
             torch.argmax(logits, dim=-1, out=next_ids)  # plain greedy: no sampler, no allocation
         else:
             out = sample(logits, info)
@@ -320,7 +386,9 @@ class Executor:
             done.record()
         return PendingStep(tasks, rows, self._host_ids[slot], done, sampled, started=started)
 
-    def _sampling_info(self, tasks: list[ScheduledTask], rows: list[int], steady: bool) -> SamplingBatchInfo:
+    def _sampling_info(
+        self, tasks: list[ScheduledTask], rows: list[int], steady: bool
+    ) -> SamplingBatchInfo:
         """Built once per task set; reused while the batch is steady (its counters advance on device)."""
         if steady and self._sampling is not None:
             return self._sampling
@@ -337,7 +405,9 @@ class Executor:
         )
         return self._sampling
 
-    def _logprobs(self, tasks: list[ScheduledTask], rows: list[int], out: SamplerOutput) -> list[TokenLogprobs | None]:
+    def _logprobs(
+        self, tasks: list[ScheduledTask], rows: list[int], out: SamplerOutput
+    ) -> list[TokenLogprobs | None]:
         wanted = [tasks[i].request.params.logprobs for i in rows]
         if out.logprobs is None or all(w is None for w in wanted):
             return [None] * len(rows)
@@ -350,7 +420,11 @@ class Executor:
             if k is None:
                 result.append(None)
                 continue
-            top = dict(zip(top_ids[j][:k], top_lp[j][:k], strict=True)) if (k and top_ids and top_lp) else {}
+            top = (
+                dict(zip(top_ids[j][:k], top_lp[j][:k], strict=True))
+                if (k and top_ids and top_lp)
+                else {}
+            )
             result.append(TokenLogprobs(ids[j], chosen[j], top))
         return result
 

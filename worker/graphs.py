@@ -42,7 +42,13 @@ def graph_buckets(max_running: int) -> list[int]:
 
 
 class DecodeGraphRunner:
-    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, cache: KVCache, workspace: InferenceWorkspace):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        backend: AttentionBackend,
+        cache: KVCache,
+        workspace: InferenceWorkspace,
+    ):
         self.model, self.backend, self.cache, self.ws = model, backend, cache, workspace
         self.buckets = graph_buckets(workspace.max_running)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -55,7 +61,9 @@ class DecodeGraphRunner:
     def capture(self) -> None:
         start = time.perf_counter()
         pool = None
-        for bs in tqdm(sorted(self.buckets, reverse=True), desc="capturing decode graphs", leave=False):
+        for bs in tqdm(
+            sorted(self.buckets, reverse=True), desc="capturing decode graphs", leave=False
+        ):
             self._pad(0, bs)
             batch = self._dummy_batch(bs)
             self._forward(batch)  # live forward: warms kernels and allocator before capture
@@ -67,7 +75,11 @@ class DecodeGraphRunner:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
         self._padded = None
-        log.info("captured decode CUDA graphs for batch sizes %s in %.1fs", self.buckets, time.perf_counter() - start)
+        log.info(
+            "captured decode CUDA graphs for batch sizes %s in %.1fs",
+            self.buckets,
+            time.perf_counter() - start,
+        )
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[B, vocab]` of a pure-decode batch, by replaying its bucket's graph."""
@@ -97,18 +109,27 @@ class DecodeGraphRunner:
 
     def _dummy_batch(self, bs: int) -> ForwardBatch:
         ws = self.ws
+        # fmt: skip
         return ForwardBatch(
-            input_ids=ws.input_ids[:bs], positions=ws.positions[:bs], out_cache_loc=ws.out_cache_loc[:bs],
-            req_pool_indices=ws.req_pool_indices[:bs], seq_lens=ws.seq_lens[:bs], qo_indptr=ws.qo_indptr[: bs + 1],
-            kv_indptr=ws.kv_indptr[: bs + 1], logits_indices=ws.logits_indices[:bs], q_lens=[1] * bs,
+            input_ids=ws.input_ids[:bs],
+            positions=ws.positions[:bs],
+            out_cache_loc=ws.out_cache_loc[:bs],
+            req_pool_indices=ws.req_pool_indices[:bs],
+            seq_lens=ws.seq_lens[:bs],
+            qo_indptr=ws.qo_indptr[: bs + 1],
+            kv_indptr=ws.kv_indptr[: bs + 1],
+            logits_indices=ws.logits_indices[:bs],
+            q_lens=[1] * bs,
             seq_lens_host=[1] * bs,
-        )  # fmt: skip
+        )
 
 
 def prompt_graph_buckets(max_tokens: int) -> list[int]:
     """Token counts of the prompt graphs: 8, 16, steps of 32 up to 512, then of 128. A step
     runs in the smallest that holds it; padding costs at most 31 (then 127) tokens' work."""
-    sizes = [s for s in (8, 16, *range(32, 513, 32), *range(640, max_tokens + 1, 128)) if s <= max_tokens]
+    sizes = [
+        s for s in (8, 16, *range(32, 513, 32), *range(640, max_tokens + 1, 128)) if s <= max_tokens
+    ]
     if not sizes or sizes[-1] != max_tokens:
         sizes.append(max_tokens)
     return sizes
@@ -137,7 +158,9 @@ class _PieceBoundary(AttentionBackend):
     def prepare(self, batch: ForwardBatch, view: CacheView) -> None:
         pass
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: CacheView) -> torch.Tensor:
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: CacheView
+    ) -> torch.Tensor:
         if self.pool is not None:
             self.end()
             # Non-owning: the pool may reuse this memory later in the capture, as an eager
@@ -175,12 +198,21 @@ class PromptGraphRunner:
     row-wise, so they touch nothing but themselves, and they never reach the KV cache.
     """
 
-    def __init__(self, model: LlamaForCausalLM, backend: CudaBackend, cache: KVCache, workspace: InferenceWorkspace, max_tokens: int):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        backend: CudaBackend,
+        cache: KVCache,
+        workspace: InferenceWorkspace,
+        max_tokens: int,
+    ):
         self.model, self.backend, self.cache, self.ws = model, backend, cache, workspace
         self.buckets = prompt_graph_buckets(min(max_tokens, workspace.max_tokens))
         cfg = model.config
         dtype = model.model.embed_tokens.weight.dtype
-        self.attn_out = torch.zeros((self.buckets[-1], cfg.num_heads, cfg.head_dim), dtype=dtype, device=workspace.device)
+        self.attn_out = torch.zeros(
+            (self.buckets[-1], cfg.num_heads, cfg.head_dim), dtype=dtype, device=workspace.device
+        )
         self.pieces: dict[int, _Pieces] = {}
 
     def bucket(self, num_tokens: int) -> int | None:
@@ -192,7 +224,9 @@ class PromptGraphRunner:
         stream = torch.cuda.Stream()
         with torch.inference_mode():
             stream.wait_stream(torch.cuda.current_stream())
-            for t in tqdm(sorted(self.buckets, reverse=True), desc="capturing prompt graphs", leave=False):
+            for t in tqdm(
+                sorted(self.buckets, reverse=True), desc="capturing prompt graphs", leave=False
+            ):
                 ids, positions = self.ws.input_ids[:t], self.ws.positions[:t]
                 boundary = _PieceBoundary(self.attn_out, pool)
                 with torch.cuda.stream(stream):  # the live forward warms up the capture's stream
@@ -205,11 +239,15 @@ class PromptGraphRunner:
                 del hidden
             torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+        # fmt: skip
         log.info(
             "captured prompt CUDA graphs for %d token counts up to %d (%d pieces each) in %.1fs, %.0f MiB",
-            len(self.buckets), self.buckets[-1], self.model.config.num_layers + 1, time.perf_counter() - start,
+            len(self.buckets),
+            self.buckets[-1],
+            self.model.config.num_layers + 1,
+            time.perf_counter() - start,
             (torch.cuda.memory_reserved() - before) / 2**20,
-        )  # fmt: skip
+        )
 
     def run(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
         """Hidden states `[T, hidden]` after the final norm, as the model's forward gives them,

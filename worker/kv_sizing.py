@@ -31,19 +31,34 @@ def auto_num_pages(cfg: EngineConfig, model: ModelConfig, bytes_per_token: int) 
 def build_cache(cfg: EngineConfig, model: ModelConfig, workspace: InferenceWorkspace) -> KVCache:
     assert cfg.max_seq_len is not None
     device, dtype = torch.device(cfg.device), cfg.torch_dtype
-    per_token = KVStorage.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+    per_token = KVStorage.bytes_per_token(
+        model.num_layers, model.num_kv_heads, model.head_dim, dtype
+    )
     staging = cfg.token_budget + cfg.max_running * cfg.page_size  # slots one step can newly map
     req_pool = ReqToTokenPool(cfg.max_running, cfg.max_seq_len, device, staging)
     if cfg.cache == "contiguous":
         n_slots = cfg.max_running * cfg.max_seq_len
-        storage = KVStorage(model.num_layers, n_slots, model.num_kv_heads, model.head_dim, dtype, device)
+        storage = KVStorage(
+            model.num_layers, n_slots, model.num_kv_heads, model.head_dim, dtype, device
+        )
         cache: KVCache = ContiguousCache(storage, req_pool, workspace)
     else:
         num_pages = cfg.num_pages or auto_num_pages(cfg, model, per_token)
-        storage = KVStorage(model.num_layers, num_pages * cfg.page_size, model.num_kv_heads, model.head_dim, dtype, device)
+        storage = KVStorage(
+            model.num_layers,
+            num_pages * cfg.page_size,
+            model.num_kv_heads,
+            model.head_dim,
+            dtype,
+            device,
+        )
         cache = PageCache(storage, req_pool, cfg.page_size, num_pages, workspace, cfg.prefix_cache)
     log.info(
         "KV cache: %s, %d pages of %d tokens, %.2f GiB (%d B/token)",
-        cfg.cache, cache.num_total_pages, cache.page_size, storage.nbytes / 2**30, per_token,
+        cfg.cache,
+        cache.num_total_pages,
+        cache.page_size,
+        storage.nbytes / 2**30,
+        per_token,
     )
     return cache

@@ -38,9 +38,13 @@ class LLM:
         for prompt, p in zip(prompts_list, params_list, strict=True):
             ids = self._encode(prompt, chat)
             for i in range(p.n):
-                seeded = p if p.seed is None or i == 0 else p.model_copy(update={"seed": p.seed + i})
+                seeded = (
+                    p if p.seed is None or i == 0 else p.model_copy(update={"seed": p.seed + i})
+                )
                 jobs.append(_Job(f"gen-{next(self._ids)}", ids, seeded, self._text_stream(seeded)))
-        stream = self.engine.submit([EngineRequest(j.request_id, j.prompt_ids, j.params) for j in jobs])
+        stream = self.engine.submit(
+            [EngineRequest(j.request_id, j.prompt_ids, j.params) for j in jobs]
+        )
         by_id = {j.request_id: j for j in jobs}
         while not stream.finished:
             self.engine.step()
@@ -52,10 +56,14 @@ class LLM:
                 by_id[delta.request_id].add(delta, self.engine)
         return [j.output() for j in jobs]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False) -> Iterator[str]:
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False
+    ) -> Iterator[str]:
         """Text pieces of one generation as they are produced (for terminals)."""
         params = params or SamplingParams()
-        job = _Job(f"gen-{next(self._ids)}", self._encode(prompt, chat), params, self._text_stream(params))
+        job = _Job(
+            f"gen-{next(self._ids)}", self._encode(prompt, chat), params, self._text_stream(params)
+        )
         stream = self.engine.submit([EngineRequest(job.request_id, job.prompt_ids, params)])
         try:
             while not job.done:
@@ -82,14 +90,30 @@ class LLM:
     def _text_stream(self, params: SamplingParams) -> TextStream | None:
         if self.tokenizer is None:
             return None
-        return TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
+        return TextStream(
+            self.tokenizer,
+            params.stop,
+            params.include_stop_str_in_output,
+            params.skip_special_tokens,
+        )
 
 
 class _Job:
     """One request's accumulating output, with detokenization and stop strings."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, text: TextStream | None):
-        self.request_id, self.prompt_ids, self.params, self.text = request_id, prompt_ids, params, text
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        text: TextStream | None,
+    ):
+        self.request_id, self.prompt_ids, self.params, self.text = (
+            request_id,
+            prompt_ids,
+            params,
+            text,
+        )
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
@@ -122,9 +146,15 @@ class _Job:
     def output(self) -> RequestOutput:
         assert self.finish_reason is not None
         return RequestOutput(
-            self.request_id, self.prompt_ids, self.token_ids, self.text.text if self.text else "",
+            self.request_id,
+            self.prompt_ids,
+            self.token_ids,
+            self.text.text if self.text else "",
             self.finish_reason,  # type: ignore[arg-type]
-            self.logprobs, self.error, self.num_cached, self.metrics,
+            self.logprobs,
+            self.error,
+            self.num_cached,
+            self.metrics,
         )
 
 
@@ -132,7 +162,9 @@ def _is_token_ids(x: object) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)
 
 
-def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+def _per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):

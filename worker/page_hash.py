@@ -15,7 +15,9 @@ import numpy as np
 _ROOT = b"kvray-page-v1"
 
 
-def page_hashes(token_ids: Sequence[int], page_size: int, *, max_pages: int | None = None) -> list[int]:
+def page_hashes(
+    token_ids: Sequence[int], page_size: int, *, max_pages: int | None = None
+) -> list[int]:
     """Keys of the full pages of `token_ids` (a trailing partial page has none)."""
     n_full = len(token_ids) // page_size
     if max_pages is not None:
@@ -32,7 +34,9 @@ def page_hashes(token_ids: Sequence[int], page_size: int, *, max_pages: int | No
     return keys
 
 
-def extend_page_hashes(keys: list[int], token_ids: Sequence[int], page_size: int, upto: int) -> None:
+def extend_page_hashes(
+    keys: list[int], token_ids: Sequence[int], page_size: int, upto: int
+) -> None:
     """Append keys for the full pages of `token_ids[:upto]` that `keys` does not cover yet."""
     n_full = min(upto, len(token_ids)) // page_size
     prev = keys[-1].to_bytes(8, "little", signed=True) if keys else _ROOT

@@ -15,7 +15,8 @@ class PrefixCache:
         self.page_size = page_size
         self._page_of: dict[int, int] = {}  # key -> page
         self._key_of: dict[int, int] = {}  # page -> key
-        self._parked: OrderedDict[int, None] = OrderedDict()  # unreferenced cached pages, oldest first
+        # unreferenced cached pages, oldest first
+        self._parked: OrderedDict[int, None] = OrderedDict()
         self._recent: OrderedDict[int, None] = OrderedDict()  # keys, least recently used first
         self.hit_tokens = 0
         self.query_tokens = 0

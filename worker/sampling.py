@@ -330,13 +330,17 @@ def _pack_scalars(
 
     temperature = column((p.temperature for p in params), np.float64)
     top_p = column((p.top_p for p in params), np.float64)
-    log_min_p = column((math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params), np.float64)
+    log_min_p = column(
+        (math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params), np.float64
+    )
     s = temperature != 0.0  # rows that sample
     floats = np.empty((n, 6), dtype=np.float32)
     floats[:, 0] = np.where(s, np.maximum(temperature, _MIN_DIVISOR), 1.0)
     floats[:, 1] = np.where(s & (top_p < 1.0), np.maximum(top_p, _MIN_TOP_P), math.inf)
     floats[:, 2] = np.where(s, log_min_p, -math.inf)
-    floats[:, 3] = np.maximum(column((p.repetition_penalty for p in params), np.float64), _MIN_DIVISOR)
+    floats[:, 3] = np.maximum(
+        column((p.repetition_penalty for p in params), np.float64), _MIN_DIVISOR
+    )
     floats[:, 4] = -column((p.frequency_penalty for p in params), np.float64)
     floats[:, 5] = -column((p.presence_penalty for p in params), np.float64)
     k = np.where(s, np.minimum(column((p.top_k for p in params), np.int64), vocab_size), 0)

@@ -154,7 +154,9 @@ class Scheduler:
         self.cache = cache
         self.token_budget = config.token_budget
         self.prefill_budget = config.prefill_budget
-        self.pacer = PromptPacer(config.prefill_slowdown) if config.prefill_slowdown is not None else None
+        self.pacer = (
+            PromptPacer(config.prefill_slowdown) if config.prefill_slowdown is not None else None
+        )
         self.max_running = config.max_running
         self.watermark_pages = int(config.admission_watermark * cache.num_total_pages)
         self.waiting: deque[Request] = deque()
@@ -205,7 +207,8 @@ class Scheduler:
         `skip`: running requests to leave out (they finish with a step still in flight)."""
         budget = self.token_budget
         decodes = (r.num_pending == 1 for r in self.running if r not in skip)
-        decoding = sum(decodes) if self.pacer else int(any(decodes))  # only the pacer needs the count
+        # only the pacer needs the count
+        decoding = sum(decodes) if self.pacer else int(any(decodes))
         prefill = self.prompt_share(decoding) if decoding else budget
         tasks: list[ScheduledTask] = []
         too_long: list[Request] = []
@@ -244,7 +247,12 @@ class Scheduler:
                 continue
             tasks.append(ScheduledTask(request, num_new))
             budget -= num_new
-        while self.running and self.waiting and budget > 0 and len(self.running) + len(self.lane) < self.max_running:
+        while (
+            self.running
+            and self.waiting
+            and budget > 0
+            and len(self.running) + len(self.lane) < self.max_running
+        ):
             request = self.waiting[0]
             if tasks and self.token_budget - budget + request.num_pending > LANE_BATCH_TOKENS:
                 break
@@ -267,7 +275,11 @@ class Scheduler:
 
     def prompt_share(self, num_decodes: int) -> int:
         """Prompt tokens a step may carry next to `num_decodes` decodes."""
-        caps = [self.token_budget, self.prefill_budget, self.pacer.budget(num_decodes) if self.pacer else None]
+        caps = [
+            self.token_budget,
+            self.prefill_budget,
+            self.pacer.budget(num_decodes) if self.pacer else None,
+        ]
         return min(c for c in caps if c is not None)
 
     def _reserve_or_preempt(self, request: Request, num_new: int) -> bool:
@@ -313,7 +325,11 @@ class Scheduler:
         pending = request.num_pending
         num_new = min(pending, budget if pending == 1 else min(budget, prefill))
         free_after = self.cache.num_free_pages - self.cache.pages_needed(request, num_new)
-        if num_new == 0 or (keep_free and free_after < self.watermark_pages) or not self.cache.reserve(request, num_new):
+        if (
+            num_new == 0
+            or (keep_free and free_after < self.watermark_pages)
+            or not self.cache.reserve(request, num_new)
+        ):
             self.cache.release(request)
             request.num_computed = 0
             return None

@@ -47,16 +47,26 @@ class InferenceWorkspace:
         self.row_base = i64(max_running)  # row * max_seq_len, for the steady slot lookup
         self.flat_loc = i64(max_running)
         self.loc_i32 = i32(max_running)
-        self.carry = torch.zeros((2, max_running), dtype=torch.int64, device=device)  # input index, sampled row
+        # input index, sampled row
+        self.carry = torch.zeros((2, max_running), dtype=torch.int64, device=device)
         self.carried_ids = i64(max_running)
         # Split-KV decode: the split count follows the longest possible sequence, never live lengths.
         self.num_kv_splits = recommended_max_splits(max_seq_len) if split_kv else 0
         s = self.num_kv_splits
-        self.decode_out = torch.zeros((max_running if s else 0, num_heads, head_dim), dtype=dtype, device=device)
-        self.decode_o_part = torch.zeros((max_running if s else 0, num_heads, s, head_dim), dtype=torch.float32, device=device)
-        self.decode_ml_part = torch.zeros((max_running if s else 0, num_heads, s, 2), dtype=torch.float32, device=device)
+        self.decode_out = torch.zeros(
+            (max_running if s else 0, num_heads, head_dim), dtype=dtype, device=device
+        )
+        self.decode_o_part = torch.zeros(
+            (max_running if s else 0, num_heads, s, head_dim), dtype=torch.float32, device=device
+        )
+        self.decode_ml_part = torch.zeros(
+            (max_running if s else 0, num_heads, s, 2), dtype=torch.float32, device=device
+        )
         pin = device.type == "cuda"
-        self.host_i64 = torch.zeros((3, max_tokens), dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
-        self.host_i32 = torch.zeros((4, max_running + 1), dtype=torch.int32, pin_memory=pin)  # rows, lens, qo, kv
-        self.host_logits = torch.zeros(3 * max_running, dtype=torch.int64, pin_memory=pin)  # logits rows, row bases, sample rows
+        # ids, positions, slots
+        self.host_i64 = torch.zeros((3, max_tokens), dtype=torch.int64, pin_memory=pin)
+        # rows, lens, qo, kv
+        self.host_i32 = torch.zeros((4, max_running + 1), dtype=torch.int32, pin_memory=pin)
+        # logits rows, row bases, sample rows
+        self.host_logits = torch.zeros(3 * max_running, dtype=torch.int64, pin_memory=pin)
         self.host_carry = torch.zeros((2, max_running), dtype=torch.int64, pin_memory=pin)

@@ -54,12 +54,17 @@ def test_openai_client_streams_through_haproxy(behind_haproxy: Served) -> None:
     whole = client.chat.completions.create(
         model="demo", messages=STORY, temperature=0, max_tokens=16
     )
+    # fmt: skip
     chunks = list(
         client.chat.completions.create(
-            model="demo", messages=STORY, temperature=0, max_tokens=16, stream=True,
+            model="demo",
+            messages=STORY,
+            temperature=0,
+            max_tokens=16,
+            stream=True,
             stream_options={"include_usage": True},
         )
-    )  # fmt: skip
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
@@ -113,4 +118,7 @@ def test_haproxy_settings_reach_the_cluster_not_the_driver(monkeypatch: pytest.M
     assert env[HAPROXY_THREADS_ENV] == str(haproxy_threads(os.cpu_count() or 1))
     assert [haproxy_threads(cores) for cores in (1, 2, 7, 8, 16, 128)] == [1, 1, 1, 2, 4, 4]
     monkeypatch.setenv(HAPROXY_THREADS_ENV, "3")
-    assert cluster_runtime_env(ClusterConfig(http_proxy="haproxy"))["env_vars"][HAPROXY_THREADS_ENV] == "3"
+    assert (
+        cluster_runtime_env(ClusterConfig(http_proxy="haproxy"))["env_vars"][HAPROXY_THREADS_ENV]
+        == "3"
+    )

@@ -68,7 +68,9 @@ def test_two_local_nodes_serve_through_a_proxy_each_on_one_port(ray_harness: Ray
             serve.run(WhereAmI.bind(), name="where", route_prefix="/where")
             proxies = _proxies_healthy(2)  # the second one could bind the taken port: SO_REUSEPORT
             assert set(proxies) == {n["NodeID"] for n in alive}
-            answers = {httpx.get(f"http://127.0.0.1:{port}/where", timeout=60).text for _ in range(24)}
+            answers = {
+                httpx.get(f"http://127.0.0.1:{port}/where", timeout=60).text for _ in range(24)
+            }
             assert answers == set(proxies)  # both replicas answered, through either proxy
 
             # kvray serve's next step: Ray's control plane yields to the replicas
@@ -84,7 +86,9 @@ def test_two_local_nodes_serve_through_a_proxy_each_on_one_port(ray_harness: Ray
             # sets cluster.app.SERVE_ENV as kvray serve does), not the raylet's nor Ray's 15
             serve.run(Niceness.bind(), name="niceness", route_prefix="/niceness")
             assert httpx.get(f"http://127.0.0.1:{port}/niceness", timeout=60).json() == 0
-            answers = {httpx.get(f"http://127.0.0.1:{port}/where", timeout=60).text for _ in range(24)}
+            answers = {
+                httpx.get(f"http://127.0.0.1:{port}/where", timeout=60).text for _ in range(24)
+            }
             assert answers == set(proxies)
         finally:
             serve.shutdown()
@@ -166,7 +170,12 @@ def test_what_the_control_plane_starts_is_lowered_with_it(tmp_path):
         "    os.kill(pid, 9)\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", driver], capture_output=True, text=True, timeout=60, check=True, cwd=REPO
+        [sys.executable, "-c", driver],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=REPO,
     )
     # the monitor and its child, exactly those, at the control plane's niceness; not the driver
     assert out.stdout.split() == ["2", "True", f"{{{CONTROL_PLANE_NICENESS}}}", "True"], out

@@ -32,7 +32,11 @@ DOC = (
 def two(ray_harness: RayHarness) -> Iterator[Served]:
     # Sessions as Serve streams here (every other module reads them over the frame socket),
     # so both of the ingress's ways to read a worker run on real Ray Serve.
-    config = {"worker_replicas": 2, "frame_socket": False, "router": {"stats_period_s": 0.2, "imbalance_threshold": 2}}
+    config = {
+        "worker_replicas": 2,
+        "frame_socket": False,
+        "router": {"stats_period_s": 0.2, "imbalance_threshold": 2},
+    }
     served = ray_harness.multinode_app(worker_nodes=2, worker_config=config)
     yield served
     ray_harness.stop()

@@ -259,19 +259,25 @@ def test_closing_the_frame_socket_aborts_the_sessions_requests(make_worker) -> N
 
 def test_a_worker_without_the_frame_socket_names_no_address(make_worker) -> None:
     worker = make_worker()
-    answer = decode_first(asyncio.run(worker.submit(RouteHint(), payload("n", 1, max_tokens=2), "ing-a")))
+    answer = decode_first(
+        asyncio.run(worker.submit(RouteHint(), payload("n", 1, max_tokens=2), "ing-a"))
+    )
     assert isinstance(answer, Accepted) and answer.frames_at is None
     asyncio.run(read(worker.session(HERE, "ing-a")))
 
 
-async def open_submit_link(worker: WorkerDeployment, ingress: str = "ing-a") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def open_submit_link(
+    worker: WorkerDeployment, ingress: str = "ing-a"
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     at = (await worker.record_replica_metadata())["frames_at"]
     reader, writer = await asyncio.open_connection(at[0], at[1])
     write_frame(writer, encode_hello(ingress, "", kind="submit"))
     return reader, writer
 
 
-def test_submits_over_a_submit_link_are_answered_by_id_and_deliver_on_the_session(make_worker) -> None:
+def test_submits_over_a_submit_link_are_answered_by_id_and_deliver_on_the_session(
+    make_worker,
+) -> None:
     worker = make_worker(linger_s=0.2, frame_socket=True)
 
     async def run() -> tuple[list[tuple[int, Accepted | Refused]], list[RequestDelta]]:
@@ -306,7 +312,8 @@ def test_a_refused_submit_on_a_link_keeps_the_link_open(make_worker) -> None:
 
     async def run() -> list[Accepted | Refused]:
         reader, writer = await open_submit_link(worker)
-        bad = encode_requests([WireRequest("x", [], SamplingParams(max_tokens=2))])  # an empty prompt
+        # an empty prompt
+        bad = encode_requests([WireRequest("x", [], SamplingParams(max_tokens=2))])
         answers = []
         for i, body in enumerate((bad, payload("ok", 1, max_tokens=2))):
             write_frame(writer, encode_submit(i, 1, "ing-a", body))
@@ -343,7 +350,13 @@ class _ChoosingHandle:
     """A worker handle in front of one in-process worker, with Serve's `choose_replica`
     (its replica metadata naming `frames_at`): counts the Serve calls made through it."""
 
-    def __init__(self, worker: WorkerDeployment, frames_at: list[object], calls: dict[str, int] | None = None, method: str = ""):
+    def __init__(
+        self,
+        worker: WorkerDeployment,
+        frames_at: list[object],
+        calls: dict[str, int] | None = None,
+        method: str = "",
+    ):
         self.worker, self.frames_at, self.method = worker, frames_at, method
         self.calls: dict[str, int] = {} if calls is None else calls
 
@@ -361,11 +374,15 @@ class _ChoosingHandle:
         return await self.worker.submit(*args)  # type: ignore[arg-type]
 
 
-def _dispatch(handle: _ChoosingHandle, request_id: str) -> Awaitable[tuple[list[RequestDelta], Dispatcher]]:
+def _dispatch(
+    handle: _ChoosingHandle, request_id: str
+) -> Awaitable[tuple[list[RequestDelta], Dispatcher]]:
     async def run() -> tuple[list[RequestDelta], Dispatcher]:
         dispatcher = Dispatcher(handle, 0.0, 8, RequestLimits(), submit_socket=True)
         params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-        stream = dispatcher.submit(Group([WireRequest(request_id, random_prompts([9])[0], params)], ()))
+        stream = dispatcher.submit(
+            Group([WireRequest(request_id, random_prompts([9])[0], params)], ())
+        )
         assert await stream.accepted() == REPLICA
         deltas = [d async for frame in stream for d in frame]
         stream.close()
@@ -374,7 +391,9 @@ def _dispatch(handle: _ChoosingHandle, request_id: str) -> Awaitable[tuple[list[
     return run()
 
 
-def test_the_dispatcher_submits_over_the_chosen_replicas_link_without_a_serve_call(make_worker) -> None:
+def test_the_dispatcher_submits_over_the_chosen_replicas_link_without_a_serve_call(
+    make_worker,
+) -> None:
     worker = make_worker(linger_s=0.2, frame_socket=True)
 
     async def run() -> tuple[list[RequestDelta], dict[str, int]]:
@@ -404,7 +423,9 @@ def test_a_link_that_cannot_be_opened_falls_back_to_a_serve_call(make_worker) ->
     assert unreachable == {("127.0.0.1", port)}
 
 
-def test_the_timeline_records_a_first_tokens_hops_between_dispatcher_and_worker(make_worker, tmp_path) -> None:
+def test_the_timeline_records_a_first_tokens_hops_between_dispatcher_and_worker(
+    make_worker, tmp_path
+) -> None:
     worker = make_worker(linger_s=0.2, frame_socket=True)
 
     async def run() -> list[RequestDelta]:

@@ -437,11 +437,19 @@ def test_calls_a_busy_replica_has_not_answered_yet_count_in_its_load() -> None:
         ranked = asyncio.run(router.choose_replicas([quick, slow], call))  # type: ignore[arg-type]
         counts[ranked[0][0].replica_id.unique_id] += 1
         now = time.time() + 0.001
-        quick.routing_stats = {"time": now, "num_waiting": counts["quick"], "answered": {"ingress-1": counts["quick"]}}
+        quick.routing_stats = {
+            "time": now,
+            "num_waiting": counts["quick"],
+            "answered": {"ingress-1": counts["quick"]},
+        }
         slow.routing_stats = {"time": now, "num_waiting": 0, "answered": {"ingress-1": 0}}
     assert abs(counts["quick"] - counts["slow"]) <= 2, counts
     # once `slow` answers (and reports them waiting), its load is what it reports
-    slow.routing_stats = {"time": time.time() + 0.002, "num_waiting": counts["slow"], "answered": {"ingress-1": counts["slow"]}}
+    slow.routing_stats = {
+        "time": time.time() + 0.002,
+        "num_waiting": counts["slow"],
+        "answered": {"ingress-1": counts["slow"]},
+    }
     assert router._view(slow).load == counts["slow"]  # type: ignore[arg-type]
 
 
@@ -500,18 +508,24 @@ def test_merge_steps_gives_one_delta_per_request_in_step_order() -> None:
         [RequestDelta("b", [], None, "abort")],
     ]
     a, b = merge_steps(steps)
-    assert (a.request_id, a.new_token_ids, a.logprobs, a.finish_reason) == ("a", [5, 6], lp, "length")
+    assert (a.request_id, a.new_token_ids, a.logprobs, a.finish_reason) == (
+        "a",
+        [5, 6],
+        lp,
+        "length",
+    )
     assert (a.num_prompt_tokens, a.num_cached_tokens) == (3, 2)
     assert (b.request_id, b.new_token_ids, b.finish_reason) == ("b", [9], "abort")
     assert merge_steps([steps[0]]) == steps[0]
-
 
 
 # -- process priority --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("niceness", "warns"), [(15, True), (0, False)])
-def test_a_worker_replica_below_rays_daemons_says_how_to_fix_it(monkeypatch, caplog, niceness, warns) -> None:
+def test_a_worker_replica_below_rays_daemons_says_how_to_fix_it(
+    monkeypatch, caplog, niceness, warns
+) -> None:
     import cluster.deployment as deployment
 
     monkeypatch.setattr(deployment.os, "getpriority", lambda which, who: niceness)
@@ -568,6 +582,13 @@ def test_a_responses_engine_requests_are_named_after_its_id() -> None:
 
     ingress_class = api.Ingress.__mro__[1]  # the class under serve.ingress's wrapper
     ingress = SimpleNamespace(_config=ClusterConfig())
-    group = ingress_class._group(ingress, "cmpl-7", [[1, 2], [3]], SamplingParams(seed=5), 2, {"prefix_cache": False})
-    assert [r.request_id for r in group.requests] == ["cmpl-7-0-0", "cmpl-7-0-1", "cmpl-7-1-0", "cmpl-7-1-1"]
+    group = ingress_class._group(
+        ingress, "cmpl-7", [[1, 2], [3]], SamplingParams(seed=5), 2, {"prefix_cache": False}
+    )
+    assert [r.request_id for r in group.requests] == [
+        "cmpl-7-0-0",
+        "cmpl-7-0-1",
+        "cmpl-7-1-0",
+        "cmpl-7-1-1",
+    ]
     assert [r.params.seed for r in group.requests] == [5, 6, 5, 6]  # n > 1: one seed a choice

@@ -41,14 +41,34 @@ SPECS = {
     s.name: s
     for s in [
         TinySpec("llama", "LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
-        TinySpec("llama-tied-rope3", "LlamaConfig", "LlamaForCausalLM", dict(
-            tie_word_embeddings=True,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-        )),
-        TinySpec("mistral", "MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
+        TinySpec(
+            "llama-tied-rope3",
+            "LlamaConfig",
+            "LlamaForCausalLM",
+            dict(
+                tie_word_embeddings=True,
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            ),
+        ),
+        TinySpec(
+            "mistral",
+            "MistralConfig",
+            "MistralForCausalLM",
+            dict(tie_word_embeddings=False, sliding_window=None),
+        ),
         TinySpec("qwen2", "Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
-        TinySpec("qwen3", "Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=24, num_key_value_heads=3)),
+        TinySpec(
+            "qwen3",
+            "Qwen3Config",
+            "Qwen3ForCausalLM",
+            dict(tie_word_embeddings=False, head_dim=24, num_key_value_heads=3),
+        ),
     ]
 }
 

@@ -17,7 +17,10 @@ from worker.graphs import graph_buckets, prompt_graph_buckets
 from worker.model.random_model import get_shape, hf_config
 from worker.request import Request, ScheduledTask
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 MAX_RUNNING = 32
 
@@ -56,7 +59,9 @@ def eager_engine(shape_dir):
 
 def _greedy(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    stream = engine.submit([EngineRequest(f"g{i}-{id(prompts)}", p, params) for i, p in enumerate(prompts)])
+    stream = engine.submit(
+        [EngineRequest(f"g{i}-{id(prompts)}", p, params) for i, p in enumerate(prompts)]
+    )
     out: dict[str, list[int]] = {}
     while not stream.finished:
         engine.step()
@@ -68,7 +73,11 @@ def _greedy(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[l
 
 def test_graphs_capture_every_bucket(graph_engine, prompt_graph_engine):
     assert graph_engine.executor.graphs is not None and graph_engine.executor.prompt_graphs is None
-    assert sorted(graph_engine.executor.graphs.graphs) == graph_buckets(MAX_RUNNING) == [1, 2, 4, 8, 16, 24, 32]
+    assert (
+        sorted(graph_engine.executor.graphs.graphs)
+        == graph_buckets(MAX_RUNNING)
+        == [1, 2, 4, 8, 16, 24, 32]
+    )
     runner = prompt_graph_engine.executor.prompt_graphs
     assert runner is not None and sorted(runner.pieces) == prompt_graph_buckets(2048)
     layers = prompt_graph_engine.model_config.num_layers
@@ -87,8 +96,14 @@ def _prompt_logits(engine: Engine, prompts: list[list[int]]) -> torch.Tensor:
     ex, cache = engine.executor, engine.executor.cache
     reqs = [Request(f"p{i}-{id(prompts)}", p, SamplingParams()) for i, p in enumerate(prompts)]
     for r in reqs:
-        assert cache.admit(r) and cache.reserve(r, r.num_pending) and r.num_pending == len(r.prompt_ids)
-    logits = ex.forward(cache.bind_tasks([ScheduledTask(r, r.num_pending) for r in reqs]), all_logits=True).clone()
+        assert (
+            cache.admit(r)
+            and cache.reserve(r, r.num_pending)
+            and r.num_pending == len(r.prompt_ids)
+        )
+    logits = ex.forward(
+        cache.bind_tasks([ScheduledTask(r, r.num_pending) for r in reqs]), all_logits=True
+    ).clone()
     for r in reqs:
         cache.release(r)
     cache.invalidate_bind()
@@ -96,7 +111,9 @@ def _prompt_logits(engine: Engine, prompts: list[list[int]]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("lengths", [[96], [50, 40, 38], [700, 500, 300, 100, 61, 3]])
-def test_prompt_graphs_are_bit_identical_to_eager_at_a_bucket(prompt_graph_engine, eager_engine, lengths):
+def test_prompt_graphs_are_bit_identical_to_eager_at_a_bucket(
+    prompt_graph_engine, eager_engine, lengths
+):
     """A step whose tokens fill a bucket exactly runs the same kernels on the same shapes as
     the eager forward, so every logit has the same bits."""
     assert sum(lengths) in prompt_graph_engine.executor.prompt_graphs.buckets
@@ -139,7 +156,9 @@ def test_overlap_gives_the_tokens_of_stepping_in_turn(graph_engine, shape_dir):
 
 
 @pytest.mark.parametrize("prompt_graph_tokens", [0, 64])
-def test_overlap_through_changing_batches_gives_the_tokens_of_stepping_in_turn(shape_dir, prompt_graph_tokens):
+def test_overlap_through_changing_batches_gives_the_tokens_of_stepping_in_turn(
+    shape_dir, prompt_graph_tokens
+):
     """Requests arriving mid-run, prompts in chunks of a 64-token budget, and requests ending
     at different lengths: each step is queued before its predecessor is read, its carried
     inputs gathered on the device; greedy tokens equal the plain engine's bit for bit (with
@@ -148,7 +167,13 @@ def test_overlap_through_changing_batches_gives_the_tokens_of_stepping_in_turn(s
     lengths = [4 + (13 * i) % 45 for i in range(20)]
     got = {}
     for overlap in (False, True):
-        engine = _engine(shape_dir, overlap=overlap, token_budget=64, max_running=16, prompt_graph_tokens=prompt_graph_tokens)
+        engine = _engine(
+            shape_dir,
+            overlap=overlap,
+            token_budget=64,
+            max_running=16,
+            prompt_graph_tokens=prompt_graph_tokens,
+        )
         engine.step_log = []
         reqs = [
             EngineRequest(f"v{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
@@ -189,7 +214,9 @@ def test_chunk_steps_that_sample_nothing_leave_their_staging_buffers_alone(shape
 
 @pytest.mark.parametrize("engine_fixture", ["graph_engine", "prompt_graph_engine"])
 @pytest.mark.parametrize("chunk_ends_prompt", [True, False])
-def test_launching_a_mixed_step_never_waits_for_the_device(request, engine_fixture, chunk_ends_prompt):
+def test_launching_a_mixed_step_never_waits_for_the_device(
+    request, engine_fixture, chunk_ends_prompt
+):
     """Decodes next to a prompt chunk, queued behind ~100 ms of device work: `launch` returns
     with that work still running. A wait there (a pageable host-to-device copy is one) holds
     back the previous step's tokens until this step has run: on the 8B shape, each chunk step
@@ -197,7 +224,10 @@ def test_launching_a_mixed_step_never_waits_for_the_device(request, engine_fixtu
     engine = request.getfixturevalue(engine_fixture)
     ex, cache = engine.executor, engine.executor.cache
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    reqs = [Request(f"w{i}", p, params) for i, p in enumerate(random_prompts([5, 33, 70], vocab=49152, seed=11))]
+    reqs = [
+        Request(f"w{i}", p, params)
+        for i, p in enumerate(random_prompts([5, 33, 70], vocab=49152, seed=11))
+    ]
     for r in reqs:
         assert cache.admit(r) and cache.reserve(r, r.num_pending)
     prefill = ex.step([ScheduledTask(r, r.num_pending) for r in reqs])
@@ -240,7 +270,9 @@ def _step_logits(engine: Engine, prompts: list[list[int]]) -> tuple[torch.Tensor
     return prefill, decode
 
 
-def _mixed_logits(engine: Engine, prompts: list[list[int]], chunk: list[int], chunk_first: bool) -> torch.Tensor:
+def _mixed_logits(
+    engine: Engine, prompts: list[list[int]], chunk: list[int], chunk_first: bool
+) -> torch.Tensor:
     """Logits of one step that decodes `prompts`' requests next to `chunk`, a whole prompt."""
     ex, cache = engine.executor, engine.executor.cache
     reqs = [Request(f"d{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
@@ -281,7 +313,9 @@ def test_mixed_steps_match_the_torch_backend(request, engine_fixture, shape_dir)
 def test_cuda_backend_matches_torch_backend_at_logits_level(graph_engine, shape_dir):
     torch_engine = _engine(shape_dir, backend="torch", cuda_graphs=False, max_running=8)
     prompts = random_prompts([3, 40, 17, 129, 64], vocab=49152, seed=7)
-    for ours, ref in zip(_step_logits(graph_engine, prompts), _step_logits(torch_engine, prompts), strict=True):
+    for ours, ref in zip(
+        _step_logits(graph_engine, prompts), _step_logits(torch_engine, prompts), strict=True
+    ):
         scale = ref.abs().max().item()
         assert (ours - ref).abs().max().item() <= 2e-2 * scale
 
@@ -290,7 +324,9 @@ def _steady(engine: Engine, batch: int, tokens: int):
     """Run `batch` requests into steady decode; return the stream."""
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     prompts = random_prompts([9 + i for i in range(batch)], vocab=49152, seed=3)
-    stream = engine.submit([EngineRequest(f"s{i}-{tokens}", p, params) for i, p in enumerate(prompts)])
+    stream = engine.submit(
+        [EngineRequest(f"s{i}-{tokens}", p, params) for i, p in enumerate(prompts)]
+    )
     for _ in range(4):  # prefill, first decode (rebinds), then steady
         engine.step()
     return stream
@@ -309,7 +345,8 @@ def test_steady_decode_allocates_nothing(graph_engine):
 
 
 def test_steady_decode_copies_no_metadata_to_the_device(shape_dir):
-    engine = _engine(shape_dir, page_size=256, num_pages=64, max_running=8)  # no page boundary in the window
+    # no page boundary in the window
+    engine = _engine(shape_dir, page_size=256, num_pages=64, max_running=8)
     stream = _steady(engine, 8, 60)
     from torch.profiler import ProfilerActivity, profile
 
@@ -333,10 +370,19 @@ def test_demo_greedy_matches_transformers_in_bf16():
     """Token for token on chat prompts; a divergence is accepted only right after a near-tie of
     transformers' own logits (bf16 cannot order those), which is reported."""
     pytest.importorskip("gguf")
-    llm = LLM("demo", dtype="bfloat16", device="cuda", max_running=8, max_seq_len=1024, num_pages=512)
+    llm = LLM(
+        "demo", dtype="bfloat16", device="cuda", max_running=8, max_seq_len=1024, num_pages=512
+    )
     hf = _hf_bf16(llm.engine.model_path)
-    questions = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.", "What is 12 times 12?"]
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    questions = [
+        "What is the capital of France?",
+        "Name three primary colors.",
+        "Write a haiku about the sea.",
+        "What is 12 times 12?",
+    ]
+    prompts = [
+        llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions
+    ]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48))
     report = []
     for prompt, out in zip(prompts, outs, strict=True):
@@ -348,7 +394,9 @@ def test_demo_greedy_matches_transformers_in_bf16():
             if ours != theirs:
                 gap = (logits[i, theirs] - logits[i, ours]).item()
                 report.append((i, gap))
-                assert gap <= 0.25, f"diverged at token {i} with a logit gap of {gap:.3f} (not a near-tie)"
+                assert gap <= 0.25, (
+                    f"diverged at token {i} with a logit gap of {gap:.3f} (not a near-tie)"
+                )
                 break
     print(f"demo bf16 parity: {len(prompts)} prompts, divergences after near-ties: {report}")
     assert "Paris" in outs[0].text
@@ -373,7 +421,9 @@ def test_the_pacer_learns_from_each_steps_device_span(shape_dir):
     stream = engine.submit([EngineRequest(f"s{i}", p, params) for i, p in enumerate(prompts[:2])])
     for _ in range(6):
         engine.step()
-    engine.submit([EngineRequest(f"t{i}", p, params) for i, p in enumerate(prompts[2:])], into=stream)
+    engine.submit(
+        [EngineRequest(f"t{i}", p, params) for i, p in enumerate(prompts[2:])], into=stream
+    )
     while not stream.finished:
         engine.step()
     timed_spans = [s for s in spans if s is not None]  # a step that samples nothing has none

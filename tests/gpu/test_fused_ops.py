@@ -15,7 +15,10 @@ import torch.nn.functional as F
 from worker.attention import cuda_ops
 from worker.model.layers import apply_rope, rms_norm
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 DEV = "cuda"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -73,7 +76,9 @@ def test_fused_add_rms_norm_matches_torch_bit_for_bit(dtype):
             want = rms_norm(want_res, w, EPS)
             cuda_ops.fused_add_rms_norm(x, residual, w, EPS)
             if not (torch.equal(residual, want_res) and torch.equal(x, want)):
-                failures.append(f"N={n} T={t}: residual {_diff(residual, want_res)}, out {_diff(x, want)}")
+                failures.append(
+                    f"N={n} T={t}: residual {_diff(residual, want_res)}, out {_diff(x, want)}"
+                )
     _check_all(failures)
 
 
@@ -98,12 +103,20 @@ def test_head_norm_on_strided_qk_views_in_place(dtype):
             cuda_ops.rms_norm(q, w, EPS, q)
             cuda_ops.rms_norm(k, w, EPS, k)
             v_cols = slice((hq + hk) * d, None)
-            if not (torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(qkv[:, v_cols], before[:, v_cols])):
-                failures.append(f"D={d} Hq={hq} Hk={hk} T={t}: q {_diff(q, want_q)}, k {_diff(k, want_k)}")
+            if not (
+                torch.equal(q, want_q)
+                and torch.equal(k, want_k)
+                and torch.equal(qkv[:, v_cols], before[:, v_cols])
+            ):
+                failures.append(
+                    f"D={d} Hq={hq} Hk={hk} T={t}: q {_diff(q, want_q)}, k {_diff(k, want_k)}"
+                )
     _check_all(failures)
 
 
-def _rope_tables(max_len: int, d: int, theta: float = 500000.0) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_tables(
+    max_len: int, d: int, theta: float = 500000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -125,7 +138,9 @@ def test_rotary_on_strided_qk_views_matches_torch(dtype):
             want_q, want_k, want_v = apply_rope(q, c, s), apply_rope(k, c, s), v.clone()
             cuda_ops.rotary(q, k, positions, c_tab, s_tab)
             if not (torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(v, want_v)):
-                failures.append(f"D={d} Hq={hq} Hk={hk} T={t}: q {_diff(q, want_q)}, k {_diff(k, want_k)}")
+                failures.append(
+                    f"D={d} Hq={hq} Hk={hk} T={t}: q {_diff(q, want_q)}, k {_diff(k, want_k)}"
+                )
     _check_all(failures)
 
 
@@ -208,6 +223,10 @@ def test_bad_arguments_are_refused_with_a_message():
     with pytest.raises(RuntimeError, match="weight must be contiguous"):
         cuda_ops.rms_norm(x, _rand(128, dtype=torch.bfloat16), EPS, x)
     with pytest.raises(RuntimeError, match="dtype"):
-        cuda_ops.fused_add_rms_norm(x, _rand(4, 256, dtype=torch.float16), _rand(256, dtype=torch.bfloat16), EPS)
+        cuda_ops.fused_add_rms_norm(
+            x, _rand(4, 256, dtype=torch.float16), _rand(256, dtype=torch.bfloat16), EPS
+        )
     with pytest.raises(RuntimeError, match="out must be"):
-        cuda_ops.silu_and_mul(_rand(4, 256, dtype=torch.bfloat16), _rand(4, 64, dtype=torch.bfloat16))
+        cuda_ops.silu_and_mul(
+            _rand(4, 256, dtype=torch.bfloat16), _rand(4, 64, dtype=torch.bfloat16)
+        )

@@ -28,12 +28,22 @@ def hf_greedy(tiny_model):
     def get(arch: str) -> list[list[int]]:
         if arch not in cache:
             _, hf = tiny_model(arch)
-            gc = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+            gc = GenerationConfig(
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
             outs = []
             for p in random_prompts(LENGTHS):
                 with torch.no_grad():
-                    out = hf.generate(torch.tensor([p]), generation_config=gc, attention_mask=torch.ones(1, len(p), dtype=torch.long))
-                outs.append(out[0, len(p):].tolist())
+                    out = hf.generate(
+                        torch.tensor([p]),
+                        generation_config=gc,
+                        attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                    )
+                outs.append(out[0, len(p) :].tolist())
                 assert len(outs[-1]) == NEW_TOKENS
             cache[arch] = outs
         return cache[arch]
@@ -42,7 +52,9 @@ def hf_greedy(tiny_model):
 
 
 def _llm(path, **mode) -> LLM:
-    return LLM(str(path), device="cpu", dtype="float32", max_seq_len=128, **{"max_running": 8, **mode})
+    return LLM(
+        str(path), device="cpu", dtype="float32", max_seq_len=128, **{"max_running": 8, **mode}
+    )
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -56,7 +68,8 @@ def test_greedy_equals_transformers(tiny_model, hf_greedy, arch, mode):
     if mode == "preempt":
         assert llm.engine.scheduler.num_preemptions > 0
     cache = llm.engine.executor.cache
-    assert cache.num_free_pages == cache.num_total_pages  # every page back (cached pages count as free)
+    # every page back (cached pages count as free)
+    assert cache.num_free_pages == cache.num_total_pages
 
 
 @pytest.mark.parametrize("arch", ARCHS)

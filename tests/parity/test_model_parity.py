@@ -15,7 +15,16 @@ LENGTHS = [5, 17, 1, 33]
 
 def _executor(path, **overrides) -> Executor:
     mcfg = ModelConfig.from_dir(path)
-    cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", max_running=8, max_seq_len=128, token_budget=256, num_pages=64, **overrides)
+    cfg = EngineConfig(
+        model=str(path),
+        device="cpu",
+        dtype="float32",
+        max_running=8,
+        max_seq_len=128,
+        token_budget=256,
+        num_pages=64,
+        **overrides,
+    )
     return Executor(cfg.resolve(model_max_len=mcfg.max_len), path, mcfg, frozenset({2}))
 
 
@@ -33,6 +42,8 @@ def test_packed_logits_match_transformers(tiny_model, arch, cache):
 
 
 def test_unknown_architecture_is_named(tmp_path):
-    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "vocab_size": 10}')
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["GPT2LMHeadModel"], "vocab_size": 10}'
+    )
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
         ModelConfig.from_dir(tmp_path)

@@ -129,9 +129,15 @@ def test_engine_options_come_from_engine_config_fields():
         "--no-overlap",
     )
     assert engine_options(args) == dict(
-        max_running=8, cuda_graphs=False, cache="contiguous", num_pages=100, dtype="float32", overlap=False
+        max_running=8,
+        cuda_graphs=False,
+        cache="contiguous",
+        num_pages=100,
+        dtype="float32",
+        overlap=False,
     )
-    assert engine_options(_args("--overlap")) == dict(overlap=True)  # an optional bool: a flag pair too
+    # an optional bool: a flag pair too
+    assert engine_options(_args("--overlap")) == dict(overlap=True)
     assert engine_options(_args()) == {}
     with pytest.raises(SystemExit):
         _args("--cache", "ring")
@@ -207,9 +213,8 @@ def test_cpu_watch_counts_other_processes_not_this_one():
         child = subprocess.Popen([sys.executable, "-c", spin])
         child.wait()
     assert watch.seconds >= 0.6
-    assert (
-        watch.others_cores is not None and watch.others_cores >= 0.5
-    )  # the spinning child is another process
+    # the spinning child is another process
+    assert watch.others_cores is not None and watch.others_cores >= 0.5
 
 
 def test_random_load_format_needs_only_a_config(tmp_path):

@@ -27,7 +27,9 @@ def test_steady_increment_rules():
     assert _is_steady_increment(prev, _BindState((1, 2), (6, 10), True))
     assert not _is_steady_increment(prev, _BindState((2, 1), (10, 6), True))  # order matters
     assert not _is_steady_increment(prev, _BindState((1, 2), (6, 11), True))
-    assert not _is_steady_increment(_BindState((1, 2), (5, 9), False), _BindState((1, 2), (6, 10), True))
+    assert not _is_steady_increment(
+        _BindState((1, 2), (5, 9), False), _BindState((1, 2), (6, 10), True)
+    )
     assert not _is_steady_increment(None, _BindState((1, 2), (6, 10), True))
 
 
@@ -54,7 +56,10 @@ def test_steady_bind_advances_metadata_like_a_full_rebind():
     for _ in range(5):  # crosses page boundaries: new pages reach the table through the flush
         batch = _decode_step(cache, reqs)
         assert batch.steady is not None and batch.steady.batch_size == 2
-        got = [t.clone() for t in (batch.positions, batch.seq_lens, batch.kv_indptr, batch.out_cache_loc)]
+        got = [
+            t.clone()
+            for t in (batch.positions, batch.seq_lens, batch.kv_indptr, batch.out_cache_loc)
+        ]
         cache.invalidate_bind()  # bind the same step again, from the host
         cache._task_len[[r.row for r in reqs]] -= 1
         for r in reqs:
@@ -96,7 +101,8 @@ def test_eviction_takes_the_deepest_unreferenced_page_first():
     assert cache.admit(b) and cache.reserve(b, 10)
     assert cache.prefix.num_evictable == 2
     c = _request("c", 8)  # a's first two pages must still be there
-    assert cache.admit(c) and c.num_computed == 4  # (8 - 1) // 4 = 1 page can hit; it is still cached
+    # (8 - 1) // 4 = 1 page can hit; it is still cached
+    assert cache.admit(c) and c.num_computed == 4
 
 
 def test_an_admission_rolled_back_for_lack_of_pages_is_counted_once_when_it_sticks():

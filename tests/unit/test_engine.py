@@ -28,12 +28,17 @@ def llm(tiny_model):
 
 
 def _config(path) -> dict:
-    return dict(model=str(path), device="cpu", max_seq_len=128, max_running=8, page_size=4, num_pages=96)
+    return dict(
+        model=str(path), device="cpu", max_seq_len=128, max_running=8, page_size=4, num_pages=96
+    )
 
 
 def _reqs(prefix: str, n: int, max_tokens: int = 20, **params) -> list[EngineRequest]:
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
-    return [EngineRequest(f"{prefix}{i}", p, sp) for i, p in enumerate(random_prompts([9, 14, 5, 21][:n]))]
+    return [
+        EngineRequest(f"{prefix}{i}", p, sp)
+        for i, p in enumerate(random_prompts([9, 14, 5, 21][:n]))
+    ]
 
 
 def _run(engine: Engine, streams) -> dict[str, list]:
@@ -65,7 +70,11 @@ def test_abort_frees_pages_within_one_step(engine_factory):
     assert sum(len(d.new_token_ids) for d in got["a0"]) == 40
     assert cache.num_free_pages == initial
     m = got["a0"][-1].metrics
-    assert m is not None and 0 <= m.queue_time <= m.time_to_first_token <= m.e2e_latency and m.time_per_output_token > 0
+    assert (
+        m is not None
+        and 0 <= m.queue_time <= m.time_to_first_token <= m.e2e_latency
+        and m.time_per_output_token > 0
+    )
 
 
 def test_queue_time_ends_when_the_first_step_is_queued_not_when_it_ends(engine_factory):
@@ -132,6 +141,7 @@ def test_async_stream_one_frame_per_step_from_the_loop_thread(engine_factory):
     engine = engine_factory()
     engine.start()
     try:
+
         async def consume():
             frames = []
             async for frame in engine.submit(_reqs("s", 2, max_tokens=12)):
@@ -141,7 +151,8 @@ def test_async_stream_one_frame_per_step_from_the_loop_thread(engine_factory):
         frames = asyncio.run(asyncio.wait_for(consume(), timeout=60))
     finally:
         engine.shutdown()
-    assert all(len({d.request_id for d in f}) == len(f) for f in frames)  # a request at most once per frame
+    # a request at most once per frame
+    assert all(len({d.request_id for d in f}) == len(f) for f in frames)
     assert sum(len(d.new_token_ids) for f in frames for d in f) == 24
     assert sum(1 for f in frames for d in f if d.finish_reason == "length") == 2
     assert max(len(f) for f in frames) == 2  # both requests advance in the same steps
@@ -154,9 +165,16 @@ def test_stop_token_ids_min_and_max_tokens(llm):
     free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
     stop_at = free.token_ids[5]
     first = free.token_ids.index(stop_at)
-    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=(stop_at,)))[0]
+    stopped = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=(stop_at,))
+    )[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: first + 1]
-    later = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=(stop_at,), min_tokens=first + 1))[0]
+    later = llm.generate(
+        [prompt],
+        SamplingParams(
+            temperature=0, max_tokens=16, stop_token_ids=(stop_at,), min_tokens=first + 1
+        ),
+    )[0]
     assert len(later.token_ids) > first + 1
 
 
@@ -164,7 +182,9 @@ def test_seeded_sampling_is_reproducible_across_batches(llm):
     prompts = random_prompts([9, 14, 5])
     p = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
     alone = llm.generate([prompts[0]], p)[0].token_ids
-    in_batch = llm.generate(prompts, [p, SamplingParams(temperature=0.7, max_tokens=20), p])[0].token_ids
+    in_batch = llm.generate(prompts, [p, SamplingParams(temperature=0.7, max_tokens=20), p])[
+        0
+    ].token_ids
     assert alone == in_batch
     two = llm.generate([prompts[0]], p.model_copy(update={"n": 2}))
     assert len(two) == 2 and two[0].token_ids == alone and two[1].token_ids != alone
@@ -230,10 +250,12 @@ def test_prefill_slowdown_learns_step_times_and_paces_prompt_chunks(engine_facto
 
     pacer.budget = pinned  # type: ignore[method-assign]
     paced_tokens, later_steps = run(paced)
-    assert pacer.decode_step_s(1) is not None and pacer.prompt_cost() is not None  # the engine fed it
+    # the engine fed it
+    assert pacer.decode_step_s(1) is not None and pacer.prompt_cost() is not None
     assert asked and all(b >= 1 for b in asked)
     mixed = [s for s in later_steps if s.num_decodes and s.num_prompt_tokens]
-    assert len(mixed) >= 30 // 3 and all(s.num_prompt_tokens <= 3 for s in mixed)  # p2 in 3-token chunks
+    # p2 in 3-token chunks
+    assert len(mixed) >= 30 // 3 and all(s.num_prompt_tokens <= 3 for s in mixed)
     plain_tokens, _ = run(engine_factory())
     assert paced_tokens == plain_tokens
 
@@ -242,7 +264,9 @@ def test_prompt_graph_buckets_cover_every_step_size_with_bounded_padding():
     from worker.graphs import prompt_graph_buckets
 
     buckets = prompt_graph_buckets(2048)
-    assert buckets[:4] == [8, 16, 32, 64] and buckets[-1] == 2048 and buckets == sorted(set(buckets))
+    assert (
+        buckets[:4] == [8, 16, 32, 64] and buckets[-1] == 2048 and buckets == sorted(set(buckets))
+    )
     for tokens in range(1, 2049):
         bucket = next(b for b in buckets if b >= tokens)
         assert bucket - tokens < (32 if tokens <= 512 else 128)
@@ -253,12 +277,15 @@ def test_prompt_graphs_are_a_cuda_option_capped_by_the_token_budget():
     on_cpu = EngineConfig(device="cpu", prompt_graph_tokens=2048).resolve()
     assert on_cpu.prompt_graph_tokens == 0 and not on_cpu.cuda_graphs
     assert EngineConfig(device="cpu").resolve().prompt_graph_tokens == 0
-    assert EngineConfig(device="cuda").resolve().prompt_graph_tokens == 2048  # on by default on CUDA
+    # on by default on CUDA
+    assert EngineConfig(device="cuda").resolve().prompt_graph_tokens == 2048
     cuda = EngineConfig(device="cuda", prompt_graph_tokens=4096, token_budget=1024).resolve()
     assert cuda.prompt_graph_tokens == 1024
 
 
-def test_small_cpu_steps_compute_on_one_thread_fewer_and_the_callers_count_is_restored(engine_factory):
+def test_small_cpu_steps_compute_on_one_thread_fewer_and_the_callers_count_is_restored(
+    engine_factory,
+):
     """`cpu_small_step_tokens`: a step of at most that many tokens runs its forward on one torch
     thread fewer than the engine was built with; larger steps on all of them. The stepping
     thread's own count is back after each step, and greedy tokens are the plain engine's."""

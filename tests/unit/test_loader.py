@@ -32,7 +32,9 @@ def test_missing_tensor_is_named(model_dir):
     tensors = load_file(model_dir / "model.safetensors")
     del tensors["model.layers.1.self_attn.k_proj.bias"]
     save_file(tensors, model_dir / "model.safetensors")
-    with pytest.raises(ModelLoadError, match=r"missing tensor for 'model.layers.1.self_attn.qkv_proj.bias'"):
+    with pytest.raises(
+        ModelLoadError, match=r"missing tensor for 'model.layers.1.self_attn.qkv_proj.bias'"
+    ):
         _load(model_dir)
 
 
@@ -48,7 +50,9 @@ def test_shape_mismatch_is_named(model_dir):
     tensors = load_file(model_dir / "model.safetensors")
     tensors["model.norm.weight"] = torch.ones(7)
     save_file(tensors, model_dir / "model.safetensors")
-    with pytest.raises(ModelLoadError, match=r"shape mismatch for tensor 'model.norm.weight': checkpoint \(7,\)"):
+    with pytest.raises(
+        ModelLoadError, match=r"shape mismatch for tensor 'model.norm.weight': checkpoint \(7,\)"
+    ):
         _load(model_dir)
 
 
@@ -62,7 +66,9 @@ def test_unknown_architecture_is_named(model_dir):
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg["architectures"] = ["FalconForCausalLM"]
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelConfigError, match="FalconForCausalLM.*supported: LlamaForCausalLM, MistralForCausalLM"):
+    with pytest.raises(
+        ModelConfigError, match="FalconForCausalLM.*supported: LlamaForCausalLM, MistralForCausalLM"
+    ):
         _load(model_dir)
 
 
@@ -85,7 +91,10 @@ def test_sharded_checkpoint_loads(model_dir):
     tensors = load_file(model_dir / "model.safetensors")
     names = sorted(tensors)
     half = len(names) // 2
-    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
     for file, keys in shards.items():
         save_file({k: tensors[k] for k in keys}, model_dir / file)
     (model_dir / "model.safetensors").unlink()

@@ -18,13 +18,23 @@ def make_engine(tiny_model):
     path, _ = tiny_model("llama")
 
     def make(overlap: bool, **overrides) -> Engine:
-        cfg = dict(model=str(path), device="cpu", max_seq_len=96, max_running=8, page_size=4, num_pages=160, overlap=overlap)
+        cfg = dict(
+            model=str(path),
+            device="cpu",
+            max_seq_len=96,
+            max_running=8,
+            page_size=4,
+            num_pages=160,
+            overlap=overlap,
+        )
         return Engine(EngineConfig(**{**cfg, **overrides}))
 
     return make
 
 
-def _run(engine: Engine, requests: list[EngineRequest], abort_at: dict[int, str] | None = None) -> dict[str, list[RequestDelta]]:
+def _run(
+    engine: Engine, requests: list[EngineRequest], abort_at: dict[int, str] | None = None
+) -> dict[str, list[RequestDelta]]:
     """Step to the end; abort the named request after the given step. Deltas per request."""
     stream = engine.submit(requests)
     steps = 0
@@ -46,7 +56,11 @@ def _summary(got: dict[str, list[RequestDelta]]) -> dict[str, tuple]:
         tokens = [t for d in deltas for t in d.new_token_ids]
         logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
         assert [d.finish_reason for d in deltas[:-1]] == [None] * (len(deltas) - 1), rid
-        out[rid] = (tokens, deltas[-1].finish_reason, [(lp.token_id, round(lp.logprob, 4), sorted(lp.top)) for lp in logprobs])
+        out[rid] = (
+            tokens,
+            deltas[-1].finish_reason,
+            [(lp.token_id, round(lp.logprob, 4), sorted(lp.top)) for lp in logprobs],
+        )
     return out
 
 
@@ -60,11 +74,20 @@ def _mixed_workload(stop_token: int | None) -> list[EngineRequest]:
         SamplingParams(max_tokens=40, stop_token_ids=stops, **greedy),  # stops on a sampled token
         SamplingParams(max_tokens=40, stop_token_ids=stops, min_tokens=12, **greedy),
         SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True),
-        SamplingParams(max_tokens=30, temperature=0.8, seed=5, repetition_penalty=1.3, frequency_penalty=0.4, ignore_eos=True),
+        SamplingParams(
+            max_tokens=30,
+            temperature=0.8,
+            seed=5,
+            repetition_penalty=1.3,
+            frequency_penalty=0.4,
+            ignore_eos=True,
+        ),
         SamplingParams(max_tokens=80, **greedy),  # runs into max_seq_len (30 + 80 > 96)
         SamplingParams(max_tokens=25, logprobs=2, **greedy),
     ]
-    return [EngineRequest(f"m{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    return [
+        EngineRequest(f"m{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
 
 
 def _a_stop_token(make_engine) -> int:
@@ -115,13 +138,19 @@ def test_a_failed_queued_step_fails_its_requests_and_the_engine_keeps_serving(ma
             raise RuntimeError("injected fault")
 
     engine.fault_hook = hook
-    got = _run(engine, [EngineRequest(f"f{i}", p, greedy) for i, p in enumerate(random_prompts([9, 5], seed=2))])
+    got = _run(
+        engine,
+        [EngineRequest(f"f{i}", p, greedy) for i, p in enumerate(random_prompts([9, 5], seed=2))],
+    )
     assert engine.num_overlapped_steps > 0
     assert {rid: d[-1].finish_reason for rid, d in got.items()} == {"f0": "error", "f1": "error"}
     assert all("injected fault" in d[-1].error for d in got.values())
     engine.fault_hook = None
     again = _run(engine, [EngineRequest("g0", random_prompts([6])[0], greedy)])
-    assert again["g0"][-1].finish_reason == "length" and sum(len(d.new_token_ids) for d in again["g0"]) == 20
+    assert (
+        again["g0"][-1].finish_reason == "length"
+        and sum(len(d.new_token_ids) for d in again["g0"]) == 20
+    )
     cache = engine.executor.cache
     assert cache.num_free_pages == cache.num_total_pages
 
@@ -132,15 +161,21 @@ def test_overlap_under_kv_pressure_preempts_like_the_plain_engine(make_engine):
     results = {}
     for overlap in (False, True):
         engine = make_engine(overlap, num_pages=40, admission_watermark=0.0)
-        results[overlap] = _summary(_run(engine, [EngineRequest(f"p{i}", p, greedy) for i, p in enumerate(prompts)]))
+        results[overlap] = _summary(
+            _run(engine, [EngineRequest(f"p{i}", p, greedy) for i, p in enumerate(prompts)])
+        )
         assert engine.scheduler.num_preemptions > 0
         cache = engine.executor.cache
         assert cache.num_free_pages == cache.num_total_pages
     assert results[True] == results[False]
-    assert all(reason == "length" and len(tokens) == 40 for tokens, reason, _ in results[True].values())
+    assert all(
+        reason == "length" and len(tokens) == 40 for tokens, reason, _ in results[True].values()
+    )
 
 
-def _run_with_arrivals(engine: Engine, arrivals: dict[int, list[EngineRequest]]) -> dict[str, list[RequestDelta]]:
+def _run_with_arrivals(
+    engine: Engine, arrivals: dict[int, list[EngineRequest]]
+) -> dict[str, list[RequestDelta]]:
     """Step to the end, submitting each list of requests before the numbered step (0 first)."""
     streams, steps = [], 0
     while engine.has_work or any(k >= steps for k in arrivals):
@@ -167,8 +202,16 @@ def test_overlap_carries_through_arrivals_prompt_chunks_and_finishes(make_engine
     params = [SamplingParams(max_tokens=n, **greedy) for n in lengths]
     params[3] = SamplingParams(max_tokens=33, temperature=0.7, top_k=20, seed=3, ignore_eos=True)
     params[6] = SamplingParams(max_tokens=14, min_tokens=10, stop_token_ids=[7, 11, 19], **greedy)
-    requests = [EngineRequest(f"c{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
-    arrivals = {0: requests[:3], 4: requests[3:5], 9: requests[5:6], 15: requests[6:9], 30: requests[9:]}
+    requests = [
+        EngineRequest(f"c{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
+    arrivals = {
+        0: requests[:3],
+        4: requests[3:5],
+        9: requests[5:6],
+        15: requests[6:9],
+        30: requests[9:],
+    }
     results = {}
     for overlap in (False, True):
         engine = make_engine(overlap, token_budget=16, max_running=8)
@@ -179,8 +222,15 @@ def test_overlap_carries_through_arrivals_prompt_chunks_and_finishes(make_engine
         if overlap:
             log = engine.step_log
             queued = [(prev, s) for prev, s in zip(log, log[1:], strict=False) if s.overlapped]
-            assert sum(s.num_prompt_tokens > 0 for _, s in queued) >= 5  # prompt chunks queued early
-            assert sum(s.num_decodes != prev.num_decodes + (prev.num_prompt_tokens > 0) for prev, s in queued) >= 3
+            # prompt chunks queued early
+            assert sum(s.num_prompt_tokens > 0 for _, s in queued) >= 5
+            assert (
+                sum(
+                    s.num_decodes != prev.num_decodes + (prev.num_prompt_tokens > 0)
+                    for prev, s in queued
+                )
+                >= 3
+            )
             assert engine.num_overlapped_steps > 0.8 * len(log)
     assert results[True] == results[False]
     assert all(len(results[True][f"c{i}"][0]) == n for i, n in enumerate(lengths) if i != 6)
@@ -190,8 +240,14 @@ def test_step_log_accounts_for_every_step(make_engine):
     engine = make_engine(True, token_budget=16)
     engine.step_log = []
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    _run(engine, [EngineRequest(f"s{i}", p, greedy) for i, p in enumerate(random_prompts([20, 3], seed=1))])
+    _run(
+        engine,
+        [EngineRequest(f"s{i}", p, greedy) for i, p in enumerate(random_prompts([20, 3], seed=1))],
+    )
     log = engine.step_log
     assert len(log) == engine.stats().num_steps
     assert sum(s.num_prompt_tokens for s in log) == 23 and sum(s.num_decodes for s in log) == 2 * 5
-    assert all(s.seconds > 0 for s in log) and sum(s.overlapped for s in log) == engine.num_overlapped_steps
+    assert (
+        all(s.seconds > 0 for s in log)
+        and sum(s.overlapped for s in log) == engine.num_overlapped_steps
+    )

@@ -24,9 +24,17 @@ def make_engine(tiny_model):
 
     def make(**overrides) -> Engine:
         before = torch.get_num_threads()
-        torch.set_num_threads(2)  # the lane needs two torch threads: one for it, one for the decodes
+        # the lane needs two torch threads: one for it, one for the decodes
+        torch.set_num_threads(2)
         try:
-            config = dict(model=str(path), device="cpu", max_seq_len=128, max_running=8, page_size=4, num_pages=96)
+            config = dict(
+                model=str(path),
+                device="cpu",
+                max_seq_len=128,
+                max_running=8,
+                page_size=4,
+                num_pages=96,
+            )
             return Engine(EngineConfig(**{**config, **overrides}))
         finally:
             torch.set_num_threads(before)
@@ -36,7 +44,10 @@ def make_engine(tiny_model):
 
 def _reqs(prefix: str, lens: list[int], max_tokens: int = 12, **params) -> list[EngineRequest]:
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
-    return [EngineRequest(f"{prefix}{i}", p, sp) for i, p in enumerate(random_prompts(lens, seed=len(prefix) + sum(lens)))]
+    return [
+        EngineRequest(f"{prefix}{i}", p, sp)
+        for i, p in enumerate(random_prompts(lens, seed=len(prefix) + sum(lens)))
+    ]
 
 
 def _tokens(streams) -> dict[str, list[int]]:
@@ -48,7 +59,9 @@ def _tokens(streams) -> dict[str, list[int]]:
     return got
 
 
-def _reference(make_engine, batches: list[list[EngineRequest]], **overrides) -> dict[str, list[int]]:
+def _reference(
+    make_engine, batches: list[list[EngineRequest]], **overrides
+) -> dict[str, list[int]]:
     plain = make_engine(cpu_prompt_lane=False, **overrides)
     streams = [plain.submit(b) for b in batches]
     while plain.has_work:
@@ -56,7 +69,9 @@ def _reference(make_engine, batches: list[list[EngineRequest]], **overrides) -> 
     return _tokens(streams)
 
 
-def test_prompts_that_arrive_while_others_decode_run_in_the_lane_and_decode_steps_carry_none(make_engine):
+def test_prompts_that_arrive_while_others_decode_run_in_the_lane_and_decode_steps_carry_none(
+    make_engine,
+):
     engine = make_engine()
     assert engine.executor.lane is not None and engine.executor.lane.threads == 1
     engine.scheduler.lane_on = True  # what start() sets; the test is both threads
@@ -72,7 +87,11 @@ def test_prompts_that_arrive_while_others_decode_run_in_the_lane_and_decode_step
     assert [r.request_id for r in engine.scheduler.waiting] == ["bb0", "bb1"]
     assert engine.lane_step()
     got = _tokens(streams)
-    assert [len(got[r.request_id]) for r in later] == [1, 1]  # first tokens out with the lane's step
+    # first tokens out with the lane's step
+    assert [len(got[r.request_id]) for r in later] == [
+        1,
+        1,
+    ]
     assert engine.stats().num_running == 4 and not engine.scheduler.lane
     while engine.has_work:
         engine.step()
@@ -154,18 +173,24 @@ def test_a_failing_lane_step_fails_only_its_own_requests(make_engine):
     assert engine.lane_step()
     while engine.has_work:
         engine.step()
-    ends = {d.request_id: d for s in streams for frame in s.poll() for d in frame if d.finish_reason}
+    ends = {
+        d.request_id: d for s in streams for frame in s.poll() for d in frame if d.finish_reason
+    }
     assert ends["bb0"].finish_reason == "error" and "lane broke" in (ends["bb0"].error or "")
     assert ends["a0"].finish_reason == "length"
     assert engine.executor.cache.num_free_pages == initial
 
 
-def test_a_step_whose_results_cannot_be_applied_fails_its_requests_instead_of_stranding_them(make_engine):
+def test_a_step_whose_results_cannot_be_applied_fails_its_requests_instead_of_stranding_them(
+    make_engine,
+):
     """A bug in applying a step's results (not in the step itself): its requests end with an
     error and give their pages back; the lane's are not left in the lane with no step to take
     them, and one that finished in there before the bug still gets its end. Later requests
     run as usual."""
-    engine, streams, initial = _one_decoding_then(make_engine, _reqs("bb", [14]) + _reqs("c", [6], max_tokens=1))
+    engine, streams, initial = _one_decoding_then(
+        make_engine, _reqs("bb", [14]) + _reqs("c", [6], max_tokens=1)
+    )
     applied = Engine._postprocess
 
     def broken(self, step, result):
@@ -177,8 +202,14 @@ def test_a_step_whose_results_cannot_be_applied_fails_its_requests_instead_of_st
     assert not engine.scheduler.lane  # nothing stranded in the lane
     engine.step()  # the engine's own step: "a0" fails the same way
     del engine._postprocess
-    ends = {d.request_id: d for s in streams for frame in s.poll() for d in frame if d.finish_reason}
-    assert {rid: d.finish_reason for rid, d in ends.items()} == {"a0": "error", "bb0": "error", "c0": "error"}
+    ends = {
+        d.request_id: d for s in streams for frame in s.poll() for d in frame if d.finish_reason
+    }
+    assert {rid: d.finish_reason for rid, d in ends.items()} == {
+        "a0": "error",
+        "bb0": "error",
+        "c0": "error",
+    }
     assert all("bookkeeping broke" in (d.error or "") for d in ends.values())
     assert not engine.has_work and engine.executor.cache.num_free_pages == initial
     later = engine.submit(_reqs("d", [8], max_tokens=3))
@@ -187,7 +218,9 @@ def test_a_step_whose_results_cannot_be_applied_fails_its_requests_instead_of_st
     assert _tokens([later]) == _reference(make_engine, [_reqs("d", [8], max_tokens=3)])
 
 
-def test_the_engines_steps_leave_the_lane_its_threads_while_it_runs_or_prompts_wait_for_it(make_engine):
+def test_the_engines_steps_leave_the_lane_its_threads_while_it_runs_or_prompts_wait_for_it(
+    make_engine,
+):
     engine = make_engine(cpu_small_step_tokens=None)
     executor = engine.executor
     assert executor.step_threads(100) == 2
@@ -206,7 +239,8 @@ def test_the_engines_steps_leave_the_lane_its_threads_while_it_runs_or_prompts_w
 
 
 def test_a_started_engine_runs_new_prompts_in_the_lane_with_the_plain_engines_tokens(make_engine):
-    roomy = dict(max_seq_len=512, num_pages=400)  # a0 and a1 decode long enough for the others to arrive
+    # a0 and a1 decode long enough for the others to arrive
+    roomy = dict(max_seq_len=512, num_pages=400)
     engine = make_engine(**roomy)
     engine.start()
     try:
@@ -266,7 +300,9 @@ def test_streams_closed_at_random_moments_leave_no_request_behind(make_engine):
                 s.close()
                 time.sleep(rng.random() * 0.003)
             deadline = time.monotonic() + 10
-            while (engine.stats().num_running or engine.stats().num_waiting) and time.monotonic() < deadline:
+            while (
+                engine.stats().num_running or engine.stats().num_waiting
+            ) and time.monotonic() < deadline:
                 time.sleep(0.005)
             stats = engine.stats()
             assert (stats.num_running, stats.num_waiting) == (0, 0), round_

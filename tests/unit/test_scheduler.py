@@ -16,7 +16,10 @@ PAGE, PAGES = 4, 128
 
 
 def scheduler(
-    token_budget: int, prefill_budget: int | None, prefill_slowdown: float | None = None, max_running: int = 8
+    token_budget: int,
+    prefill_budget: int | None,
+    prefill_slowdown: float | None = None,
+    max_running: int = 8,
 ) -> Scheduler:
     dev = torch.device("cpu")
     ws = InferenceWorkspace(max_tokens=256, max_running=8, max_seq_len=256, num_heads=2, head_dim=8,
@@ -142,7 +145,8 @@ def test_the_pacer_charges_a_big_batchs_decodes_to_the_decodes_not_to_its_prompt
         pacer.observe(0.004 + 30e-6 * 256 + 30e-6 * share, num_decodes=256, num_prompt_tokens=share)
     assert abs(pacer.decode_step_s(256) - (0.004 + 30e-6 * 256)) < 1e-6
     assert 305 <= pacer.budget(256) <= 317
-    assert 0.8 * 0.00412 / 30e-6 - 2 <= pacer.budget(4) <= 0.8 * 0.00412 / 30e-6 + 2  # ~110 at 4 decodes
+    # ~110 at 4 decodes
+    assert 0.8 * 0.00412 / 30e-6 - 2 <= pacer.budget(4) <= 0.8 * 0.00412 / 30e-6 + 2
 
 
 def _gpu_like(pacer: PromptPacer, fixed_s: float, steps: int = 60) -> None:
@@ -154,7 +158,9 @@ def _gpu_like(pacer: PromptPacer, fixed_s: float, steps: int = 60) -> None:
     for i in range(steps):
         share = pacer.budget(64) or 512
         chunk = share if i % 3 else max(1, share // 3)
-        pacer.observe(0.004 + 30e-6 * 64 + fixed_s + 25e-6 * chunk, num_decodes=64, num_prompt_tokens=chunk)
+        pacer.observe(
+            0.004 + 30e-6 * 64 + fixed_s + 25e-6 * chunk, num_decodes=64, num_prompt_tokens=chunk
+        )
         pacer.observe(0.004 + 30e-6 * 64, num_decodes=64, num_prompt_tokens=0)
 
 
@@ -214,7 +220,13 @@ def test_with_the_prompt_lane_decode_steps_admit_no_one_and_the_lane_takes_the_p
     assert step(s) == {"a": 5, "w": 5, "x": 5, "y": 5}
     for rid, n in (("b", 6), ("c", 20), ("d", 7), ("e", 100)):
         s.add(request(rid, n))
-    assert step(s) == {"a": 1, "w": 1, "x": 1, "y": 1}  # no more wait than decode: the lane takes them
+    # no more wait than decode: the lane takes them
+    assert step(s) == {
+        "a": 1,
+        "w": 1,
+        "x": 1,
+        "y": 1,
+    }
     assert lane_step(s) == {"b": 6, "c": 20}  # short prompts together, within LANE_BATCH_TOKENS
     assert lane_step(s) == {"d": 7}  # e would take the step past it: next time
     assert lane_step(s) == {"e": 64}  # alone, whole up to the token budget: chunked
@@ -266,7 +278,9 @@ def test_a_burst_admitted_beside_the_lane_leaves_room_for_the_lanes_requests() -
     assert len(s.running) + len(s.lane) == 5 and len(s.waiting) == 3
 
 
-def test_the_lane_finishes_its_prompts_even_when_nothing_runs_and_then_the_engine_admits_again() -> None:
+def test_the_lane_finishes_its_prompts_even_when_nothing_runs_and_then_the_engine_admits_again() -> (
+    None
+):
     s = scheduler(token_budget=16, prefill_budget=None)
     s.lane_on = True
     s.add(request("a", 3))

@@ -12,7 +12,9 @@ if TYPE_CHECKING:
     from worker.workspace import InferenceWorkspace
 
 
-def _torch_backend(num_heads: int, head_dim: int, workspace: InferenceWorkspace) -> AttentionBackend:
+def _torch_backend(
+    num_heads: int, head_dim: int, workspace: InferenceWorkspace
+) -> AttentionBackend:
     return TorchNativeBackend(num_heads, head_dim)
 
 

@@ -54,35 +54,77 @@ class CudaBackend(AttentionBackend):
             return self.fwd_decode(layer, q, view, out)
         return self.fwd_prefill(layer, q, view, out)
 
-    def fwd_decode(self, layer: int, q: torch.Tensor, view: CacheView, out: torch.Tensor | None = None) -> torch.Tensor:
+    def fwd_decode(
+        self, layer: int, q: torch.Tensor, view: CacheView, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         b, ws = self._batch, self.ws
         assert b is not None
         if out is None:
             out = ws.decode_out[: q.shape[0]]
+        # fmt: skip
         cuda_ops.decode_attention(
-            q, view.k_cache[layer], view.v_cache[layer], view.req_to_token, b.req_pool_indices, b.seq_lens,
-            view.page_size, self.scale, out, ws.decode_o_part, ws.decode_ml_part,
-        )  # fmt: skip
+            q,
+            view.k_cache[layer],
+            view.v_cache[layer],
+            view.req_to_token,
+            b.req_pool_indices,
+            b.seq_lens,
+            view.page_size,
+            self.scale,
+            out,
+            ws.decode_o_part,
+            ws.decode_ml_part,
+        )
         return out
 
-    def fwd_prefill(self, layer: int, q: torch.Tensor, view: CacheView, out: torch.Tensor | None = None) -> torch.Tensor:
+    def fwd_prefill(
+        self, layer: int, q: torch.Tensor, view: CacheView, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         b, ws, d = self._batch, self.ws, self._num_leading_decodes
         assert b is not None
         if out is None:
             out = torch.empty_like(q)
         k_cache, v_cache = view.k_cache[layer], view.v_cache[layer]
         if d == 0:
+            # fmt: skip
             cuda_ops.prefill_attention(
-                q, k_cache, v_cache, view.req_to_token, b.req_pool_indices, b.seq_lens,
-                b.qo_indptr, view.page_size, self.scale, out,
-            )  # fmt: skip
+                q,
+                k_cache,
+                v_cache,
+                view.req_to_token,
+                b.req_pool_indices,
+                b.seq_lens,
+                b.qo_indptr,
+                view.page_size,
+                self.scale,
+                out,
+            )
             return out
+        # fmt: skip
         cuda_ops.decode_attention(
-            q[:d], k_cache, v_cache, view.req_to_token, b.req_pool_indices[:d], b.seq_lens[:d],
-            view.page_size, self.scale, out[:d], ws.decode_o_part, ws.decode_ml_part,
-        )  # fmt: skip
+            q[:d],
+            k_cache,
+            v_cache,
+            view.req_to_token,
+            b.req_pool_indices[:d],
+            b.seq_lens[:d],
+            view.page_size,
+            self.scale,
+            out[:d],
+            ws.decode_o_part,
+            ws.decode_ml_part,
+        )
+        # fmt: skip
         cuda_ops.prefill_attention(
-            q[d:], k_cache, v_cache, view.req_to_token, b.req_pool_indices[d:], b.seq_lens[d:],
-            self._rest_qo_indptr, view.page_size, self.scale, out[d:],
-        )  # fmt: skip
+            q[d:],
+            k_cache,
+            v_cache,
+            view.req_to_token,
+            b.req_pool_indices[d:],
+            b.seq_lens[d:],
+            self._rest_qo_indptr,
+            view.page_size,
+            self.scale,
+            out[d:],
+        )
         return out

@@ -167,10 +167,22 @@ def decode_attention(
     from B and the shapes (see decode_plan); `num_splits` / `variant` force them, for
     tests and benchmarks (variant 0 = automatic).
     """
+    # fmt: skip
     load().decode_attention(
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, page_size, sm_scale,
-        out, o_part, ml_part, num_splits, variant,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        page_size,
+        sm_scale,
+        out,
+        o_part,
+        ml_part,
+        num_splits,
+        variant,
+    )
 
 
 def prefill_attention(
@@ -194,15 +206,31 @@ def prefill_attention(
     The tiling is chosen from T and the batch size (prefill_variant); `variant` forces
     one, for tests and benchmarks (0 = automatic).
     """
+    # fmt: skip
     load().prefill_attention(
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, qo_indptr, page_size,
-        sm_scale, out, variant,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        qo_indptr,
+        page_size,
+        sm_scale,
+        out,
+        variant,
+    )
 
 
-def prefill_variant(batch: int, num_tokens: int, num_q_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def prefill_variant(
+    batch: int, num_tokens: int, num_q_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     """The prefill tiling used for `batch` sequences of `num_tokens` queries in all."""
-    return int(load().prefill_resolve_variant(0, batch, num_tokens, num_q_heads, head_dim, dtype == torch.float16))
+    return int(
+        load().prefill_resolve_variant(
+            0, batch, num_tokens, num_q_heads, head_dim, dtype == torch.float16
+        )
+    )
 
 
 def prefill_variants() -> int:
@@ -212,11 +240,15 @@ def prefill_variants() -> int:
 
 def prefill_kernel_info(head_dim: int, dtype: torch.dtype, variant: int) -> dict[str, int]:
     """Static facts of a prefill variant on this GPU: tile rows, residency, registers, spills."""
-    rows, blocks, regs, spill = load().prefill_kernel_info(head_dim, dtype == torch.float16, variant)
+    rows, blocks, regs, spill = load().prefill_kernel_info(
+        head_dim, dtype == torch.float16, variant
+    )
     return {"tile_m": rows, "blocks_per_sm": blocks, "registers": regs, "spill_bytes": spill}
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
     """In place on [T, N] tensors: residual = residual + x, then x = rms_norm(residual) * weight."""
     load().fused_add_rms_norm(x, residual, weight, eps)
 
@@ -227,7 +259,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
 
 
 def rotary(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
 ) -> None:
     """Rotate-half RoPE in place on q [T, Hq, D] and k [T, Hk, D] (strided views allowed).
 

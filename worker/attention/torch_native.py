@@ -16,7 +16,8 @@ from worker.cache_view import CacheView
 class _DecodeGroup:
     """Requests with one new token: one batched SDPA over K/V padded to the longest."""
 
-    token_index: torch.Tensor | None  # where their tokens sit in the packed batch (None: all, in order)
+    # where their tokens sit in the packed batch (None: all, in order)
+    token_index: torch.Tensor | None
     slots: torch.Tensor  # [Bd, max_len] int64
     mask: torch.Tensor  # [Bd, 1, 1, max_len] bool
 
@@ -82,24 +83,35 @@ class TorchNativeBackend(AttentionBackend):
             ks = view.k_cache[layer].index_select(0, s.slots).transpose(0, 1)  # [Hkv, kv_len, D]
             vs = view.v_cache[layer].index_select(0, s.slots).transpose(0, 1)
             o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=s.mask, is_causal=s.mask is None, scale=self.scale, enable_gqa=True
+                qs,
+                ks,
+                vs,
+                attn_mask=s.mask,
+                is_causal=s.mask is None,
+                scale=self.scale,
+                enable_gqa=True,
             )
             out[s.start : s.start + s.q_len] = o.transpose(0, 1)
         return out
 
-    def _attend_decode(self, layer: int, q: torch.Tensor, view: CacheView, out: torch.Tensor) -> None:
+    def _attend_decode(
+        self, layer: int, q: torch.Tensor, view: CacheView, out: torch.Tensor
+    ) -> None:
         g = self._group
         assert g is not None
         qd = q if g.token_index is None else q[g.token_index]
         b, n_kv = qd.shape[0], view.k_cache.shape[2]
         shape = (*g.slots.shape, n_kv, view.k_cache.shape[3])
         # index_select on the layer's view: `buf[layer, slots]` takes a slow path in torch (~450x on CPU).
-        k = view.k_cache[layer].index_select(0, g.slots.view(-1)).view(shape).transpose(1, 2)  # [Bd, Hkv, L, D]
+        # [Bd, Hkv, L, D]
+        k = view.k_cache[layer].index_select(0, g.slots.view(-1)).view(shape).transpose(1, 2)
         v = view.v_cache[layer].index_select(0, g.slots.view(-1)).view(shape).transpose(1, 2)
         # One query token per request: the query heads sharing a KV head become that head's query
         # rows, so GQA needs no repeated K/V (6x faster than enable_gqa with a mask on CPU).
         grouped = qd.view(b, n_kv, -1, qd.shape[-1])
-        o = F.scaled_dot_product_attention(grouped, k, v, attn_mask=g.mask, scale=self.scale).view(qd.shape)
+        o = F.scaled_dot_product_attention(grouped, k, v, attn_mask=g.mask, scale=self.scale).view(
+            qd.shape
+        )
         if g.token_index is None:
             out.copy_(o)
         else:

@@ -86,12 +86,16 @@ class ModelConfig:
         traits = ARCHITECTURES[arch]
         act = raw.get("hidden_act", "silu")
         if act != "silu":
-            raise ModelConfigError(f"unsupported value {act!r} of config field 'hidden_act' (only 'silu')")
+            raise ModelConfigError(
+                f"unsupported value {act!r} of config field 'hidden_act' (only 'silu')"
+            )
         rope = _rope_parameters(raw)
         n_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         sliding = raw.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get(
+            "use_sliding_window", False
+        ):
             sliding = None
         attn_bias = bool(raw.get("attention_bias", False))
         return cls(
@@ -123,7 +127,9 @@ def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
     params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in _ROPE_TYPES:
-        raise ModelConfigError(f"unsupported value {kind!r} of config field 'rope_scaling.rope_type'; supported: {_ROPE_TYPES}")
+        raise ModelConfigError(
+            f"unsupported value {kind!r} of config field 'rope_scaling.rope_type'; supported: {_ROPE_TYPES}"
+        )
     params["rope_type"] = kind
     params.pop("type", None)
     if params.get("partial_rotary_factor", 1.0) != 1.0:

@@ -21,17 +21,28 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv_proj = MergedLinear(
-            cfg.hidden_size, {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size}, bias=cfg.qkv_bias
+            cfg.hidden_size,
+            {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size},
+            bias=cfg.qkv_bias,
         )
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, rope: RopeInputs, view: CacheView, backend: AttentionBackend, ops: ModelOps
+        self,
+        x: torch.Tensor,
+        rope: RopeInputs,
+        view: CacheView,
+        backend: AttentionBackend,
+        ops: ModelOps,
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -50,7 +61,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = MergedLinear(
-            cfg.hidden_size, {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}, bias=cfg.mlp_bias
+            cfg.hidden_size,
+            {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size},
+            bias=cfg.mlp_bias,
         )
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
@@ -104,10 +117,18 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops or TorchOps()
         self.model = Backbone(cfg)
         self.rotary = RotaryEmbedding(cfg, max_len)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, view: CacheView, backend: AttentionBackend
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        view: CacheView,
+        backend: AttentionBackend,
     ) -> torch.Tensor:
         """Hidden states `[T, hidden]` after the final norm for a packed batch of T tokens."""
         x = self.model.embed_tokens(input_ids)

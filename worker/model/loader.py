@@ -24,7 +24,13 @@ from worker.model.ops import ModelOps
 log = logging.getLogger("kvray.loader")
 
 # HF projection name -> the merged parameter that holds it.
-_MERGED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+_MERGED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -60,7 +66,9 @@ def _iter_tensors(files: list[Path], device: torch.device) -> Iterator[tuple[str
                 try:
                     yield name, f.get_tensor(name)
                 except Exception as e:
-                    raise ModelLoadError(f"cannot read tensor {name!r} from {file.name}: {e}") from e
+                    raise ModelLoadError(
+                        f"cannot read tensor {name!r} from {file.name}: {e}"
+                    ) from e
 
 
 def _count_tensors(files: list[Path]) -> int:
@@ -74,7 +82,9 @@ def _count_tensors(files: list[Path]) -> int:
     return total
 
 
-def _target(model: LlamaForCausalLM, name: str) -> tuple[str, torch.nn.Parameter, tuple[int, int] | None]:
+def _target(
+    model: LlamaForCausalLM, name: str
+) -> tuple[str, torch.nn.Parameter, tuple[int, int] | None]:
     """The parameter (and its row range, for merged projections) an HF tensor name fills."""
     parts = name.split(".")
     shard = None
@@ -92,7 +102,9 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[str, torch.nn.Parameter
     return name, params[name], shard
 
 
-def load_weights(model: LlamaForCausalLM, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+def load_weights(
+    model: LlamaForCausalLM, path: Path, dtype: torch.dtype, device: torch.device
+) -> None:
     files = weight_files(path)
     expected = {n: p.shape for n, p in model.named_parameters()}
     filled: dict[str, int] = {}  # parameter name -> rows filled
@@ -117,7 +129,9 @@ def load_weights(model: LlamaForCausalLM, path: Path, dtype: torch.dtype, device
     bar.close()
     for name, shape in expected.items():
         if filled.get(name, 0) != shape[0]:
-            raise ModelLoadError(f"missing tensor for {name!r} in {path} (checkpoint names use the HF layout)")
+            raise ModelLoadError(
+                f"missing tensor for {name!r} in {path} (checkpoint names use the HF layout)"
+            )
 
 
 def random_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
@@ -162,7 +176,13 @@ def load_model(
     n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     log.info(
         "loaded %s (%s) from %s: %.1fM params, %.2f GiB %s on %s in %.1fs",
-        cfg.architecture, path.name, path, n_params / 1e6, n_bytes / 2**30,
-        str(dtype).removeprefix("torch."), device, time.perf_counter() - start,
+        cfg.architecture,
+        path.name,
+        path,
+        n_params / 1e6,
+        n_bytes / 2**30,
+        str(dtype).removeprefix("torch."),
+        device,
+        time.perf_counter() - start,
     )
     return model

@@ -45,10 +45,14 @@ class ModelOps(ABC):
         fused with the next norm."""
 
     @abstractmethod
-    def rope_inputs(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs: ...
+    def rope_inputs(
+        self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype
+    ) -> RopeInputs: ...
 
     @abstractmethod
-    def rope(self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(
+        self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate-half RoPE of q `[T, Hq, D]` and k `[T, Hk, D]`."""
 
     @abstractmethod
@@ -66,11 +70,15 @@ class TorchOps(ModelOps):
         residual = residual + x
         return rms_norm(residual, weight, eps), residual
 
-    def rope_inputs(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
+    def rope_inputs(
+        self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype
+    ) -> RopeInputs:
         cos, sin = rotary(positions, dtype)
         return RopeInputs(positions, cos, sin)
 
-    def rope(self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(
+        self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rope(q, rope.cos, rope.sin), apply_rope(k, rope.cos, rope.sin)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -99,15 +107,21 @@ class CudaOps(ModelOps):
         self._k.fused_add_rms_norm(x, residual, weight, eps)
         return x, residual
 
-    def rope_inputs(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
+    def rope_inputs(
+        self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype
+    ) -> RopeInputs:
         return RopeInputs(positions, rotary.cos, rotary.sin)
 
-    def rope(self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(
+        self, q: torch.Tensor, k: torch.Tensor, rope: RopeInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         self._k.rotary(q, k, rope.positions, rope.cos, rope.sin)
         return q, k
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device)
+        out = torch.empty(
+            (gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device
+        )
         self._k.silu_and_mul(gate_up, out)
         return out
 
