@@ -290,9 +290,10 @@ def local_app(config: Any) -> Iterator[str]:
     from ray import serve
 
     from cluster.app import build_app, cluster_runtime_env, set_serve_env
-    from cluster.local_ray import lower_control_plane
+    from cluster.local_ray import lower_control_plane, set_own_ray_env
 
     set_serve_env()
+    set_own_ray_env()  # as `kvray serve` does
     with _timeline_recorded():
         # "local": a fresh Ray instance, never another process's cluster on this machine
         ray.init(

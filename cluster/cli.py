@@ -102,7 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from cluster.app import build_app, cluster_runtime_env, set_serve_env
-    from cluster.local_ray import lower_control_plane, ray_session
+    from cluster.local_ray import lower_control_plane, ray_session, set_own_ray_env
 
     config = _serve_config(args)
     if args.address and args.ray_nodes != 1:
@@ -110,6 +110,8 @@ def _serve(args: argparse.Namespace) -> int:
             "kvray serve: --ray-nodes starts a local Ray; it cannot be combined with --address"
         )
     set_serve_env()
+    if args.address is None:
+        set_own_ray_env()
     with ray_session(
         nodes=args.ray_nodes, address=args.address, runtime_env=cluster_runtime_env(config)
     ):

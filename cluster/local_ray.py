@@ -66,9 +66,10 @@ def ray_session(
 # Ray's control plane, by a process's argv[0] (the process title Ray gives it) or a script it
 # runs: the GCS, the dashboard with its agents, the log and autoscaler monitors, and Serve's
 # controller; and whatever those start (the dashboard's module processes, forked by a
-# forkserver of its own, ~2 % of a core between them on the 2-core CPU while idle). Serve's proxies and the replicas are not in it: requests go through them. Nor
-# is the raylet: it forks the workers, which start at its niceness plus Ray's
-# `worker_niceness` (measured: workers started after a raylet went to 19 ran at 19).
+# forkserver of its own, ~2 % of a core between them on the 2-core CPU while idle). Serve's
+# proxies and the replicas are not in it: requests go through them. Nor is the raylet: it
+# forks the workers, which start at its niceness plus Ray's `worker_niceness` (measured:
+# workers started after a raylet went to 19 ran at 19).
 CONTROL_PLANE_TITLES = (
     "gcs_server",
     "ray::DashboardAgent",
@@ -83,6 +84,24 @@ CONTROL_PLANE_SCRIPTS = (
     "autoscaler/_private/monitor.py",
 )
 CONTROL_PLANE_NICENESS = 19
+
+# Settings for a Ray that kvray starts for itself (`kvray serve` without --address, the
+# benchmarks' apps), set before it starts: every process of it inherits them. Serve's
+# controller runs its reconcile loop every 0.1 s by default, and each pass asks the GCS for
+# every node's free resources. Idle on the 2-core CPU that took 3.3-3.4 % of a core in the
+# controller, and all of Ray's processes took 10.8-11.5 %; at 0.5 s, 1.2-1.5 % and 7.1-8.4 %
+# (benchmarks/README.md, "Sessions 18-19"): CPU that an engine on the same cores loses. The
+# price: the controller notices a dead replica, a scaling decision or a deployment's next
+# step up to 0.5 s later (the demo app was ready in 10-12 s either way). A cluster of your
+# own (Kubernetes, `ray start`) keeps Serve's default unless you export it there too.
+OWN_RAY_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+
+
+def set_own_ray_env() -> None:
+    """Put OWN_RAY_ENV into this process's environment, keeping any value the user set;
+    before this process starts a Ray of its own."""
+    for key, value in OWN_RAY_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 def lower_control_plane(niceness: int = CONTROL_PLANE_NICENESS) -> list[int]:

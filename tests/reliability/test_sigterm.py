@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import yaml
 
+from cluster.local_ray import OWN_RAY_ENV, _argv, _descendants
 from tests.cluster.conftest import ENGINE, free_port
 
 READY_TIMEOUT_S = 240.0
@@ -53,6 +54,12 @@ def _wait_ready(proc: subprocess.Popen[str], log: list[str]) -> None:
         raise AssertionError("kvray serve did not become ready:\n" + "".join(log[-30:]))
 
 
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {key.decode(): value.decode(errors="replace") for key, value in pairs}
+
+
 def _stream(base: str, result: dict[str, Any], first: threading.Event) -> None:
     body = {
         "model": "demo",
@@ -79,6 +86,16 @@ def test_sigterm_drains_running_streams_refuses_new_ones_and_exits(tmp_path: Pat
     proc = _start(tmp_path, port)
     try:
         _wait_ready(proc, log)
+        # the Ray it started runs Serve's controller with kvray's settings for its own Ray
+        argvs = {pid: _argv(pid) for pid in _descendants(proc.pid)}
+        controllers = [
+            pid
+            for pid, argv in argvs.items()
+            if argv and argv[0].startswith("ray::ServeController")
+        ]
+        assert controllers, "no Serve controller below kvray serve"
+        assert OWN_RAY_ENV.items() <= _environ(controllers[0]).items()
+
         result: dict[str, Any] = {}
         first = threading.Event()
         streamer = threading.Thread(target=_stream, args=(base, result, first))
