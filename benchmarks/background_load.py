@@ -25,14 +25,16 @@ SYS_SCHED_SETATTR = 314  # x86_64
 SPIN_MS, PERIOD_MS = 1.0, 14.0
 
 
-def set_slice(nanoseconds: int) -> None:
-    """This thread's EEVDF slice (SCHED_OTHER, its niceness kept)."""
+def set_slice(nanoseconds: int, tid: int = 0) -> None:
+    """A thread's EEVDF slice (0: the default; `tid` 0: this thread), its policy SCHED_OTHER
+    and niceness kept."""
     libc = ctypes.CDLL(None, use_errno=True)
-    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    nice = os.getpriority(os.PRIO_PROCESS, tid)
+    # struct sched_attr: size, policy, flags, nice, priority, runtime (the slice), deadline, period, util min/max
     attr = ctypes.create_string_buffer(
         struct.pack("IIQiIQQQII", 56, 0, 0, nice, 0, nanoseconds, 0, 0, 0, 0)
     )
-    if libc.syscall(SYS_SCHED_SETATTR, 0, attr, 0) != 0:
+    if libc.syscall(SYS_SCHED_SETATTR, tid, attr, 0) != 0:
         raise OSError(ctypes.get_errno(), "sched_setattr")
 
 

@@ -21,18 +21,17 @@ A phase stops its processes for ~2 s; Ray's and Serve's health checks allow far 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import random
 import signal
 import statistics
-import struct
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from functools import partial
 
 from benchmarks import write_result
+from benchmarks.background_load import set_slice
 from cluster.local_ray import _argv, _threads, is_control_plane
 
 SERVE_TITLES = ("ray::ProxyActor", "ray::HAProxyManager")
@@ -113,28 +112,13 @@ def short_slice(pids: list[int], nanoseconds: int = 100_000) -> Iterator[None]:
     tids = _threads_of(pids)
     for tid in tids:
         with suppress(OSError):
-            set_slice(tid, nanoseconds)
+            set_slice(nanoseconds, tid)
     try:
         yield
     finally:
         for tid in tids:
             with suppress(OSError):
-                set_slice(tid, 0)
-
-
-def set_slice(tid: int, nanoseconds: int) -> None:
-    """A thread's EEVDF slice (0: the default), its policy SCHED_OTHER and niceness kept."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    nice = os.getpriority(os.PRIO_PROCESS, tid)
-    # struct sched_attr: size, policy, flags, nice, priority, runtime (the slice), deadline, period, util min/max
-    attr = ctypes.create_string_buffer(
-        struct.pack("IIQiIQQQII", 56, 0, 0, nice, 0, nanoseconds, 0, 0, 0, 0)
-    )
-    if libc.syscall(SYS_SCHED_SETATTR, tid, attr, 0) != 0:
-        raise OSError(ctypes.get_errno(), "sched_setattr")
-
-
-SYS_SCHED_SETATTR = 314  # x86_64
+                set_slice(0, tid)
 
 
 def main(argv: list[str] | None = None) -> int:
