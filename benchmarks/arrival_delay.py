@@ -72,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     async def run() -> dict[str, list[dict[str, float]]]:
-        engine = Engine(EngineConfig(model="demo", device="cpu", prefix_cache=False))
-        engine.start()
+        engine = Engine.launched(EngineConfig(model="demo", device="cpu", prefix_cache=False))
         try:
             await asyncio.gather(*(request(engine, s, 4) for s in warm_up_samples(samples)))
             results: dict[str, list[dict[str, float]]] = {str(d): [] for d in delays}

@@ -36,8 +36,7 @@ async def decode_load(
 
     if threads is not None:
         torch.set_num_threads(threads)
-    engine = Engine(engine_config)
-    engine.start()
+    engine = Engine.launched(engine_config)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
     gaps: list[float] = []
 

@@ -13,7 +13,7 @@ Groups (by each process's title, /proc/PID/cmdline):
 - control: Ray's control plane as `kvray serve` lowers it (cluster/local_ray.py:
   is_control_plane), and the dashboard's head processes;
 - serve: Serve's proxy actor and HAProxy manager;
-- replicas: the app's ingress and worker replicas;
+- replicas: the app's ingress and worker replicas (and each kind alone: worker, ingress);
 - all: every process of Ray (the above, the raylet, HAProxy, idle workers, the driver).
 A phase stops its processes for ~2 s; Ray's and Serve's health checks allow far longer.
 """
@@ -146,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     everything = [pid for pids in groups.values() for pid in pids]
     members = {name: groups.get(name, []) for name in ("control", "serve", "replicas")}
     members["all"] = everything
+    # the replicas one kind at a time: the worker replica (its engine idle) and the ingress
+    for kind in ("Worker", "Ingress"):
+        members[kind.lower()] = [
+            pid for pid in members["replicas"] if kind in " ".join(_argv(pid)[:1])
+        ]
     for name, pids in members.items():
         print(f"{name:9s} {len(pids)} processes", flush=True)
 

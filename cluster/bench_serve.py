@@ -643,8 +643,7 @@ async def _engine_load(
 
     if cpu_threads is not None:
         torch.set_num_threads(cpu_threads)
-    engine = Engine(engine_config)
-    engine.start()
+    engine = Engine.launched(engine_config)  # as a worker replica starts it
     counter = iter(range(10**9))
     engine_ttfts: list[float] = []  # the engine's own, as the ingress's histograms have them
     engine_queues: list[float] = []

@@ -186,11 +186,10 @@ class WorkerDeployment:
     ):
         _set_cpu_threads(engine_config, cpu_threads)
         _warn_if_below_the_control_plane()
-        self._engine = Engine(engine_config)
+        self._engine = Engine.launched(engine_config)  # built on its loop thread, see there
         self._faults = FaultInjector(fault_injection)
         if fault_injection:
             self._engine.fault_hook = self._faults
-        self._engine.start()
         self._summary_pages = summary_pages
         self._heartbeat_s = heartbeat_s
         self._orphan_timeout_s = orphan_timeout_s

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -517,17 +518,52 @@ class Engine:
             stream.push(frame)
 
     # -- the loop thread -----------------------------------------------------------------
+    @classmethod
+    def launched(cls, config: EngineConfig) -> Engine:
+        """An engine built on the loop thread that then steps it (as `start` does): every torch
+        op of its build and of its steps on one thread. A server's engine should start so.
+
+        On CPU it matters. GNU OpenMP, torch's CPU thread pool, gives each thread that runs
+        parallel work a team of its own; once the teams' threads outnumber the cores, every
+        thread sleeps at each barrier after a short spin instead of a long one, and a step's
+        hundreds of small parallel ops each wait for a futex wakeup. Built on one thread and
+        stepped on another (`Engine(...)` then `start()`), a 64-token demo prompt step took
+        201 ms on the 2-core CPU; built and stepped on one thread, 127 ms
+        (benchmarks/engine_thread.py; docs/architecture.md)."""
+        handoff: queue.SimpleQueue[Engine | BaseException] = queue.SimpleQueue()
+
+        def main() -> None:
+            try:
+                engine = cls(config)
+            except BaseException as exc:  # the caller raises it
+                handoff.put(exc)
+                return
+            engine._thread = threading.current_thread()
+            engine._start_lane()
+            handoff.put(engine)
+            engine._loop()
+
+        threading.Thread(target=main, name="kvray-engine", daemon=True).start()
+        built = handoff.get()
+        if isinstance(built, BaseException):
+            raise built
+        return built
+
     def start(self) -> None:
+        """Step on a loop thread from now on (on CPU, and the prompt lane's); see `launched`."""
         if self._thread is not None:
             return
+        self._start_lane()
+        self._thread = threading.Thread(target=self._loop, name="kvray-engine", daemon=True)
+        self._thread.start()
+
+    def _start_lane(self) -> None:
         if self.executor.lane is not None:
             self.scheduler.lane_on = True
             self._lane_thread = threading.Thread(
                 target=self._lane_loop, name="kvray-prompt-lane", daemon=True
             )
             self._lane_thread.start()
-        self._thread = threading.Thread(target=self._loop, name="kvray-engine", daemon=True)
-        self._thread.start()
 
     def shutdown(self) -> None:
         with self._cv:

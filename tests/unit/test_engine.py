@@ -160,6 +160,44 @@ def test_async_stream_one_frame_per_step_from_the_loop_thread(engine_factory):
     assert stats.generation_tokens_total == 24 and stats.num_running == 0 and not stats.loop_alive
 
 
+def test_launched_builds_and_steps_on_its_loop_thread(tiny_model, llm, monkeypatch):
+    import threading
+
+    import worker.engine as engine_module
+
+    built_on = []
+
+    class Recording(engine_module.Executor):
+        def __init__(self, *args, **kwargs):
+            built_on.append(threading.current_thread())
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "Executor", Recording)
+    path, _ = tiny_model("llama")
+    engine = Engine.launched(EngineConfig(**_config(path)))
+    try:
+        assert built_on == [engine._thread] and built_on[0] is not threading.current_thread()
+        assert engine.stats().loop_alive
+        frames = list(engine.submit(_reqs("l", 2, max_tokens=12)))
+    finally:
+        engine.shutdown()
+    got = {}
+    for frame in frames:
+        for d in frame:
+            got.setdefault(d.request_id, []).extend(d.new_token_ids)
+    want = llm.generate(
+        [r.prompt_token_ids for r in _reqs("l", 2)],
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    )
+    assert [got["l0"], got["l1"]] == [w.token_ids for w in want]  # as the offline engine
+    assert not engine.stats().loop_alive
+
+
+def test_launched_raises_what_the_build_raised(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        Engine.launched(EngineConfig(model=str(tmp_path / "missing"), device="cpu"))
+
+
 def test_stop_token_ids_min_and_max_tokens(llm):
     prompt = random_prompts([9])[0]
     free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
