@@ -155,6 +155,29 @@ def test_overlap_gives_the_tokens_of_stepping_in_turn(graph_engine, shape_dir):
     assert graph_engine.num_overlapped_steps - before > 30 and plain.num_overlapped_steps == 0
 
 
+def test_an_engine_launched_on_its_loop_thread_gives_the_tokens_of_stepping_in_turn(
+    graph_engine, shape_dir
+):
+    """A server's engine (`Engine.launched`): built, its decode graphs captured and stepped on
+    its loop thread, overlapped."""
+    cfg = dict(model=str(shape_dir), load_format="random", dtype="bfloat16", device="cuda",
+               max_running=MAX_RUNNING, max_seq_len=2048, num_pages=2048, page_size=16,
+               prompt_graph_tokens=0)  # fmt: skip
+    launched = Engine.launched(EngineConfig(**cfg))
+    try:
+        assert launched.config.overlap and launched.executor.graphs is not None
+        prompts = random_prompts([5 + (13 * i) % 90 for i in range(12)], vocab=49152, seed=23)
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        stream = launched.submit([EngineRequest(f"l{i}", p, params) for i, p in enumerate(prompts)])
+        out: dict[str, list[int]] = {}
+        for frame in stream:
+            for d in frame:
+                out.setdefault(d.request_id, []).extend(d.new_token_ids)
+    finally:
+        launched.shutdown()
+    assert [out[f"l{i}"] for i in range(12)] == _greedy(graph_engine, prompts, 40)
+
+
 @pytest.mark.parametrize("prompt_graph_tokens", [0, 64])
 def test_overlap_through_changing_batches_gives_the_tokens_of_stepping_in_turn(
     shape_dir, prompt_graph_tokens
