@@ -6,12 +6,16 @@ GNU OpenMP (torch's CPU thread pool) gives every thread that runs parallel work 
 its own. Once the teams' threads outnumber the cores, each thread spins only briefly at a
 barrier before it sleeps on a futex, and a step's many small parallel ops each pay a wakeup.
 
-    python -m benchmarks.engine_thread [--reps 3] [--out FILE]
+    python -m benchmarks.engine_thread [--reps 3] [--threads N] [--shape smollm2-135m] [--out FILE]
+
+`--shape` builds the demo's shape with random weights (a machine without the demo model).
 
 Arrangements, each in a fresh process, alternated:
 - main: built and stepped (`Engine.step`) on the main thread, as the offline `LLM` does;
 - start: built on the main thread, stepped on the loop thread (`Engine(...)`, then `start()`);
-- launched: built and stepped on the loop thread (`Engine.launched`).
+- launched: built and stepped on the loop thread (`Engine.launched`);
+- launched+lane: the same, after the CPU prompt lane has run a prompt (on half the threads:
+  with 4 or more, a team of its own beside the loop's).
 Each times 12 prompt steps of one new 64-token prompt, and the decode steps of 4 requests
 generating 32 tokens each (the engine's own step log: wall time of each `step()`).
 """
@@ -25,23 +29,35 @@ import random
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 from benchmarks import write_result
 
-ARRANGEMENTS = ("main", "start", "launched")
+ARRANGEMENTS = ("main", "start", "launched", "launched+lane")
 
 
-def measure(arrangement: str, threads: int, prompt_len: int) -> dict[str, float]:
+def measure(arrangement: str, threads: int, prompt_len: int, shape: str | None) -> dict[str, float]:
     """In this process: the engine arranged so; median prompt step and decode step, ms."""
+    import tempfile
+
     import torch
 
     from worker.config import EngineConfig
     from worker.engine import Engine, EngineRequest
+    from worker.model.random_model import get_shape, hf_config
     from worker.sampling import SamplingParams
 
     torch.set_num_threads(threads)
-    config = EngineConfig(model="demo", device="cpu", max_running=8)
-    engine = Engine.launched(config) if arrangement == "launched" else Engine(config)
+    if shape is None:
+        config = EngineConfig(model="demo", device="cpu", max_running=8)
+    else:
+        model = Path(tempfile.mkdtemp(prefix="kvray-shape-"))
+        (model / "config.json").write_text(json.dumps(hf_config(get_shape(shape), "float32")))
+        config = EngineConfig(
+            model=str(model), load_format="random", dtype="float32", device="cpu", max_running=8
+        )
+    launched = arrangement.startswith("launched")
+    engine = Engine.launched(config) if launched else Engine(config)
     if arrangement == "start":
         engine.start()
     rng = random.Random()  # new prompts each run: never a prefix-cache hit
@@ -65,6 +81,14 @@ def measure(arrangement: str, threads: int, prompt_len: int) -> dict[str, float]
     for _ in range(3):
         run(1, 1)
     run(4, 8)
+    if arrangement == "launched+lane":  # a prompt that arrives while another request decodes
+        long = engine.submit([EngineRequest("long", [1] * prompt_len, SamplingParams(
+            temperature=0, max_tokens=64, ignore_eos=True))])  # fmt: skip
+        next(iter(long))  # it decodes now
+        run(1, 1)
+        for _ in long:
+            pass
+        assert engine.stats().num_lane_steps > 0, "the lane ran no step"
     engine.step_log = []
     for _ in range(12):
         run(1, 1)
@@ -84,24 +108,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument(
+        "--shape", help="random weights of this shape (e.g. smollm2-135m), not the demo"
+    )
     ap.add_argument("--one", choices=ARRANGEMENTS, help=argparse.SUPPRESS)  # a child's run
     ap.add_argument("--out", help="write the result here (JSON)")
     args = ap.parse_args(argv)
     if args.one:
-        print(json.dumps(measure(args.one, args.threads, args.prompt_len)))
+        print(json.dumps(measure(args.one, args.threads, args.prompt_len, args.shape)))
         return 0
 
     runs: dict[str, list[dict[str, float]]] = {a: [] for a in ARRANGEMENTS}
     for rep in range(args.reps):
-        order = ARRANGEMENTS[rep % 3 :] + ARRANGEMENTS[: rep % 3]
+        order = ARRANGEMENTS[rep % len(ARRANGEMENTS) :] + ARRANGEMENTS[: rep % len(ARRANGEMENTS)]
         for arrangement in order:
             child = [sys.executable, "-m", "benchmarks.engine_thread", "--one", arrangement]
             child += ["--threads", str(args.threads), "--prompt-len", str(args.prompt_len)]
+            child += ["--shape", args.shape] if args.shape else []
             out = subprocess.run(child, check=True, capture_output=True, text=True).stdout
             runs[arrangement].append(json.loads(out.strip().splitlines()[-1]))
             last = runs[arrangement][-1]
             print(
-                f"repetition {rep}  {arrangement:8s}  prompt step {last['prompt_step_ms']:6.1f} ms"
+                f"repetition {rep}  {arrangement:13s}  prompt step {last['prompt_step_ms']:6.1f} ms"
                 f"  decode step {last['decode_step_ms']:5.1f} ms",
                 flush=True,
             )
@@ -112,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             key: statistics.median(r[key] for r in results) for key in results[0]
         }
         print(
-            f"{arrangement:8s}  prompt step {summary[arrangement]['prompt_step_ms']:6.1f} ms"
+            f"{arrangement:13s}  prompt step {summary[arrangement]['prompt_step_ms']:6.1f} ms"
             f"  decode step {summary[arrangement]['decode_step_ms']:5.1f} ms"
         )
     write_result(args.out, args, runs=runs, summary=summary)

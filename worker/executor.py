@@ -27,6 +27,7 @@ from worker.kv_sizing import build_cache
 from worker.model.config import ModelConfig
 from worker.model.loader import load_model
 from worker.model.ops import OPS
+from worker.openmp import release_team
 from worker.outputs import TokenLogprobs
 from worker.request import ScheduledTask
 from worker.sampling import SamplerOutput, SamplingBatchInfo, sample
@@ -200,6 +201,13 @@ class Executor:
         threads; returns the sampled ids (and logprobs)."""
         lane = self.lane
         assert lane is not None
+        try:
+            return self._run_prompts(lane, tasks)
+        finally:
+            if lane.threads > 1:  # its team would throttle the loop's full-width steps
+                release_team()
+
+    def _run_prompts(self, lane: PromptLane, tasks: list[ScheduledTask]) -> StepResult:
         with _torch_threads(lane.threads):
             batch = lane.binder.bind_tasks(tasks)
             lane.backend.prepare(batch, lane.binder)
