@@ -27,7 +27,10 @@ def _libgomp() -> ctypes.CDLL | None:
     except OSError:
         return None
     for path in sorted(paths):
-        library = ctypes.CDLL(path)  # already loaded: this is its handle
+        try:
+            library = ctypes.CDLL(path)  # already loaded: this is its handle
+        except OSError:  # e.g. the file replaced on disk since ("... (deleted)")
+            continue
         if hasattr(library, "omp_pause_resource_all"):
             return library
     return None
