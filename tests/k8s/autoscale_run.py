@@ -205,7 +205,7 @@ class Run:
         with client.stream("POST", "/v1/completions", json=body) as response:
             lines = [line for line in response.iter_lines() if line.startswith("data:")]
             ok = response.status_code == 200 and lines and lines[-1] == "data: [DONE]"
-            if not ok or any('"error"' in line for line in lines):
+            if not ok or any(_is_error_event(line) for line in lines[:-1]):
                 self.failed(f"stream {response.status_code} {lines[-2:]}")
             else:
                 self.served(start, response.headers["x-kvray-replica"], "stream")
@@ -219,6 +219,16 @@ class Run:
         with self.lock:
             others = {s[2] for s in self.record.served} - {self.record.initial_replica}
         return next(iter(others), None)
+
+
+def _is_error_event(line: str) -> bool:
+    """An SSE data line that is an error object, or not JSON at all (a chunk whose token reads
+    `"error"` is neither: a substring test took one for an error once)."""
+    try:
+        event = json.loads(line.removeprefix("data:").strip())
+    except ValueError:
+        return True
+    return not isinstance(event, dict) or "error" in event
 
 
 def scale_up_and_down(run: Run) -> None:
