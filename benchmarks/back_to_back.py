@@ -20,6 +20,7 @@ import asyncio
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import aiohttp
 
@@ -30,9 +31,22 @@ async def ttft_ms(
     session: aiohttp.ClientSession, url: str, rng: random.Random, prompt_len: int
 ) -> float:
     """One streamed completion of random token ids; ms to its first data chunk."""
+    prompt = [rng.randrange(1, 40_000) for _ in range(prompt_len)]
+    return await streamed_ttft_ms(session, url, prompt)
+
+
+async def streamed_ttft_ms(
+    session: aiohttp.ClientSession,
+    url: str,
+    prompt: list[int],
+    on_send: Callable[[], None] | None = None,
+    on_first: Callable[[], None] | None = None,
+) -> float:
+    """One streamed completion of `prompt` (16 tokens, greedy); ms to its first data chunk.
+    `on_send` and `on_first` run as the request leaves and as its first token arrives."""
     body = {
         "model": "demo",
-        "prompt": [rng.randrange(1, 40_000) for _ in range(prompt_len)],
+        "prompt": prompt,
         "max_tokens": 16,
         "temperature": 0,
         "ignore_eos": True,
@@ -40,11 +54,15 @@ async def ttft_ms(
     }
     start = time.perf_counter()
     first = None
+    if on_send is not None:
+        on_send()
     async with session.post(url, json=body) as response:
         response.raise_for_status()
         async for line in response.content:
             if first is None and line.startswith(b"data: {"):
                 first = 1e3 * (time.perf_counter() - start)
+                if on_first is not None:
+                    on_first()
     if first is None:
         raise RuntimeError("the stream carried no token")
     return first

@@ -35,6 +35,7 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks import write_result
+from benchmarks.back_to_back import streamed_ttft_ms
 
 TRACING = Path("/sys/kernel/tracing")
 SERVE, ENGINE = "serve", "engine"
@@ -233,24 +234,13 @@ async def run(
     async with aiohttp.ClientSession() as session:
 
         async def through_serve(prompt: list[int]) -> float:
-            body = {
-                "model": "demo",
-                "prompt": prompt,
-                "max_tokens": 16,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            start, first = time.perf_counter(), None
-            mark(SERVE, "start")
-            async with session.post(url, json=body) as response:
-                response.raise_for_status()
-                async for line in response.content:
-                    if first is None and line.startswith(b"data: {"):
-                        first = 1e3 * (time.perf_counter() - start)
-                        mark(SERVE, "first")
-            assert first is not None
-            return first
+            return await streamed_ttft_ms(
+                session,
+                url,
+                prompt,
+                on_send=lambda: mark(SERVE, "start"),
+                on_first=lambda: mark(SERVE, "first"),
+            )
 
         for _ in range(3):  # warm-up, untraced
             prompt = [rng.randrange(1, 40_000) for _ in range(args.prompt_len)]
