@@ -1,13 +1,16 @@
 """What a kvray app standing idle costs an engine beside it, and which of its processes: the
-demo engine stepped by hand in this process (a prompt step of 4 new 64-token requests, then
-their decode steps), in phases during which
+demo engine stepped by hand in this process (a prompt step of `--prompts` new 64-token
+requests, 4 by default, then their decode steps), in phases during which
 one group of the app's processes is stopped (SIGSTOP, and SIGCONT when the phase ends) or
 none is. `kvray bench serve --engine-beside-app` measures the whole of this cost ("standing
 by"); this splits it by group. Phases rotate through the kinds in each repetition, and each
 stopped group is compared with the running phases of the same repetitions.
 
     kvray serve -c FILE &     # the app, idle
-    python -m benchmarks.standing_by [--reps 12] [--out FILE]
+    python -m benchmarks.standing_by [--reps 12] [--prompts 4] [--out FILE]
+
+`--any-ray` measures any Ray on this machine instead, e.g. `benchmarks/bare_ray.py`'s (a Ray
+with idle actors only: the floor of every app on Ray).
 
 Groups (by each process's title, /proc/PID/cmdline):
 - control: Ray's control plane as `kvray serve` lowers it (cluster/local_ray.py:
@@ -54,6 +57,7 @@ def group_of(argv: list[str]) -> str | None:
         or "/ray/" in joined
         or title == "haproxy"
         or "kvray serve" in joined
+        or "benchmarks.bare_ray" in joined
     ):
         return "other"
     return None
@@ -126,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--decode-steps", type=int, default=15)
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=4, help="new requests in the prompt step")
+    ap.add_argument("--any-ray", action="store_true", help="a Ray without kvray's replicas will do")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument(
         "--kinds",
@@ -141,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.sampling import SamplingParams
 
     groups = processes()
-    if not groups.get("replicas"):
+    if not groups.get("replicas") and not (args.any_ray and groups):
         raise SystemExit("no kvray replicas on this machine: start the app first (kvray serve)")
     everything = [pid for pids in groups.values() for pid in pids]
     members = {name: groups.get(name, []) for name in ("control", "serve", "replicas")}
@@ -161,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     serial = iter(range(10**9))
 
     def phase() -> tuple[float, float]:
-        """A prompt step of 4 new requests (random tokens: never a prefix-cache hit), then
-        decode steps of those 4; every phase alike. Its prompt step and decode step p50, ms."""
-        ids = [f"r{next(serial)}" for _ in range(4)]
+        """A prompt step of the new requests (random tokens: never a prefix-cache hit), then
+        their decode steps; every phase alike. Its prompt step and decode step p50, ms."""
+        ids = [f"r{next(serial)}" for _ in range(args.prompts)]
         engine.submit(
             [
                 EngineRequest(i, [rng.randrange(1, 40_000) for _ in range(args.prompt_len)], params)
