@@ -1,0 +1,215 @@
+"""Why does the CPU engine step slower inside a worker replica than in the benchmark's process on
+a many-core host? (Session 21, the GPU host's 16-core Xeon, 16 torch threads, concurrency 1:
+engine TTFT 94.9 ms in the replica against 53.6-60.3 ms in process; CPU busy 26 % against 95 %.)
+
+1. The app's engine launched in this process: lone 64-token prompts (one token out) submitted
+   one at a time, the process's threads sampled from /proc over each (user and system ticks,
+   minor faults).
+2. The kvray app (`--config`): lone 64-token prompts through HTTP while the worker replica's
+   threads are sampled the same way; its OpenMP environment, CPU affinity and cgroup.
+
+On the GPU host: python3 scripts/device/replica-threads.py --config /tmp/cpu.yaml --threads 16
+(Ray Serve installed from .rayw, the demo shape at /tmp/demo-shape: scripts/device/serve-check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, os.getcwd())
+ENV_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+            "LD_PRELOAD", "OMP_PROC_BIND", "KMP_AFFINITY", "OMP_DYNAMIC", "OMP_THREAD_LIMIT")  # fmt: skip
+
+
+def thread_ticks(pid: int) -> dict[int, tuple[int, int]]:
+    """Each thread's (user, system) ticks."""
+    ticks = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        ticks[int(tid)] = (int(fields[11]), int(fields[12]))
+    return ticks
+
+
+def faults(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[7])
+
+
+def busy_threads(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]) -> dict:
+    user = {t: after[t][0] - before.get(t, (0, 0))[0] for t in after}
+    system = {t: after[t][1] - before.get(t, (0, 0))[1] for t in after}
+    deltas = sorted((user[t] + system[t] for t in after), reverse=True)
+    return {
+        "threads": len(after),
+        "threads_that_ran": sum(d > 0 for d in deltas),
+        "user_ticks": sum(user.values()),
+        "system_ticks": sum(system.values()),
+        "top16": deltas[:16],
+    }
+
+
+def lone_prompts(pid: int, send, requests: int) -> dict:
+    """`send(i)` a lone 64-token prompt at a time; each one's time and the threads of `pid`."""
+    times, samples, minflt = [], [], []
+    for i in range(requests):
+        before, f0 = thread_ticks(pid), faults(pid)
+        start = time.perf_counter()
+        send(i)
+        times.append(round(1e3 * (time.perf_counter() - start), 1))
+        samples.append(busy_threads(before, thread_ticks(pid)))
+        minflt.append(faults(pid) - f0)
+        time.sleep(0.2)
+    return {"request_ms": times, "minor_faults": minflt, "threads_per_request": samples[-4:]}
+
+
+def prompt(i: int) -> list[int]:
+    return [100 + (i * 7 + j) % 30000 for j in range(64)]
+
+
+def describe(pid: int) -> dict:
+    environ = dict(
+        item.split("=", 1)
+        for item in Path(f"/proc/{pid}/environ").read_text().split("\0")
+        if "=" in item
+    )
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {
+        "env": {k: environ.get(k) for k in ENV_KEYS},
+        "environ": sorted(k for k in environ if "TOKEN" not in k and "KEY" not in k),
+        "smaps": [
+            line
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+            if line.startswith(("Rss", "AnonHugePages"))
+        ],
+        "status": [
+            line
+            for line in status
+            if line.startswith(("Cpus_allowed_list", "Threads", "voluntary", "nonvoluntary"))
+        ],
+        "cgroup": Path(f"/proc/{pid}/cgroup").read_text().strip(),
+        "nice": os.getpriority(os.PRIO_PROCESS, pid),
+    }
+
+
+def in_process(config: str, threads: int, requests: int) -> dict:
+    """The app's engine (its config) launched in this process, lone prompts submitted to it
+    from this thread as the replica's event loop would, its threads sampled while it lives."""
+    import torch
+
+    from cluster.app import load_config
+    from worker.engine import Engine, EngineRequest
+    from worker.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    engine = Engine.launched(load_config(config).engine)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    def send(i: int) -> None:
+        for _ in engine.submit([EngineRequest(f"r{i}", prompt(i), params)]):
+            pass
+
+    for i in range(3):
+        send(1000 + i)
+    engine.step_log = []
+    try:
+        result = lone_prompts(os.getpid(), send, requests)
+        result["step_ms"] = [round(1e3 * r.seconds, 1) for r in engine.step_log]
+        return result | describe(os.getpid())
+    finally:
+        engine.shutdown()
+
+
+def worker_pid() -> int:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv and b"KvrayWorker" in argv[0]:
+                return int(entry)
+    raise SystemExit("no worker replica")
+
+
+def app(config: str, requests: int) -> dict:
+    log = Path(os.environ.get("OUT", "/tmp"), "replica-threads-serve.log").open("w")  # noqa: SIM115
+    server = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "-c", config],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        for _ in range(180):
+            time.sleep(1)
+            try:
+                urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=2)
+                break
+            except OSError:
+                continue
+        model = json.load(urllib.request.urlopen("http://127.0.0.1:8000/v1/models"))["data"][0][
+            "id"
+        ]
+        pid = worker_pid()
+
+        def send(i: int) -> None:
+            body = {"model": model, "prompt": prompt(i), "max_tokens": 1, "ignore_eos": True}
+            req = urllib.request.Request(
+                "http://127.0.0.1:8000/v1/completions",
+                json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
+            )
+            urllib.request.urlopen(req, timeout=60).read()
+
+        for i in range(3):
+            send(1000 + i)
+        result = lone_prompts(pid, send, requests)
+        idle_before = thread_ticks(pid)
+        time.sleep(2)
+        idle = busy_threads(idle_before, thread_ticks(pid))
+        metrics = urllib.request.urlopen("http://127.0.0.1:8000/metrics").read().decode()
+        steps = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith(("kvray:engine_step_seconds_total", "kvray:engine_steps_total"))
+        ]
+        return result | {
+            "idle_2s": idle,
+            "engine_steps": steps,
+            **describe(pid),
+        }
+    finally:
+        server.send_signal(2)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    results = {"in_process": in_process(args.config, args.threads, args.requests)}
+    print("in_process", json.dumps(results["in_process"]), flush=True)
+    results["app"] = app(args.config, args.requests)
+    print("app", json.dumps(results["app"]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
