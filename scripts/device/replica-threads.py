@@ -4,7 +4,8 @@ engine TTFT 94.9 ms in the replica against 53.6-60.3 ms in process; CPU busy 26 
 
 1. The app's engine launched in this process: lone 64-token prompts (one token out) submitted
    one at a time, the process's threads sampled from /proc over each (user and system ticks,
-   minor faults).
+   minor faults, involuntary switches, and which CPU each running thread is
+   on, every 5 ms), and the machine's context switches.
 2. The kvray app (`--config`): lone 64-token prompts through HTTP while the worker replica's
    threads are sampled the same way; its OpenMP environment, CPU affinity and cgroup.
 
@@ -19,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -41,6 +43,56 @@ def thread_ticks(pid: int) -> dict[int, tuple[int, int]]:
     return ticks
 
 
+def preemptions(pid: int) -> dict[int, int]:
+    """Each thread's involuntary context switches (preempted while it could run)."""
+    counts = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except OSError:
+            continue
+        counts[int(tid)] = int(status.rsplit("nonvoluntary_ctxt_switches:", 1)[1].split()[0])
+    return counts
+
+
+def machine_switches() -> int:
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("ctxt "):
+            return int(line.split()[1])
+    return 0
+
+
+class Stacking(threading.Thread):
+    """Samples every 5 ms which CPU each running thread of `pid` is on (itself left out);
+    counts the samples in which two of them report the same CPU (one runnable, waiting for
+    the other: a team member sharing a core). Itself a thread that wakes: on a machine whose
+    every core is an engine thread it preempts one now and then, as anything else would."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.samples, self.stacked, self.cpus = pid, 0, 0, set()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        me = str(threading.get_native_id())
+        while not self.done.is_set():
+            running = []
+            for tid in os.listdir(f"/proc/{self.pid}/task"):
+                if tid == me:
+                    continue
+                try:
+                    stat = Path(f"/proc/{self.pid}/task/{tid}/stat").read_text()
+                except OSError:
+                    continue
+                fields = stat[stat.rindex(")") + 2 :].split()
+                if fields[0] == "R":
+                    running.append(int(fields[36]))
+            self.samples += 1
+            self.stacked += len(running) != len(set(running))
+            self.cpus |= set(running)
+            time.sleep(0.005)
+
+
 def faults(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return int(stat[stat.rindex(")") + 2 :].split()[7])
@@ -61,16 +113,32 @@ def busy_threads(before: dict[int, tuple[int, int]], after: dict[int, tuple[int,
 
 def lone_prompts(pid: int, send, requests: int) -> dict:
     """`send(i)` a lone 64-token prompt at a time; each one's time and the threads of `pid`."""
-    times, samples, minflt = [], [], []
+    times, samples, minflt, preempted, switches, stacking = [], [], [], [], [], []
     for i in range(requests):
-        before, f0 = thread_ticks(pid), faults(pid)
+        before, f0, p0, m0 = thread_ticks(pid), faults(pid), preemptions(pid), machine_switches()
+        sampler = Stacking(pid)
+        sampler.start()
         start = time.perf_counter()
         send(i)
         times.append(round(1e3 * (time.perf_counter() - start), 1))
-        samples.append(busy_threads(before, thread_ticks(pid)))
+        sampler.done.set()
+        sampler.join()
+        after, p1 = thread_ticks(pid), preemptions(pid)
+        samples.append(busy_threads(before, after))
         minflt.append(faults(pid) - f0)
+        ran = [t for t in after if sum(after[t]) > sum(before.get(t, (0, 0)))]
+        preempted.append(sum(p1.get(t, 0) - p0.get(t, 0) for t in ran))
+        switches.append(machine_switches() - m0)
+        stacking.append((sampler.stacked, sampler.samples, len(sampler.cpus)))
         time.sleep(0.2)
-    return {"request_ms": times, "minor_faults": minflt, "threads_per_request": samples[-4:]}
+    return {
+        "request_ms": times,
+        "minor_faults": minflt,
+        "threads_per_request": samples[-4:],
+        "team_preemptions": preempted,  # involuntary switches of the threads that ran
+        "machine_switches": switches,  # every CPU's context switches during the request
+        "stacked_samples": stacking,  # (samples with two running threads on one CPU, samples, CPUs seen)
+    }
 
 
 def prompt(i: int) -> list[int]:
