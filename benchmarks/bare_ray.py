@@ -1,8 +1,8 @@
 """A Ray with nothing but idle actors, started as kvray starts its own (its settings, the
-control plane lowered, the actors at the replicas' niceness, no dashboard): the least that any app on Ray keeps running beside an
-engine. `benchmarks/standing_by.py` measures what it costs an engine's steps, as it does for
-a kvray app; a cost above a target for the whole of Serve's way means no app on Ray meets
-that target on this machine.
+control plane lowered, the actors at the replicas' niceness, no dashboard): the least that any
+app on Ray keeps running beside an engine. `benchmarks/standing_by.py` measures what it costs an
+engine's steps, as it does for a kvray app; a cost above a target for the whole of Serve's way
+means no app on Ray meets that target on this machine.
 
     python -m benchmarks.bare_ray [--actors 2] &    # prints "ready", runs until stopped
     python -m benchmarks.standing_by --any-ray --kinds running,stopped:all --prompts 1
