@@ -165,10 +165,9 @@ class Engine:
         with self._cv:
             if any(rid in self._requests for rid in ids):
                 raise ValueError("request_id already in use")
-            if (
-                self.stats_snapshot.num_waiting + len(self._inbox) + len(new)
-                > self.config.max_waiting
-            ):
+            # the scheduler's queue read live, as `stats` does: the last step's snapshot would
+            # miss what this step took from the inbox, and let a burst in past the limit
+            if len(self.scheduler.waiting) + len(self._inbox) + len(new) > self.config.max_waiting:
                 raise EngineFull(
                     f"more than max_waiting={self.config.max_waiting} requests are waiting"
                 )

@@ -137,6 +137,24 @@ def test_backpressure_over_max_waiting(engine_factory):
         engine.submit(_reqs("v", 1))
 
 
+def test_backpressure_counts_what_the_step_in_flight_took_from_the_inbox(engine_factory):
+    engine = engine_factory(max_waiting=2, max_running=1)
+    engine.submit(_reqs("w", 2))
+    refused = []
+
+    def submit_mid_step(tasks):  # the step has queued the two: one runs, one waits
+        engine.fault_hook = None
+        try:
+            engine.submit(_reqs("v", 2))
+        except EngineFull:
+            refused.append(True)
+
+    engine.fault_hook = submit_mid_step
+    engine.step()
+    assert refused == [True]
+    assert engine.stats().num_waiting == 1
+
+
 def test_async_stream_one_frame_per_step_from_the_loop_thread(engine_factory):
     engine = engine_factory()
     engine.start()
