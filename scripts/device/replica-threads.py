@@ -23,36 +23,45 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
+from cluster.local_ray import _threads  # noqa: E402
+
 ENV_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
             "LD_PRELOAD", "OMP_PROC_BIND", "KMP_AFFINITY", "OMP_DYNAMIC", "OMP_THREAD_LIMIT")  # fmt: skip
 
 
-def thread_ticks(pid: int) -> dict[int, tuple[int, int]]:
-    """Each thread's (user, system) ticks."""
-    ticks = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
+def per_thread(pid: int, name: str) -> Iterator[tuple[int, str]]:
+    """(tid, text of /proc/PID/task/TID/NAME) for each thread of `pid` still there."""
+    for tid in _threads(pid):
         try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            yield tid, Path(f"/proc/{pid}/task/{tid}/{name}").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        ticks[int(tid)] = (int(fields[11]), int(fields[12]))
-    return ticks
+
+
+def stat_fields(stat: str) -> list[str]:
+    """A /proc stat line's fields after the command name (which may hold spaces)."""
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def thread_ticks(pid: int) -> dict[int, tuple[int, int]]:
+    """Each thread's (user, system) ticks."""
+    return {
+        tid: (int(f[11]), int(f[12]))
+        for tid, stat in per_thread(pid, "stat")
+        for f in [stat_fields(stat)]
+    }
 
 
 def preemptions(pid: int) -> dict[int, int]:
     """Each thread's involuntary context switches (preempted while it could run)."""
-    counts = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-        except OSError:
-            continue
-        counts[int(tid)] = int(status.rsplit("nonvoluntary_ctxt_switches:", 1)[1].split()[0])
-    return counts
+    return {
+        tid: int(status.rsplit("nonvoluntary_ctxt_switches:", 1)[1].split()[0])
+        for tid, status in per_thread(pid, "status")
+    }
 
 
 def machine_switches() -> int:
@@ -74,18 +83,12 @@ class Stacking(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
-        me = str(threading.get_native_id())
+        me = threading.get_native_id()
         while not self.done.is_set():
             running = []
-            for tid in os.listdir(f"/proc/{self.pid}/task"):
-                if tid == me:
-                    continue
-                try:
-                    stat = Path(f"/proc/{self.pid}/task/{tid}/stat").read_text()
-                except OSError:
-                    continue
-                fields = stat[stat.rindex(")") + 2 :].split()
-                if fields[0] == "R":
+            for tid, stat in per_thread(self.pid, "stat"):
+                fields = stat_fields(stat)
+                if tid != me and fields[0] == "R":
                     running.append(int(fields[36]))
             self.samples += 1
             self.stacked += len(running) != len(set(running))
@@ -94,8 +97,7 @@ class Stacking(threading.Thread):
 
 
 def faults(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2 :].split()[7])
+    return int(stat_fields(Path(f"/proc/{pid}/stat").read_text())[7])
 
 
 def busy_threads(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]) -> dict:
