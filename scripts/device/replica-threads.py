@@ -16,6 +16,8 @@ On the GPU host: python3 scripts/device/replica-threads.py --config /tmp/cpu.yam
 from __future__ import annotations
 
 import argparse
+import collections
+import gzip
 import json
 import os
 import subprocess
@@ -96,6 +98,30 @@ class Stacking(threading.Thread):
             time.sleep(0.005)
 
 
+def futex_groups(pid: int, born: bool = False) -> list:
+    """Sizes of the groups of 3 or more threads of `pid` blocked in futex() on one address: an
+    idle OpenMP team is one (its workers wait at their dock), so two teams show as two. With
+    `born`, (size, when its first thread started, in clock ticks since boot) each."""
+    waiting: dict[str, list[int]] = collections.defaultdict(list)
+    for tid, call in per_thread(pid, "syscall"):
+        fields = call.split()
+        if len(fields) > 1 and fields[0] == "202":  # futex(uaddr, ...)
+            waiting[fields[1]].append(tid)
+    groups = sorted((tids for tids in waiting.values() if len(tids) >= 3), key=len, reverse=True)
+    if not born:
+        return [len(tids) for tids in groups]
+    return [(len(tids), thread_born(pid, min(tids))) for tids in groups]
+
+
+def thread_born(pid: int, tid: int) -> int:
+    """When a thread started, in clock ticks since boot."""
+    return int(stat_fields(Path(f"/proc/{pid}/task/{tid}/stat").read_text())[19])
+
+
+def ticks_now() -> int:
+    return round(float(Path("/proc/uptime").read_text().split()[0]) * os.sysconf("SC_CLK_TCK"))
+
+
 def faults(pid: int) -> int:
     return int(stat_fields(Path(f"/proc/{pid}/stat").read_text())[7])
 
@@ -113,18 +139,20 @@ def busy_threads(before: dict[int, tuple[int, int]], after: dict[int, tuple[int,
     }
 
 
-def lone_prompts(pid: int, send, requests: int) -> dict:
+def lone_prompts(pid: int, send, requests: int, sample_cpus: bool = True) -> dict:
     """`send(i)` a lone 64-token prompt at a time; each one's time and the threads of `pid`."""
     times, samples, minflt, preempted, switches, stacking = [], [], [], [], [], []
     for i in range(requests):
         before, f0, p0, m0 = thread_ticks(pid), faults(pid), preemptions(pid), machine_switches()
         sampler = Stacking(pid)
-        sampler.start()
+        if sample_cpus:
+            sampler.start()
         start = time.perf_counter()
         send(i)
         times.append(round(1e3 * (time.perf_counter() - start), 1))
         sampler.done.set()
-        sampler.join()
+        if sample_cpus:
+            sampler.join()
         after, p1 = thread_ticks(pid), preemptions(pid)
         samples.append(busy_threads(before, after))
         minflt.append(faults(pid) - f0)
@@ -133,7 +161,9 @@ def lone_prompts(pid: int, send, requests: int) -> dict:
         switches.append(machine_switches() - m0)
         stacking.append((sampler.stacked, sampler.samples, len(sampler.cpus)))
         time.sleep(0.2)
+    time.sleep(1)  # the team's spin ends: its threads wait at the dock
     return {
+        "futex_groups": futex_groups(pid),
         "request_ms": times,
         "minor_faults": minflt,
         "threads_per_request": samples[-4:],
@@ -141,6 +171,72 @@ def lone_prompts(pid: int, send, requests: int) -> dict:
         "machine_switches": switches,  # every CPU's context switches during the request
         "stacked_samples": stacking,  # (samples with two running threads on one CPU, samples, CPUs seen)
     }
+
+
+def where_the_engine_is(raw: str) -> dict:
+    """py-spy's raw native stacks (`--threads --idle`): the engine loop thread's samples taken
+    inside a step, by where they end: waiting for the GIL (`take_gil` on the stack), collecting
+    garbage, in libgomp (the master at a barrier: waiting for the team's last member), in the
+    ops' own code (torch, MKL, oneDNN), in Python, or elsewhere; and the leaves most seen."""
+    kinds: collections.Counter[str] = collections.Counter()
+    leaves: collections.Counter[str] = collections.Counter()
+    threads: collections.Counter[str] = collections.Counter()
+    others: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        name = frames[0].split(": ", 1)[-1]
+        threads[name] += int(count)
+        if name != "kvray-engine":
+            others[name][frames[-1][:120]] += int(count)
+        if name != "kvray-engine" or not any(f.startswith("Engine.step (") for f in frames):
+            continue
+        leaf = frames[-1]
+        library = leaf.rsplit("(", 1)[-1].rstrip(")") if leaf.endswith(")") else ""
+        if any("take_gil" in f for f in frames):
+            kind = "gil_wait"
+        elif any(f.startswith(("gc_collect", "gc_collect_main", "collect ")) for f in frames):
+            kind = "gc"
+        elif "libgomp" in library:
+            kind = "omp_barrier"
+        elif any(k in library for k in ("libtorch", "libmkl", "libdnnl", "libc10")):
+            kind = "op_code"
+        elif ".py:" in library or "libpython" in library:
+            kind = "python"
+        else:
+            kind = library or "other"
+        kinds[kind] += int(count)
+        leaves[leaf[:160]] += int(count)
+    return {
+        "engine_step_samples": sum(kinds.values()),
+        "by_kind": dict(kinds.most_common()),
+        "top_leaves": leaves.most_common(15),
+        "samples_per_thread": dict(threads.most_common(12)),
+        "other_threads_leaves": {n: c.most_common(3) for n, c in others.items()},
+    }
+
+
+def spied(pid: int, send, py_spy: str | None, seconds: float, name: str) -> dict:
+    """py-spy (native stacks, every thread, `seconds` at 50 Hz) on `pid` while lone prompts
+    go one after another; the raw stacks gzipped to $OUT/NAME.txt.gz."""
+    if not py_spy:
+        return {}
+    raw = Path(f"/tmp/{name}.txt")
+    spy = subprocess.Popen(
+        [py_spy, "record", "--pid", str(pid), "--native", "--threads", "--idle", "--rate", "50",
+         "--duration", str(int(seconds)), "--format", "raw", "-o", str(raw)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    sent = 0
+    while spy.poll() is None:
+        send(2000 + sent)
+        sent += 1
+    said = (spy.stdout.read() if spy.stdout else "")[-400:]
+    if not raw.exists():
+        return {"py_spy_failed": said}
+    text = raw.read_text()
+    Path(os.environ.get("OUT", "/tmp"), f"{name}.txt.gz").write_bytes(gzip.compress(text.encode()))
+    return {"py_spy": where_the_engine_is(text) | {"prompts_sent": sent, "said": said[-200:]}}
 
 
 def prompt(i: int) -> list[int]:
@@ -172,7 +268,9 @@ def describe(pid: int) -> dict:
     }
 
 
-def in_process(config: str, threads: int, requests: int) -> dict:
+def in_process(
+    config: str, threads: int, requests: int, py_spy: str | None = None, sample_cpus: bool = True
+) -> dict:
     """The app's engine (its config) launched in this process, lone prompts submitted to it
     from this thread as the replica's event loop would, its threads sampled while it lives."""
     import torch
@@ -193,11 +291,25 @@ def in_process(config: str, threads: int, requests: int) -> dict:
         send(1000 + i)
     engine.step_log = []
     try:
-        result = lone_prompts(os.getpid(), send, requests)
+        result = lone_prompts(os.getpid(), send, requests, sample_cpus)
         result["step_ms"] = [round(1e3 * r.seconds, 1) for r in engine.step_log]
+        spied_from = len(engine.step_log)
+        result |= spied(os.getpid(), send, py_spy, 10, "spy-in-process")
+        seconds = [r.seconds for r in engine.step_log[spied_from:]]
+        result["step_ms_mean_spied"] = round(1e3 * sum(seconds) / max(len(seconds), 1), 1)
         return result | describe(os.getpid())
     finally:
         engine.shutdown()
+
+
+def engine_step_totals() -> tuple[float, float]:
+    """The worker replica's engine steps so far, and their seconds (its /metrics)."""
+    metrics = urllib.request.urlopen("http://127.0.0.1:8000/metrics").read().decode()
+    totals = {}
+    for line in metrics.splitlines():
+        if line.startswith(("kvray:engine_steps_total", "kvray:engine_step_seconds_total")):
+            totals[line.split("{")[0]] = float(line.rsplit(" ", 1)[1])
+    return totals["kvray:engine_steps_total"], totals["kvray:engine_step_seconds_total"]
 
 
 def worker_pid() -> int:
@@ -212,7 +324,7 @@ def worker_pid() -> int:
     raise SystemExit("no worker replica")
 
 
-def app(config: str, requests: int) -> dict:
+def app(config: str, requests: int, py_spy: str | None = None) -> dict:
     log = Path(os.environ.get("OUT", "/tmp"), "replica-threads-serve.log").open("w")  # noqa: SIM115
     server = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "-c", config],
@@ -232,8 +344,13 @@ def app(config: str, requests: int) -> dict:
         ]
         pid = worker_pid()
 
-        def send(i: int) -> None:
-            body = {"model": model, "prompt": prompt(i), "max_tokens": 1, "ignore_eos": True}
+        def send(i: int, max_tokens: int = 1) -> None:
+            body = {
+                "model": model,
+                "prompt": prompt(i),
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+            }
             req = urllib.request.Request(
                 "http://127.0.0.1:8000/v1/completions",
                 json.dumps(body).encode(),
@@ -241,9 +358,24 @@ def app(config: str, requests: int) -> dict:
             )
             urllib.request.urlopen(req, timeout=60).read()
 
+        # as `kvray bench serve` warms up: two requests at once (one may take the prompt lane)
+        phases = {"ready": ticks_now()}
+        pair = [threading.Thread(target=send, args=(900 + i, 16)) for i in range(2)]
+        for thread in pair:
+            thread.start()
+        for thread in pair:
+            thread.join()
+        phases["warm_up_pair"] = ticks_now()
         for i in range(3):
             send(1000 + i)
         result = lone_prompts(pid, send, requests)
+        phases["lone_prompts"] = ticks_now()
+        result["teams_born"] = futex_groups(pid, born=True)
+        result["phases_ended"] = phases  # clock ticks since boot, as teams_born
+        steps_before = engine_step_totals()
+        result |= spied(pid, send, py_spy, 10, "spy-replica")
+        steps, seconds = (b - a for a, b in zip(steps_before, engine_step_totals(), strict=True))
+        result["step_ms_mean_spied"] = round(1e3 * seconds / max(steps, 1), 1)
         idle_before = thread_ticks(pid)
         time.sleep(2)
         idle = busy_threads(idle_before, thread_ticks(pid))
@@ -272,10 +404,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--out")
+    ap.add_argument("--py-spy", help="a py-spy binary: where the engine thread's steps spend time")
+    ap.add_argument(
+        "--no-cpu-sampling",
+        action="store_true",
+        help="in process, no 5 ms sampler (on 16 cores it slows the engine it shares a process with)",
+    )
     args = ap.parse_args()
-    results = {"in_process": in_process(args.config, args.threads, args.requests)}
+    results = {
+        "in_process": in_process(
+            args.config, args.threads, args.requests, args.py_spy, not args.no_cpu_sampling
+        )
+    }
     print("in_process", json.dumps(results["in_process"]), flush=True)
-    results["app"] = app(args.config, args.requests)
+    results["app"] = app(args.config, args.requests, args.py_spy)
     print("app", json.dumps(results["app"]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
