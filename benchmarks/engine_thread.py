@@ -14,8 +14,8 @@ Arrangements, each in a fresh process, alternated:
 - main: built and stepped (`Engine.step`) on the main thread, as the offline `LLM` does;
 - start: built on the main thread, stepped on the loop thread (`Engine(...)`, then `start()`);
 - launched: built and stepped on the loop thread (`Engine.launched`);
-- launched+lane: the same, after the CPU prompt lane has run a prompt (on half the threads:
-  with 4 or more, a team of its own beside the loop's).
+- launched+lane: the same, after the CPU prompt lane has run a prompt (with 2 or 3 threads
+  only: the lane runs on one torch thread and exists only there since session 22).
 Each times 12 prompt steps of one new 64-token prompt, and the decode steps of 4 requests
 generating 32 tokens each (the engine's own step log: wall time of each `step()`).
 """
@@ -118,9 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(args.one, args.threads, args.prompt_len, args.shape)))
         return 0
 
-    runs: dict[str, list[dict[str, float]]] = {a: [] for a in ARRANGEMENTS}
+    arrangements = ARRANGEMENTS if args.threads // 2 == 1 else ARRANGEMENTS[:-1]  # the lane's
+    runs: dict[str, list[dict[str, float]]] = {a: [] for a in arrangements}
     for rep in range(args.reps):
-        order = ARRANGEMENTS[rep % len(ARRANGEMENTS) :] + ARRANGEMENTS[: rep % len(ARRANGEMENTS)]
+        order = arrangements[rep % len(arrangements) :] + arrangements[: rep % len(arrangements)]
         for arrangement in order:
             child = [sys.executable, "-m", "benchmarks.engine_thread", "--one", arrangement]
             child += ["--threads", str(args.threads), "--prompt-len", str(args.prompt_len)]

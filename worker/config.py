@@ -67,7 +67,7 @@ class EngineConfig(BaseModel):
     )
     cpu_prompt_lane: bool = Field(
         True,
-        description="on CPU, in an engine that runs its own loop (a server), the prompts of new requests run on a thread of their own with half the torch threads, beside the decode steps of the requests under way, which then neither wait for a prompt step nor carry prompt chunks; off (or with one torch thread, or overlap) = prompts are chunks of the engine's steps",
+        description="on CPU with 2 or 3 torch threads, in an engine that runs its own loop (a server), the prompts of new requests run on a thread of their own with one torch thread, beside the decode steps of the requests under way, which then neither wait for a prompt step nor carry prompt chunks; off (or with other thread counts, or overlap) = prompts are chunks of the engine's steps. With 4 threads or more the lane's share would be an OpenMP team beside the loop's, which throttles the loop's steps",
     )
     backend: Literal["auto", "torch", "cuda"] = Field(
         "auto", description="attention backend; auto = cuda on CUDA with paged cache, else torch"

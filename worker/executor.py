@@ -27,7 +27,6 @@ from worker.kv_sizing import build_cache
 from worker.model.config import ModelConfig
 from worker.model.loader import load_model
 from worker.model.ops import OPS
-from worker.openmp import release_team
 from worker.outputs import TokenLogprobs
 from worker.request import ScheduledTask
 from worker.sampling import SamplerOutput, SamplingBatchInfo, sample
@@ -162,12 +161,17 @@ class Executor:
                 self.prompt_graphs.capture()
 
     def _lane_possible(self) -> bool:
+        """The lane runs on one torch thread: with 2 or 3. With more, its half of the threads
+        would be an OpenMP team beside the loop thread's, and once libgomp counts more team
+        threads than cores it makes every barrier sleep after a short spin: on a 16-core host a
+        lone prompt step went from 75 to 136 ms once the lane had run, and stayed there
+        (scripts/device/lane-teams.py; benchmarks/README.md, "Session 22")."""
         # fmt: skip
         return (
             self.config.cpu_prompt_lane
             and self.device.type == "cpu"
             and not self.config.overlap
-            and torch.get_num_threads() >= 2
+            and torch.get_num_threads() // 2 == 1
         )
 
     def _prompt_lane(self, model_config: ModelConfig) -> PromptLane:
@@ -190,7 +194,7 @@ class Executor:
             workspace,
             self.cache.binder(workspace),
             backend,
-            torch.get_num_threads() // 2,
+            1,  # `_lane_possible`
             generator,
         )
 
@@ -199,13 +203,8 @@ class Executor:
         """One prompt step of the lane (on the lane's thread, beside the engine's own steps):
         its tasks' requests are in no other step. Bind, forward and sample, on the lane's
         threads; returns the sampled ids (and logprobs)."""
-        lane = self.lane
-        assert lane is not None
-        try:
-            return self._run_prompts(lane, tasks)
-        finally:
-            if lane.threads > 1:  # its team would throttle the loop's full-width steps
-                release_team()
+        assert self.lane is not None
+        return self._run_prompts(self.lane, tasks)
 
     def _run_prompts(self, lane: PromptLane, tasks: list[ScheduledTask]) -> StepResult:
         with _torch_threads(lane.threads):

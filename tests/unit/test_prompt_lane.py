@@ -22,10 +22,10 @@ from worker.sampling import SamplingParams
 def make_engine(tiny_model):
     path, _ = tiny_model("llama")
 
-    def make(**overrides) -> Engine:
+    def make(threads: int = 2, **overrides) -> Engine:
         before = torch.get_num_threads()
         # the lane needs two torch threads: one for it, one for the decodes
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
         try:
             config = dict(
                 model=str(path),
@@ -236,6 +236,15 @@ def test_the_engines_steps_leave_the_lane_its_threads_while_it_runs_or_prompts_w
     executor.release_lane()
     assert make_engine(cpu_prompt_lane=False).executor.lane is None
     assert make_engine(overlap=True).executor.lane is None
+
+
+def test_the_lane_runs_on_one_thread_so_with_four_threads_or_more_there_is_none(make_engine):
+    # with 4 or more its share would be an OpenMP team beside the loop's, which throttles every
+    # barrier of the loop's steps once their threads outnumber the cores (Executor._lane_possible)
+    lane = make_engine(threads=3).executor.lane
+    assert lane is not None and lane.threads == 1
+    assert make_engine(threads=4).executor.lane is None
+    assert make_engine(threads=16).executor.lane is None
 
 
 def test_a_started_engine_runs_new_prompts_in_the_lane_with_the_plain_engines_tokens(make_engine):
