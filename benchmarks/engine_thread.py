@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(args.one, args.threads, args.prompt_len, args.shape)))
         return 0
 
-    arrangements = ARRANGEMENTS if args.threads // 2 == 1 else ARRANGEMENTS[:-1]  # the lane's
+    # the lane exists at 2-3 threads only (Executor._lane_possible)
+    arrangements = ARRANGEMENTS if args.threads in (2, 3) else ARRANGEMENTS[:-1]
     runs: dict[str, list[dict[str, float]]] = {a: [] for a in arrangements}
     for rep in range(args.reps):
         order = arrangements[rep % len(arrangements) :] + arrangements[: rep % len(arrangements)]

@@ -161,7 +161,7 @@ class Executor:
                 self.prompt_graphs.capture()
 
     def _lane_possible(self) -> bool:
-        """The lane runs on one torch thread: with 2 or 3. With more, its half of the threads
+        """With 2 or 3 torch threads, where the lane's share is one thread. With more, its share
         would be an OpenMP team beside the loop thread's, and once libgomp counts more team
         threads than cores it makes every barrier sleep after a short spin: on a 16-core host a
         lone prompt step went from 75 to 136 ms once the lane had run, and stayed there
@@ -171,7 +171,7 @@ class Executor:
             self.config.cpu_prompt_lane
             and self.device.type == "cpu"
             and not self.config.overlap
-            and torch.get_num_threads() // 2 == 1
+            and torch.get_num_threads() in (2, 3)
         )
 
     def _prompt_lane(self, model_config: ModelConfig) -> PromptLane:
