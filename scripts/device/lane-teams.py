@@ -57,6 +57,8 @@ def measure(config_path: str, threads: int, variant: str) -> dict:
 
         Executor._lane_possible = lambda self: torch.get_num_threads() >= 2  # type: ignore[method-assign]
     engine = Engine.launched(load_config(config_path).engine)
+    if variant == "lane" and engine.executor.lane is not None:
+        engine.executor.lane.threads = threads // 2  # its share as it was: half the threads
     lane_log: list[dict] = []
     loop_threads: collections.Counter[int | None] = collections.Counter()
 
