@@ -636,13 +636,11 @@ async def _engine_load(
     step_log: bool = False,
 ) -> Measured:
     """`_engine_run`'s load, not yet summarized."""
-    import torch
-
+    from cluster.deployment import set_cpu_threads
     from worker.engine import Engine, EngineRequest
     from worker.sampling import SamplingParams
 
-    if cpu_threads is not None:
-        torch.set_num_threads(cpu_threads)
+    set_cpu_threads(engine_config, cpu_threads)
     engine = Engine.launched(engine_config)  # as a worker replica starts it
     counter = iter(range(10**9))
     engine_ttfts: list[float] = []  # the engine's own, as the ingress's histograms have them

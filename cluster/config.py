@@ -18,6 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from worker.config import EngineConfig
 
 API_KEYS_ENV = "KVRAY_API_KEYS"
+# From this many cores up, a worker replica on CPU leaves one to the request's way (the HTTP
+# proxy, the ingress, the replica's event loop, Ray): with a spinning OpenMP team thread on
+# every core, each of those runs by preempting one, and the team's barriers wait for it.
+# 16-core host, demo shape, concurrency 1: TTFT p50 through Serve 96 -> 88 and 78 -> 71 ms at
+# 15 threads against 16 (benchmarks/README.md, session 23). On 2 cores the engine needs both.
+SPARE_CORE_FROM = 8
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -158,7 +164,8 @@ class ClusterConfig(BaseModel):
     worker_cpu_threads: int | None = Field(
         None,
         ge=1,
-        description="torch CPU threads of a worker replica; None = every core when the engine runs on CPU (Ray would give it num_cpus)",
+        description=f"torch CPU threads of a worker replica; None = when the engine runs on CPU, every core, less one "
+        f"from {SPARE_CORE_FROM} cores up (Ray would give it num_cpus)",
     )
     ingress_replicas: int = Field(
         1, ge=1, description="ingress (HTTP, tokenization, routing) replicas"
@@ -269,3 +276,16 @@ class ClusterConfig(BaseModel):
         if isinstance(config, ClusterConfig):
             return config
         return cls.model_validate(config)
+
+
+def worker_torch_threads(
+    engine: EngineConfig, threads: int | None, cores: int, cuda: bool
+) -> int | None:
+    """The torch threads a worker replica sets: `ClusterConfig.worker_cpu_threads` when given;
+    else, for an engine on CPU, every core (Ray would cap it at its `num_cpus`), less one from
+    SPARE_CORE_FROM cores up; else None (a GPU engine keeps torch's own)."""
+    if threads is not None:
+        return threads
+    if engine.device == "cpu" or (engine.device == "auto" and not cuda):
+        return cores - 1 if cores >= SPARE_CORE_FROM else cores
+    return None

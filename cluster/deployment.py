@@ -41,6 +41,7 @@ import torch
 from ray import serve
 
 from cluster import timeline
+from cluster.config import worker_torch_threads
 from cluster.dispatch import rss_bytes
 from cluster.router import RouteHint
 from cluster.transport import (
@@ -67,11 +68,10 @@ ANSWERED_REPORT_S = 600.0  # a sender's answered count is reported while it sent
 log = logging.getLogger(__name__)
 
 
-def _set_cpu_threads(config: EngineConfig, threads: int | None) -> None:
-    """Ray caps an actor's torch threads at its `num_cpus`; an engine on CPU wants every core."""
-    on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
-    if threads is None and on_cpu:
-        threads = os.cpu_count() or 1
+def set_cpu_threads(config: EngineConfig, threads: int | None) -> None:
+    """Set this process's torch threads as a worker replica's engine has them (`threads`:
+    `ClusterConfig.worker_cpu_threads`): Ray caps an actor's at its `num_cpus`."""
+    threads = worker_torch_threads(config, threads, os.cpu_count() or 1, torch.cuda.is_available())
     if threads is not None:
         torch.set_num_threads(threads)
 
@@ -184,7 +184,7 @@ class WorkerDeployment:
         linger_s: float = 2.0,
         frame_socket: bool = False,
     ):
-        _set_cpu_threads(engine_config, cpu_threads)
+        set_cpu_threads(engine_config, cpu_threads)
         _warn_if_below_the_control_plane()
         self._engine = Engine.launched(engine_config)  # built on its loop thread, see there
         self._faults = FaultInjector(fault_injection)

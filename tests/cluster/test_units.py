@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from ray.serve.config import AutoscalingContext
 
 from cluster.autoscaling import EngineLoadPolicy
-from cluster.config import API_KEYS_ENV, ClusterConfig, RequestLimits
+from cluster.config import API_KEYS_ENV, ClusterConfig, RequestLimits, worker_torch_threads
 from cluster.dispatch import CallError, Dispatcher, Group, GroupStream
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.router import ReplicaView, RouteHint, matched_pages, rank_replicas
@@ -26,6 +26,7 @@ from cluster.transport import (
     encode_refused,
     encode_requests,
 )
+from worker.config import EngineConfig
 from worker.outputs import RequestDelta, RequestMetrics, TokenLogprobs
 from worker.page_hash import page_hashes
 from worker.sampling import SamplingParams
@@ -116,6 +117,17 @@ def test_worker_gets_a_gpu_only_where_there_is_one() -> None:
     assert ClusterConfig().worker_ray_resources(cluster_has_gpus=True)["num_gpus"] == 1
     cpu = ClusterConfig.model_validate({"engine": {"device": "cpu"}})
     assert "num_gpus" not in cpu.worker_ray_resources(cluster_has_gpus=True)
+
+
+def test_a_cpu_worker_leaves_a_core_to_the_request_path_on_many_cores() -> None:
+    cpu, auto = EngineConfig(device="cpu"), EngineConfig(device="auto")
+    assert [worker_torch_threads(cpu, None, cores, cuda=True) for cores in (1, 2, 4, 8, 16)] == [
+        1, 2, 4, 7, 15,
+    ]  # fmt: skip
+    assert worker_torch_threads(auto, None, 16, cuda=False) == 15  # auto without a GPU is CPU
+    assert worker_torch_threads(auto, None, 16, cuda=True) is None  # a GPU engine keeps torch's
+    assert worker_torch_threads(EngineConfig(device="cuda"), None, 16, cuda=True) is None
+    assert worker_torch_threads(cpu, 16, 16, cuda=False) == 16  # the config's own count wins
 
 
 def test_api_keys_come_from_config_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
