@@ -36,8 +36,8 @@ test: demo
 	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check worker cluster tests
-	$(VENV)/bin/ruff format --check worker cluster tests
+	$(VENV)/bin/ruff check worker cluster tests benchmarks scripts
+	$(VENV)/bin/ruff format --check worker cluster tests benchmarks scripts
 	$(VENV)/bin/mypy
 
 gpu-check:

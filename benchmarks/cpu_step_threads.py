@@ -29,7 +29,9 @@ from worker.sampling import SamplingParams
 _ids = itertools.count()
 
 
-def _step_ms(engine: Engine, threads: int, steps: int, prompt: list[list[int]] | None = None) -> float:
+def _step_ms(
+    engine: Engine, threads: int, steps: int, prompt: list[list[int]] | None = None
+) -> float:
     """Median ms of `steps` engine steps on `threads` torch threads; with `prompt`, each step
     also takes one of those prompts whole (a new request, one output token)."""
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -65,15 +67,27 @@ def run(batches: list[int], prompt_len: int, steps: int, rounds: int) -> dict:
     }
     for batch in batches:
         # cpu_small_step_tokens=None: the step's thread count is the one set here
-        engine = Engine(EngineConfig(model="demo", device="cpu", max_running=max(batch + 1, 8), cpu_small_step_tokens=None))
+        engine = Engine(
+            EngineConfig(
+                model="demo",
+                device="cpu",
+                max_running=max(batch + 1, 8),
+                cpu_small_step_tokens=None,
+            )
+        )
         params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
         engine.submit([EngineRequest(f"d{i}", p, params) for i, p in enumerate(prompts(batch))])
         run_until_decoding(engine)
-        row: dict = {"decode_ms": {threads: [], fewer: []}, "with_prompt_ms": {threads: [], fewer: []}}
+        row: dict = {
+            "decode_ms": {threads: [], fewer: []},
+            "with_prompt_ms": {threads: [], fewer: []},
+        }
         for _ in range(rounds):
             for n in (threads, fewer):
                 row["decode_ms"][n].append(_step_ms(engine, n, steps))
-                row["with_prompt_ms"][n].append(_step_ms(engine, n, max(3, steps // 3), prompts(steps)))
+                row["with_prompt_ms"][n].append(
+                    _step_ms(engine, n, max(3, steps // 3), prompts(steps))
+                )
         torch.set_num_threads(threads)
         results["batches"][batch] = row
         print(
@@ -93,7 +107,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=9, help="timed steps per median")
-    parser.add_argument("--rounds", type=int, default=2, help="alternations of the two thread counts")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternations of the two thread counts"
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     results = run(args.batches, args.prompt_len, args.steps, args.rounds)

@@ -34,7 +34,9 @@ COPY_TBPS = 4.19e12
 BF16_FLOPS = 790e12
 
 
-def _engine(shape: str, max_running: int, context: int, steps: int, extra_tokens: int = 0, **overrides) -> Engine:
+def _engine(
+    shape: str, max_running: int, context: int, steps: int, extra_tokens: int = 0, **overrides
+) -> Engine:
     """`extra_tokens`: room for other requests (pages, and the longest prompt) beside the batch;
     `overrides`: other EngineConfig fields."""
     path = Path(tempfile.mkdtemp(prefix=f"kvray-{shape}-"))
@@ -49,17 +51,30 @@ def _engine(shape: str, max_running: int, context: int, steps: int, extra_tokens
 def run_until_decoding(engine: Engine) -> None:
     """Step until every submitted request has finished its prompt and decodes one token a step."""
     engine.step()  # drains the inbox into the scheduler
-    while engine.scheduler.waiting or any(r.num_pending > 1 or not r.output_ids for r in engine.scheduler.running):
+    while engine.scheduler.waiting or any(
+        r.num_pending > 1 or not r.output_ids for r in engine.scheduler.running
+    ):
         engine.step()
 
 
-def _time_steps(engine: Engine, batch: int, context: int, steps: int, tag: str, replay: list[float] | None = None) -> float:
+def _time_steps(
+    engine: Engine,
+    batch: int,
+    context: int,
+    steps: int,
+    tag: str,
+    replay: list[float] | None = None,
+) -> float:
     # Prompts finish prefill over several steps (B x context tokens at token_budget a step), and
     # the first ones decode meanwhile: room for that skew, so no request ends in the timed window.
     params = SamplingParams(temperature=0, max_tokens=steps + 48, ignore_eos=True)
-    g = torch.Generator().manual_seed(3 * batch + "gsef".index(tag))  # fresh prompts per run: no prefix hits
+    g = torch.Generator().manual_seed(
+        3 * batch + "gsef".index(tag)
+    )  # fresh prompts per run: no prefix hits
     prompts = [torch.randint(10, 30000, (context,), generator=g).tolist() for _ in range(batch)]
-    stream = engine.submit([EngineRequest(f"{tag}-{batch}-{i}", p, params) for i, p in enumerate(prompts)])
+    stream = engine.submit(
+        [EngineRequest(f"{tag}-{batch}-{i}", p, params) for i, p in enumerate(prompts)]
+    )
     run_until_decoding(engine)
     for _ in range(3):
         engine.step()
@@ -71,7 +86,10 @@ def _time_steps(engine: Engine, batch: int, context: int, steps: int, tag: str, 
     elapsed = (time.perf_counter() - start) / (steps - 4)
     overlapped = engine.num_overlapped_steps - overlapped
     if engine.config.overlap and overlapped != steps - 4:  # the batch changed: not steady decode
-        print(f"  warning: {tag} B={batch}: {overlapped} of {steps - 4} timed steps overlapped", flush=True)
+        print(
+            f"  warning: {tag} B={batch}: {overlapped} of {steps - 4} timed steps overlapped",
+            flush=True,
+        )
     if replay is not None:
         replay.append(_replay_ms(engine, batch))
     stream.close()
@@ -103,7 +121,9 @@ def _set(engine: Engine, *, graphs, overlap: bool) -> None:
 
 def _ttft(engine: Engine, context: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    prompt = torch.randint(10, 30000, (context,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = torch.randint(
+        10, 30000, (context,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
     times = []
     for i in range(5):
         stream = engine.submit([EngineRequest(f"ttft-{i}", [p + i for p in prompt], params)])
@@ -151,15 +171,22 @@ def run(shapes: list[str], batches: list[int], context: int, steps: int) -> dict
         _set(engine, graphs=graphs, overlap=True)
         ttft = _ttft(engine, context)
         flop_floor = 2 * n_params * context / BF16_FLOPS * 1e3
-        results["prefill"].append(dict(shape=shape, tokens=context, ttft_ms=ttft, flop_floor_ms=flop_floor))
-        print(f"{shape:14s} TTFT {context} tokens: {ttft:.2f} ms (FLOP floor {flop_floor:.2f} ms)", flush=True)
+        results["prefill"].append(
+            dict(shape=shape, tokens=context, ttft_ms=ttft, flop_floor_ms=flop_floor)
+        )
+        print(
+            f"{shape:14s} TTFT {context} tokens: {ttft:.2f} ms (FLOP floor {flop_floor:.2f} ms)",
+            flush=True,
+        )
         del engine
         torch.cuda.empty_cache()
     return results
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--shapes", nargs="+", default=["smollm2-135m", "llama3-8b"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64, 128])
     ap.add_argument("--context", type=int, default=1024)

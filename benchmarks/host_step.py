@@ -48,7 +48,12 @@ def measure(batch: int, repeat: int) -> dict:
                        max_seq_len=512, num_pages=batch * 32, token_budget=8192, overlap=False)  # fmt: skip
     engine = Engine(cfg)
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-    engine.submit([EngineRequest(f"r{i}", [(7 * j + i) % 500 for j in range(64)], params) for i in range(batch)])
+    engine.submit(
+        [
+            EngineRequest(f"r{i}", [(7 * j + i) % 500 for j in range(64)], params)
+            for i in range(batch)
+        ]
+    )
     engine.step()  # drains the inbox into the scheduler
     while engine.scheduler.waiting or any(not r.output_ids for r in engine.scheduler.running):
         engine.step()
@@ -80,7 +85,9 @@ def measure(batch: int, repeat: int) -> dict:
 
     row = {
         "batch": batch,
-        "bind_ms": _median_ms(lambda: cache._bind_from_host(tasks, rows, starts, seq_lens, batch), repeat),
+        "bind_ms": _median_ms(
+            lambda: cache._bind_from_host(tasks, rows, starts, seq_lens, batch), repeat
+        ),
         "sampling_build_ms": _median_ms(build, repeat),
         "schedule_ms": _median_ms(engine.scheduler.schedule, repeat),
     }
@@ -97,7 +104,9 @@ def measure(batch: int, repeat: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--batches", nargs="+", type=int, default=[64, 256])
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--json", type=Path)

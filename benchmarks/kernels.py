@@ -311,7 +311,9 @@ def _prefill_case(name: str, seqs: list[tuple[int, int]]) -> dict[str, Any]:
     first = 0
     for b, n in enumerate(pages):  # each sequence's pages scattered over the cache
         pos = torch.arange(n * PAGE, device=DEV)
-        rt[b, : n * PAGE] = (perm[first : first + n][pos // PAGE] * PAGE + pos % PAGE).to(torch.int32)
+        rt[b, : n * PAGE] = (perm[first : first + n][pos // PAGE] * PAGE + pos % PAGE).to(
+            torch.int32
+        )
         first += n
     n_slots = (sum(pages) + 8) * PAGE
     k_cache = torch.randn(n_slots, HKV, D, device=DEV, dtype=DTYPE)
@@ -319,7 +321,11 @@ def _prefill_case(name: str, seqs: list[tuple[int, int]]) -> dict[str, Any]:
     total_q = sum(q for q, _ in seqs)
     q = torch.randn(total_q, HQ, D, device=DEV, dtype=DTYPE)
     out = torch.empty_like(q)
-    qo = torch.tensor([0] + [q for q, _ in seqs], device=DEV, dtype=torch.int32).cumsum(0).to(torch.int32)
+    qo = (
+        torch.tensor([0] + [q for q, _ in seqs], device=DEV, dtype=torch.int32)
+        .cumsum(0)
+        .to(torch.int32)
+    )
     lens = torch.tensor([kv for _, kv in seqs], device=DEV, dtype=torch.int32)
     rows_idx = torch.arange(batch, device=DEV, dtype=torch.int32)
 
@@ -329,7 +335,10 @@ def _prefill_case(name: str, seqs: list[tuple[int, int]]) -> dict[str, Any]:
             D**-0.5, out, variant=variant,
         )  # fmt: skip
 
-    variants = {str(v): graph_time_us([kvray_call(v)], min_calls=8) for v in range(1, cuda_ops.prefill_variants())}
+    variants = {
+        str(v): graph_time_us([kvray_call(v)], min_calls=8)
+        for v in range(1, cuda_ops.prefill_variants())
+    }
     us = graph_time_us([kvray_call(0)], min_calls=8)
     sdpa_calls, start = [], 0
     for b, (q_len, kv_len) in enumerate(seqs):  # SDPA on contiguous K/V, one call per sequence
@@ -342,7 +351,15 @@ def _prefill_case(name: str, seqs: list[tuple[int, int]]) -> dict[str, Any]:
         keys, queries = torch.arange(kv_len, device=DEV), off + torch.arange(q_len, device=DEV)
         mask = (keys[None, :] <= queries[:, None]) if off else None
         sdpa_calls.append(
-            partial(F.scaled_dot_product_attention, qc, kc, vc, attn_mask=mask, is_causal=off == 0, enable_gqa=True)
+            partial(
+                F.scaled_dot_product_attention,
+                qc,
+                kc,
+                vc,
+                attn_mask=mask,
+                is_causal=off == 0,
+                enable_gqa=True,
+            )
         )
     sdpa = graph_time_us(sdpa_calls, min_calls=8) * len(sdpa_calls)
     flops = sum(4 * HQ * D * sum(kv - q_len + i + 1 for i in range(q_len)) for q_len, kv in seqs)
@@ -355,7 +372,9 @@ def _prefill_case(name: str, seqs: list[tuple[int, int]]) -> dict[str, Any]:
 
 def prefill_cases() -> list[tuple[str, list[tuple[int, int]]]]:
     gen = torch.Generator().manual_seed(0)
-    ragged = [int(x) for x in torch.randint(100, 1025, (16,), generator=gen)]  # the offline bench's prompts
+    ragged = [
+        int(x) for x in torch.randint(100, 1025, (16,), generator=gen)
+    ]  # the offline bench's prompts
     return [
         ("prompt 1024", [(1024, 1024)]),
         ("prompt 1920", [(1920, 1920)]),
@@ -414,7 +433,9 @@ def print_prefill_table(rows: list[dict[str, Any]]) -> None:
     print(f"\n{'prefill case (TFLOP/s)':<34} {'auto':>6} {head} {'SDPA':>6} {'auto us':>9}")
     for r in rows:
         cols = " ".join(f"{r['variant_tflops'][v]:6.1f}" for v in variants)
-        print(f"{r['case']:<34} {r['kvray_tflops']:6.1f} {cols} {r['sdpa_tflops']:6.1f} {r['kvray_us']:9.1f}")
+        print(
+            f"{r['case']:<34} {r['kvray_tflops']:6.1f} {cols} {r['sdpa_tflops']:6.1f} {r['kvray_us']:9.1f}"
+        )
 
 
 def main() -> None:

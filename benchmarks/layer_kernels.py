@@ -51,7 +51,9 @@ def step_kernels(shape: str, layers: int, ops: str) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--shapes", nargs="+", default=["smollm2-135m", "llama3-8b"])
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -59,12 +61,21 @@ def main() -> None:
     for shape in args.shapes:
         for ops in ("torch", "cuda"):
             one, three = step_kernels(shape, 1, ops), step_kernels(shape, 3, ops)
-            rows.append(dict(shape=shape, ops=ops, per_layer=(three - one) / 2, outside_layers=one - (three - one) // 2))
+            rows.append(
+                dict(
+                    shape=shape,
+                    ops=ops,
+                    per_layer=(three - one) / 2,
+                    outside_layers=one - (three - one) // 2,
+                )
+            )
             print(f"{shape:14s} {ops:5s} ops: {(three - one) / 2:5.1f} kernels per layer, "
                   f"{one - (three - one) // 2} outside the layers", flush=True)  # fmt: skip
         torch.cuda.empty_cache()
     if args.out:
-        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+        args.out.write_text(
+            json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=2)
+        )
 
 
 if __name__ == "__main__":

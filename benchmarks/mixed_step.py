@@ -50,11 +50,20 @@ def _mixed_ms(engine: Engine, batch: int, prompt: int, steps: int, seed: int) ->
     return ms
 
 
-def run(shapes: list[str], batches: list[int], prompts: list[int], context: int, steps: int) -> dict:
+def run(
+    shapes: list[str], batches: list[int], prompts: list[int], context: int, steps: int
+) -> dict:
     results = result_header(context, steps)
     for shape in shapes:
         start = time.perf_counter()
-        engine = _engine(shape, max(batches) + 4, context, 64 * steps, extra_tokens=4 * max(prompts), prompt_graph_tokens=2048)
+        engine = _engine(
+            shape,
+            max(batches) + 4,
+            context,
+            64 * steps,
+            extra_tokens=4 * max(prompts),
+            prompt_graph_tokens=2048,
+        )
         results.setdefault("engine_start_s", {})[shape] = time.perf_counter() - start
         runner = engine.executor.prompt_graphs
         assert runner is not None, "the engine captured no prompt graphs"
@@ -62,8 +71,16 @@ def run(shapes: list[str], batches: list[int], prompts: list[int], context: int,
         for batch in batches:
             params = SamplingParams(temperature=0, max_tokens=64 * steps, ignore_eos=True)
             g = torch.Generator().manual_seed(1000 + batch)
-            decodes = [torch.randint(10, 30000, (context,), generator=g).tolist() for _ in range(batch)]
-            stream = engine.submit([EngineRequest(f"d{batch}-{i}", p, params) for i, p in enumerate(decodes)]) if batch else None
+            decodes = [
+                torch.randint(10, 30000, (context,), generator=g).tolist() for _ in range(batch)
+            ]
+            stream = (
+                engine.submit(
+                    [EngineRequest(f"d{batch}-{i}", p, params) for i, p in enumerate(decodes)]
+                )
+                if batch
+                else None
+            )
             if batch:
                 engine.scheduler.token_budget = engine.config.token_budget
                 run_until_decoding(engine)
@@ -79,7 +96,11 @@ def run(shapes: list[str], batches: list[int], prompts: list[int], context: int,
                            graphs_ms=ms[True], eager_ms=ms[False])  # fmt: skip
                 line = f"{shape:14s} B={batch:3d} +{prompt:5d} prompt tokens (bucket {row['bucket']}): graphs {ms[True]:7.2f} ms  eager {ms[False]:7.2f} ms"
                 if batch:
-                    row.update(decode_ms=decode_ms, extra_graphs_ms=ms[True] - decode_ms, extra_eager_ms=ms[False] - decode_ms)
+                    row.update(
+                        decode_ms=decode_ms,
+                        extra_graphs_ms=ms[True] - decode_ms,
+                        extra_eager_ms=ms[False] - decode_ms,
+                    )
                     line += f"  decode alone {decode_ms:6.2f} ms: extra {ms[True] - decode_ms:6.2f} vs {ms[False] - decode_ms:6.2f} ms"
                 results["rows"].append(row)
                 print(line, flush=True)
@@ -93,7 +114,9 @@ def run(shapes: list[str], batches: list[int], prompts: list[int], context: int,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--shapes", nargs="+", default=["smollm2-135m", "llama3-8b"])
     ap.add_argument("--batches", nargs="+", type=int, default=[0, 32, 64])
     ap.add_argument("--prompts", nargs="+", type=int, default=[32, 128, 256, 512, 1024])

@@ -31,7 +31,9 @@ from cluster.local_ray import _argv, _threads, is_control_plane
 
 
 def _step_counters(url: str) -> tuple[float, int]:
-    counters = parse_engine_steps(urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode())
+    counters = parse_engine_steps(
+        urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    )
     if counters is None:
         raise SystemExit(f"{url}/metrics exports no engine step counters")
     return counters
@@ -104,14 +106,28 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(args.seconds)
         (s1, n1), steal1 = _step_counters(args.url), _steal()
         mean_ms = 1e3 * (s1 - s0) / max(n1 - n0, 1)
-        phases.append({"setting": setting, "steps": n1 - n0, "step_mean_ms": mean_ms, "steal_jiffies": steal1 - steal0})
-        print(f"phase {i:2d} {args.experiment} {setting:>4}: {n1 - n0:4.0f} steps, mean {mean_ms:6.1f} ms, steal {steal1 - steal0}", flush=True)
+        phases.append(
+            {
+                "setting": setting,
+                "steps": n1 - n0,
+                "step_mean_ms": mean_ms,
+                "steal_jiffies": steal1 - steal0,
+            }
+        )
+        print(
+            f"phase {i:2d} {args.experiment} {setting:>4}: {n1 - n0:4.0f} steps, mean {mean_ms:6.1f} ms, steal {steal1 - steal0}",
+            flush=True,
+        )
     for setting in settings:
         means = [p["step_mean_ms"] for p in phases if p["setting"] == setting]
         print(f"{setting:>4}: {[round(m, 1) for m in means]} mean {statistics.fmean(means):.1f} ms")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d"), "args": vars(args), "phases": phases}, f, indent=2)
+            json.dump(
+                {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "phases": phases},
+                f,
+                indent=2,
+            )
     return 0
 
 

@@ -32,7 +32,9 @@ from worker.engine import Engine, EngineRequest
 from worker.sampling import SamplingParams
 
 _ids = itertools.count()
-_ONE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)  # a prompt that ends at its first token
+_ONE = SamplingParams(
+    temperature=0, max_tokens=1, ignore_eos=True
+)  # a prompt that ends at its first token
 
 
 def _median_ms(values: list[float]) -> float:
@@ -103,7 +105,9 @@ def _with_prompt(engine: Engine, steps: int, prompt) -> list[float]:
     return times
 
 
-def run(batches: list[int], prompt_len: int, steps: int, rounds: int, oversubscribed: bool = False) -> dict:
+def run(
+    batches: list[int], prompt_len: int, steps: int, rounds: int, oversubscribed: bool = False
+) -> dict:
     g = torch.Generator().manual_seed(0)
 
     def prompt() -> list[int]:
@@ -126,8 +130,16 @@ def run(batches: list[int], prompt_len: int, steps: int, rounds: int, oversubscr
         params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
         engine.submit([EngineRequest(f"d{i}", prompt(), params) for i in range(batch)])
         run_until_decoding(engine)
-        engine.scheduler.lane_on = True  # what Engine.start() sets; this thread is the engine's loop
-        row: dict = {"alone_ms": [], "beside_lane_ms": [], "beside_lane_max_ms": [], "lane_prompt_ms": [], "in_step_ms": []}
+        engine.scheduler.lane_on = (
+            True  # what Engine.start() sets; this thread is the engine's loop
+        )
+        row: dict = {
+            "alone_ms": [],
+            "beside_lane_ms": [],
+            "beside_lane_max_ms": [],
+            "lane_prompt_ms": [],
+            "in_step_ms": [],
+        }
         for _ in range(rounds):
             row["alone_ms"].append(_median_ms(_decode_steps(engine, steps)))
             decode, lane_times = _beside_lane(engine, steps, prompt)
@@ -161,7 +173,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=12, help="timed decode steps per median")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--oversubscribed", action="store_true", help="also: the engine's steps on every thread beside the lane")
+    parser.add_argument(
+        "--oversubscribed",
+        action="store_true",
+        help="also: the engine's steps on every thread beside the lane",
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     results = run(args.batches, args.prompt_len, args.steps, args.rounds, args.oversubscribed)

@@ -422,7 +422,13 @@ def main(argv: list[str] | None = None) -> int:
     # The non-streamed load has prompts of its own: the streamed one's are in the replicas'
     # prefix caches when it starts, and resending them would measure cache hits.
     nonstream_samples = make_samples(
-        args.sat_prompts * args.replicas, args.input_len, args.output_len, 0.5, 0, vocab, args.seed + 8
+        args.sat_prompts * args.replicas,
+        args.input_len,
+        args.output_len,
+        0.5,
+        0,
+        vocab,
+        args.seed + 8,
     )
     results: dict[str, Any] = {
         "date": dt.date.today().isoformat(),
@@ -447,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 port = _free_port()
                 # a proxy on every Ray node; with --ray-nodes they share the port (SO_REUSEPORT)
-                serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "EveryNode"})
+                serve.start(
+                    http_options={"host": "127.0.0.1", "port": port, "location": "EveryNode"}
+                )
                 lower_control_plane()  # as `kvray serve` does
                 url = f"http://127.0.0.1:{port}"
                 if "scaling" in phases:

@@ -38,13 +38,22 @@ def _sums(text: str) -> dict[str, tuple[float, float]]:
     return out
 
 
-async def _run(url: str, model: str, n: int, prompt_len: int, seed: int) -> tuple[list[float], str, str]:
+async def _run(
+    url: str, model: str, n: int, prompt_len: int, seed: int
+) -> tuple[list[float], str, str]:
     ttfts = []
     async with http_client(url, 4, 600.0) as client:
         before = await (await client.get("/metrics")).text()
         for i in range(n):
             prompt = [(seed + 7919 * (i * prompt_len + j)) % 30000 + 100 for j in range(prompt_len)]
-            body = {"model": model, "prompt": prompt, "max_tokens": 2, "stream": True, "ignore_eos": True, "temperature": 0}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": 2,
+                "stream": True,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
             start, first = time.perf_counter(), None
             async with client.post("/v1/completions", json=body) as response:
                 async for line in response.content:
@@ -58,7 +67,9 @@ async def _run(url: str, model: str, n: int, prompt_len: int, seed: int) -> tupl
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", help="ClusterConfig YAML (default: the demo model, one worker replica)")
+    ap.add_argument(
+        "--config", help="ClusterConfig YAML (default: the demo model, one worker replica)"
+    )
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--out", help="write the result here (JSON)")
@@ -66,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     config = ClusterConfig.from_yaml(args.config) if args.config else ClusterConfig()
     with local_app(config) as url:
         asyncio.run(_run(url, config.model_name, 4, args.prompt_len, seed=1))  # warm-up
-        ttfts, before, after = asyncio.run(_run(url, config.model_name, args.requests, args.prompt_len, seed=2))
+        ttfts, before, after = asyncio.run(
+            _run(url, config.model_name, args.requests, args.prompt_len, seed=2)
+        )
     b, a = _sums(before), _sums(after)
     mean = {k: (a[k][0] - b[k][0]) / (a[k][1] - b[k][1]) for k in HISTOGRAMS}
     client = statistics.fmean(ttfts)
@@ -78,13 +91,16 @@ def main(argv: list[str] | None = None) -> int:
         "p50_client_ttft_ms": 1e3 * statistics.median(ttfts),
         "split_ms": {
             "proxy (client - ingress)": 1e3 * (client - mean["ingress"]),
-            "ingress -> worker -> ingress (ingress - engine)": 1e3 * (mean["ingress"] - mean["engine"]),
+            "ingress -> worker -> ingress (ingress - engine)": 1e3
+            * (mean["ingress"] - mean["engine"]),
             "engine (queue + prompt step)": 1e3 * mean["engine"],
         },
     }
     for part, ms in result["split_ms"].items():
         print(f"{part:52} {ms:8.1f} ms")
-    print(f"{'client TTFT, mean (p50)':52} {1e3 * client:8.1f} ms ({result['p50_client_ttft_ms']:.1f})")
+    print(
+        f"{'client TTFT, mean (p50)':52} {1e3 * client:8.1f} ms ({result['p50_client_ttft_ms']:.1f})"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -13,7 +13,15 @@ import time
 
 sys.path.insert(0, os.getcwd())
 MODEL = "/tmp/demo-shape"
-ENV_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LD_PRELOAD", "OMP_PROC_BIND", "KMP_AFFINITY")
+ENV_KEYS = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+    "GOMP_SPINCOUNT",
+    "LD_PRELOAD",
+    "OMP_PROC_BIND",
+    "KMP_AFFINITY",
+)
 
 
 def probe(threads: int) -> dict:
@@ -25,21 +33,44 @@ def probe(threads: int) -> dict:
 
     torch.set_num_threads(threads)
     info: dict = {k: os.environ.get(k) for k in ENV_KEYS}
-    info |= {"cpus_allowed": len(os.sched_getaffinity(0)), "nice": os.getpriority(os.PRIO_PROCESS, 0), "torch_threads": torch.get_num_threads()}
+    info |= {
+        "cpus_allowed": len(os.sched_getaffinity(0)),
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "torch_threads": torch.get_num_threads(),
+    }
     engine = Engine(EngineConfig(model=MODEL, load_format="random", device="cpu"))
     engine.start()
     steps = []
     for i in range(4):
         before = engine.stats()
-        stream = engine.submit([EngineRequest(f"r{i}", list(range(100, 164)), SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0))])
+        stream = engine.submit(
+            [
+                EngineRequest(
+                    f"r{i}",
+                    list(range(100, 164)),
+                    SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0),
+                )
+            ]
+        )
         while not stream.finished:
             time.sleep(0.002)
             stream.poll()
         after = engine.stats()
-        steps.append(round(1e3 * (after.step_seconds_total - before.step_seconds_total) / (after.num_steps - before.num_steps), 2))
+        steps.append(
+            round(
+                1e3
+                * (after.step_seconds_total - before.step_seconds_total)
+                / (after.num_steps - before.num_steps),
+                2,
+            )
+        )
     engine.shutdown()
     info["step_ms"] = steps
-    info["parallel"] = [line for line in torch.__config__.parallel_info().splitlines() if "OpenMP" in line or "threads" in line.lower()][:6]
+    info["parallel"] = [
+        line
+        for line in torch.__config__.parallel_info().splitlines()
+        if "OpenMP" in line or "threads" in line.lower()
+    ][:6]
     return info
 
 
@@ -58,7 +89,11 @@ def main() -> None:
     remote = ray.remote(num_cpus=1)(probe)
     print("actor", json.dumps(ray.get(remote.remote(threads))), flush=True)
     env = {"PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": str(os.cpu_count())}
-    print("actor-omp-all", json.dumps(ray.get(remote.options(runtime_env={"env_vars": env}).remote(threads))), flush=True)
+    print(
+        "actor-omp-all",
+        json.dumps(ray.get(remote.options(runtime_env={"env_vars": env}).remote(threads))),
+        flush=True,
+    )
     print("driver-again", json.dumps(probe(threads)), flush=True)
 
 
