@@ -83,7 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--burstiness", type=float, default=1.0, help="1 = Poisson; <1 burstier, >1 steadier"
     )
     parser.add_argument("--max-concurrency", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="draws the prompts: a second run with the same seed against one --base-url server "
+        "hits the prefix cache the first filled",
+    )
     parser.add_argument(
         "--skip-engine", action="store_true", help="do not run the in-process engine baseline"
     )
