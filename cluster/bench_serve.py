@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -313,10 +312,6 @@ def local_app(config: Any) -> Iterator[str]:
             serve.start(http_options={"host": config.host, "port": config.port})
             lower_control_plane()  # as `kvray serve` does
             serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
-            if os.environ.get("KVRAY_CORE_PARTITION") == "all":  # EXPERIMENT
-                from cluster.local_ray import move_to_spare_core
-
-                print(f"moved to core 0: {move_to_spare_core()} threads", flush=True)
             yield f"http://{config.host}:{config.port}"
         finally:
             serve.shutdown()
@@ -651,8 +646,8 @@ async def _engine_load(
     from worker.engine import Engine, EngineRequest
     from worker.sampling import SamplingParams
 
-    cpus = set_cpu_threads(engine_config, cpu_threads)
-    engine = Engine.launched(engine_config, cpus)  # as a worker replica starts it
+    set_cpu_threads(engine_config, cpu_threads)
+    engine = Engine.launched(engine_config)  # as a worker replica starts it
     counter = iter(range(10**9))
     engine_ttfts: list[float] = []  # the engine's own, as the ingress's histograms have them
     engine_queues: list[float] = []

@@ -278,22 +278,6 @@ class ClusterConfig(BaseModel):
         return cls.model_validate(config)
 
 
-def worker_engine_cpus(
-    engine: EngineConfig, threads: int | None, cores: int, cuda: bool
-) -> frozenset[int] | None:
-    """EXPERIMENT (KVRAY_CORE_PARTITION=engine|all): the cores a CPU worker replica's engine
-    threads are bound to: with the spare core of `worker_torch_threads`, every core but core 0."""
-    import os
-
-    if os.environ.get("KVRAY_CORE_PARTITION") not in ("engine", "all"):
-        return None
-    if threads is not None or cores < SPARE_CORE_FROM:
-        return None
-    if engine.device == "cpu" or (engine.device == "auto" and not cuda):
-        return frozenset(range(1, cores))
-    return None
-
-
 def worker_torch_threads(
     engine: EngineConfig, threads: int | None, cores: int, cuda: bool
 ) -> int | None:

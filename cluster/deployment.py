@@ -41,7 +41,7 @@ import torch
 from ray import serve
 
 from cluster import timeline
-from cluster.config import worker_engine_cpus, worker_torch_threads
+from cluster.config import worker_torch_threads
 from cluster.dispatch import rss_bytes
 from cluster.router import RouteHint
 from cluster.transport import (
@@ -68,15 +68,12 @@ ANSWERED_REPORT_S = 600.0  # a sender's answered count is reported while it sent
 log = logging.getLogger(__name__)
 
 
-def set_cpu_threads(config: EngineConfig, threads: int | None) -> frozenset[int] | None:
+def set_cpu_threads(config: EngineConfig, threads: int | None) -> None:
     """Set this process's torch threads as a worker replica's engine has them (`threads`:
-    `ClusterConfig.worker_cpu_threads`): Ray caps an actor's at its `num_cpus`. Returns the
-    cores to bind the engine's threads to (`Engine.launched`'s `cpus`), if any."""
-    cores, cuda = os.cpu_count() or 1, torch.cuda.is_available()
-    count = worker_torch_threads(config, threads, cores, cuda)
-    if count is not None:
-        torch.set_num_threads(count)
-    return worker_engine_cpus(config, threads, cores, cuda)
+    `ClusterConfig.worker_cpu_threads`): Ray caps an actor's at its `num_cpus`."""
+    threads = worker_torch_threads(config, threads, os.cpu_count() or 1, torch.cuda.is_available())
+    if threads is not None:
+        torch.set_num_threads(threads)
 
 
 def _warn_if_below_the_control_plane() -> None:
@@ -187,9 +184,9 @@ class WorkerDeployment:
         linger_s: float = 2.0,
         frame_socket: bool = False,
     ):
-        cpus = set_cpu_threads(engine_config, cpu_threads)
+        set_cpu_threads(engine_config, cpu_threads)
         _warn_if_below_the_control_plane()
-        self._engine = Engine.launched(engine_config, cpus)  # built on its loop thread, see there
+        self._engine = Engine.launched(engine_config)  # built on its loop thread, see there
         self._faults = FaultInjector(fault_injection)
         if fault_injection:
             self._engine.fault_hook = self._faults

@@ -132,24 +132,6 @@ def lower_control_plane(niceness: int = CONTROL_PLANE_NICENESS) -> list[int]:
     return lowered
 
 
-def move_to_spare_core() -> int:
-    """EXPERIMENT: every thread of this process's descendants but the raylet (whose children
-    must start with every core: libgomp counts them once) that may run on every core now runs
-    on core 0; the engine's threads, bound to the others, stay. Returns how many moved."""
-    everywhere = os.sched_getaffinity(0)
-    moved = 0
-    for pid in _descendants(os.getpid()):
-        argv = _argv(pid)
-        if argv and os.path.basename(argv[0]).startswith("raylet"):
-            continue
-        for tid in _threads(pid):
-            with suppress(OSError):
-                if os.sched_getaffinity(tid) == everywhere:
-                    os.sched_setaffinity(tid, {min(everywhere)})
-                    moved += 1
-    return moved
-
-
 def is_control_plane(argv: list[str]) -> bool:
     """Whether a process with this argv is part of Ray's control plane (CONTROL_PLANE_TITLES,
     CONTROL_PLANE_SCRIPTS)."""

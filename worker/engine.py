@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import queue
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -519,7 +518,7 @@ class Engine:
 
     # -- the loop thread -----------------------------------------------------------------
     @classmethod
-    def launched(cls, config: EngineConfig, cpus: Collection[int] | None = None) -> Engine:
+    def launched(cls, config: EngineConfig) -> Engine:
         """An engine built on the loop thread that then steps it (as `start` does): every torch
         op of its build and of its steps on one thread. A server's engine should start so.
 
@@ -529,16 +528,11 @@ class Engine:
         hundreds of small parallel ops each wait for a futex wakeup. Built on one thread and
         stepped on another (`Engine(...)` then `start()`), a 64-token demo prompt step took
         201 ms on the 2-core CPU; built and stepped on one thread, 127 ms
-        (benchmarks/engine_thread.py; docs/architecture.md).
-
-        `cpus`: bind the loop thread to these cores before the build, so that its OpenMP team and
-        the prompt lane, which it starts, run there too (Linux)."""
+        (benchmarks/engine_thread.py; docs/architecture.md)."""
         handoff: queue.SimpleQueue[Engine | BaseException] = queue.SimpleQueue()
 
         def main() -> None:
             try:
-                if cpus:
-                    os.sched_setaffinity(0, cpus)  # this thread; the threads it starts inherit it
                 engine = cls(config)
             except BaseException as exc:  # the caller raises it
                 handoff.put(exc)
