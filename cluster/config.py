@@ -164,7 +164,7 @@ class ClusterConfig(BaseModel):
     worker_cpu_threads: int | None = Field(
         None,
         ge=1,
-        description=f"torch CPU threads of a worker replica; None = when the engine runs on CPU, every core, less one "
+        description=f"torch CPU threads of a worker replica; None = when the engine runs on CPU, every core it may run on (its affinity mask), less one "
         f"from {SPARE_CORE_FROM} cores up (Ray would give it num_cpus)",
     )
     ingress_replicas: int = Field(
@@ -278,12 +278,26 @@ class ClusterConfig(BaseModel):
         return cls.model_validate(config)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask (a cpuset, `taskset`, Kubernetes'
+    static CPU manager), not the machine's count. GNU OpenMP, torch's CPU pool, sizes its waits
+    by the mask it finds when torch loads: with more threads than that, every thread sleeps at
+    each barrier after a short spin, and a CPU engine's steps slow to about half (a replica whose
+    Ray was bound to one core of 16, 15 threads: first token 122 against 66 ms;
+    benchmarks/README.md, "Session 24")."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks here (not Linux)
+        return os.cpu_count() or 1
+
+
 def worker_torch_threads(
     engine: EngineConfig, threads: int | None, cores: int, cuda: bool
 ) -> int | None:
     """The torch threads a worker replica sets: `ClusterConfig.worker_cpu_threads` when given;
-    else, for an engine on CPU, every core (Ray would cap it at its `num_cpus`), less one from
-    SPARE_CORE_FROM cores up; else None (a GPU engine keeps torch's own)."""
+    else, for an engine on CPU, every one of the `cores` it may run on (`usable_cores`; Ray would
+    cap it at its `num_cpus`), less one from SPARE_CORE_FROM cores up; else None (a GPU engine
+    keeps torch's own)."""
     if threads is not None:
         return threads
     if engine.device == "cpu" or (engine.device == "auto" and not cuda):

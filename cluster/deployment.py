@@ -41,7 +41,7 @@ import torch
 from ray import serve
 
 from cluster import timeline
-from cluster.config import worker_torch_threads
+from cluster.config import usable_cores, worker_torch_threads
 from cluster.dispatch import rss_bytes
 from cluster.router import RouteHint
 from cluster.transport import (
@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 def set_cpu_threads(config: EngineConfig, threads: int | None) -> None:
     """Set this process's torch threads as a worker replica's engine has them (`threads`:
     `ClusterConfig.worker_cpu_threads`): Ray caps an actor's at its `num_cpus`."""
-    threads = worker_torch_threads(config, threads, os.cpu_count() or 1, torch.cuda.is_available())
+    threads = worker_torch_threads(config, threads, usable_cores(), torch.cuda.is_available())
     if threads is not None:
         torch.set_num_threads(threads)
 

@@ -4,13 +4,23 @@ autoscaling policy. No Ray runtime is started here."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 from ray.serve.config import AutoscalingContext
 
 from cluster.autoscaling import EngineLoadPolicy
-from cluster.config import API_KEYS_ENV, ClusterConfig, RequestLimits, worker_torch_threads
+from cluster.config import (
+    API_KEYS_ENV,
+    ClusterConfig,
+    RequestLimits,
+    usable_cores,
+    worker_torch_threads,
+)
 from cluster.dispatch import CallError, Dispatcher, Group, GroupStream
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.router import ReplicaView, RouteHint, matched_pages, rank_replicas
@@ -30,6 +40,8 @@ from worker.config import EngineConfig
 from worker.outputs import RequestDelta, RequestMetrics, TokenLogprobs
 from worker.page_hash import page_hashes
 from worker.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parents[2]
 
 PROMPT = list(range(100, 180))  # 5 full pages of 16
 KEYS = page_hashes(PROMPT, 16)
@@ -128,6 +140,27 @@ def test_a_cpu_worker_leaves_a_core_to_the_request_path_on_many_cores() -> None:
     assert worker_torch_threads(auto, None, 16, cuda=True) is None  # a GPU engine keeps torch's
     assert worker_torch_threads(EngineConfig(device="cuda"), None, 16, cuda=True) is None
     assert worker_torch_threads(cpu, 16, 16, cuda=False) == 16  # the config's own count wins
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="affinity masks are Linux's")
+def test_a_cpu_worker_counts_the_cores_it_may_run_on_not_the_machines() -> None:
+    # a replica's process bound to one core (as `taskset`, a cpuset or a narrow parent would
+    # leave it) computes with one thread, whatever the machine has
+    probe = (
+        "import torch; from cluster.deployment import set_cpu_threads; "
+        "from worker.config import EngineConfig; "
+        "set_cpu_threads(EngineConfig(device='cpu'), None); print(torch.get_num_threads())"
+    )
+    bound = subprocess.run(
+        [sys.executable, "-c", probe],
+        preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    )
+    assert int(bound.stdout.split()[-1]) == 1
+    assert usable_cores() == len(os.sched_getaffinity(0))
 
 
 def test_api_keys_come_from_config_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
