@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from worker.config import EngineConfig
 
 API_KEYS_ENV = "KVRAY_API_KEYS"
+CGROUP_ROOT = Path("/sys/fs/cgroup")  # a container's own cgroup (its cgroup namespace)
 # From this many cores up, a worker replica on CPU leaves one to the request's way (the HTTP
 # proxy, the ingress, the replica's event loop, Ray): with a spinning OpenMP team thread on
 # every core, each of those runs by preempting one, and the team's barriers wait for it.
@@ -164,7 +165,7 @@ class ClusterConfig(BaseModel):
     worker_cpu_threads: int | None = Field(
         None,
         ge=1,
-        description=f"torch CPU threads of a worker replica; None = when the engine runs on CPU, every core it may run on (its affinity mask), less one "
+        description=f"torch CPU threads of a worker replica; None = when the engine runs on CPU, every core it may use (its affinity mask, capped by its container's CPU limit), less one "
         f"from {SPARE_CORE_FROM} cores up (Ray would give it num_cpus)",
     )
     ingress_replicas: int = Field(
@@ -278,17 +279,41 @@ class ClusterConfig(BaseModel):
         return cls.model_validate(config)
 
 
-def usable_cores() -> int:
-    """The cores this process may run on: its affinity mask (a cpuset, `taskset`, Kubernetes'
-    static CPU manager), not the machine's count. GNU OpenMP, torch's CPU pool, sizes its waits
-    by the mask it finds when torch loads: with more threads than that, every thread sleeps at
-    each barrier after a short spin, and a CPU engine's steps slow to about half (a replica whose
-    Ray was bound to one core of 16, 15 threads: first token 122 against 66 ms;
-    benchmarks/README.md, "Session 24")."""
+def usable_cores(cgroup: Path = CGROUP_ROOT) -> int:
+    """The cores this process may use: those of its affinity mask (a cpuset, `taskset`,
+    Kubernetes' static CPU manager), capped by its container's CPU limit (`cgroup_cpu_limit`,
+    rounded down, at least 1), not the machine's count.
+
+    GNU OpenMP, torch's CPU pool, sizes its waits by the mask it finds when torch loads: with
+    more threads than that, every thread sleeps at each barrier after a short spin, and a CPU
+    engine's steps slow to about half (a replica whose Ray was bound to one core of 16, 15
+    threads: first token 122 against 66 ms; benchmarks/README.md, "Session 24"). Under a CPU
+    limit, threads beyond it spin on a budget the kernel then stops for the rest of each
+    period."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity masks here (not Linux)
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    limit = cgroup_cpu_limit(cgroup)
+    return cores if limit is None else max(1, min(cores, int(limit)))
+
+
+def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> float | None:
+    """This container's CPU limit in cores (a pod's `limits.cpu`): cgroup v2's `cpu.max`, else
+    v1's CFS quota over its period; None without one (or off Linux)."""
+    try:  # v2: "max 100000" (no limit) or "200000 100000" (2 cores)
+        quota, period = (root / "cpu.max").read_text().split()
+    except (OSError, ValueError):
+        try:  # v1: a quota of -1 is no limit
+            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (root / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    try:
+        limit = int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):  # "max"
+        return None
+    return limit if limit > 0 else None
 
 
 def worker_torch_threads(

@@ -18,6 +18,7 @@ from cluster.config import (
     API_KEYS_ENV,
     ClusterConfig,
     RequestLimits,
+    cgroup_cpu_limit,
     usable_cores,
     worker_torch_threads,
 )
@@ -161,6 +162,27 @@ def test_a_cpu_worker_counts_the_cores_it_may_run_on_not_the_machines() -> None:
     )
     assert int(bound.stdout.split()[-1]) == 1
     assert usable_cores() == len(os.sched_getaffinity(0))
+
+
+def _cgroup(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text + "\n")
+    return root
+
+
+def test_a_cpu_limit_caps_the_cores_a_cpu_worker_uses(tmp_path: Path) -> None:
+    v1_period = {"cpu/cpu.cfs_period_us": "100000"}
+    v2 = _cgroup(tmp_path / "v2", {"cpu.max": "150000 100000"})  # a pod's limits.cpu: 1500m
+    v1 = _cgroup(tmp_path / "v1", {"cpu/cpu.cfs_quota_us": "200000", **v1_period})
+    v2_unlimited = _cgroup(tmp_path / "v2u", {"cpu.max": "max 100000"})
+    v1_unlimited = _cgroup(tmp_path / "v1u", {"cpu/cpu.cfs_quota_us": "-1", **v1_period})
+    none = _cgroup(tmp_path / "none", {})
+    assert cgroup_cpu_limit(v2) == 1.5 and cgroup_cpu_limit(v1) == 2.0
+    assert [cgroup_cpu_limit(c) for c in (v2_unlimited, v1_unlimited, none)] == [None] * 3
+    mask = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert usable_cores(v2) == 1  # rounded down: threads past the limit wait out each period
+    assert [usable_cores(c) for c in (v2_unlimited, v1_unlimited, none)] == [mask] * 3
 
 
 def test_api_keys_come_from_config_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
