@@ -161,7 +161,6 @@ def test_a_cpu_worker_counts_the_cores_it_may_run_on_not_the_machines() -> None:
         cwd=REPO,
     )
     assert int(bound.stdout.split()[-1]) == 1
-    assert usable_cores() == len(os.sched_getaffinity(0))
 
 
 def _cgroup(root: Path, files: dict[str, str]) -> Path:
