@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import platform
 from typing import Any
+
+from cluster.config import cores_text
 
 
 def write_result(path: str | None, args: argparse.Namespace, **fields: Any) -> None:
@@ -17,7 +18,7 @@ def write_result(path: str | None, args: argparse.Namespace, **fields: Any) -> N
         return
     result = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "machine": f"{platform.processor() or platform.machine()}, {cores_text()}",
         "args": vars(args),
         **fields,
     }

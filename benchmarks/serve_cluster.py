@@ -48,7 +48,7 @@ from cluster.bench_stats import (
     summarize,
     tally,
 )
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, usable_cores
 from cluster.local_ray import lower_control_plane, ray_session
 
 APP = "kvray"
@@ -435,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         "host": platform.node(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "cpu_count": os.cpu_count(),
+        "usable_cores": usable_cores(),
         "model": name,
         "load_format": args.load_format,
         "args": vars(args),

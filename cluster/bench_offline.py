@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from cluster.config import usable_cores
 from worker.config import EngineConfig
 from worker.engine import StepRecord
 from worker.llm import LLM
@@ -444,6 +445,7 @@ def environment(device: str) -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
+        "usable_cores": usable_cores(),
         "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name(torch.device(device))
         if device.startswith("cuda")

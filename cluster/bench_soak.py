@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import platform
 import time
 from typing import Any
@@ -27,6 +26,7 @@ from cluster.bench_serve import (
     request_plans,
 )
 from cluster.bench_stats import BenchSample, RequestPlan, make_samples
+from cluster.config import cores_text
 
 
 def soak_launched(
@@ -41,7 +41,7 @@ def soak_launched(
     model, key = config.model_name, config.api_keys[0] if config.api_keys else "unused"
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
-        "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, CPU",
+        "hardware": f"{platform.processor() or platform.machine()}, {cores_text()}, CPU",
         "args": vars(args),
         "config": config.model_dump(mode="json"),
     }
