@@ -3,6 +3,7 @@
 import torch
 
 from worker.cache import KVStorage, PageCache, ReqToTokenPool, _BindState, _is_steady_increment
+from worker.prefix_cache import PrefixCache
 from worker.request import Request, ScheduledTask
 from worker.sampling import SamplingParams
 from worker.workspace import InferenceWorkspace
@@ -133,3 +134,17 @@ def test_a_bind_names_the_tasks_that_sample_when_some_do_not():
     assert cache.reserve(decoding, 1) and cache.reserve(chunked, 6)
     both = cache.bind_tasks([ScheduledTask(decoding, 1), ScheduledTask(chunked, 6)])
     assert both.sample_rows is None  # the chunk ends its prompt: every task samples
+
+
+def test_prefix_summary_lists_cached_keys_most_recently_used_first() -> None:
+    # what a replica reports to the router: a hit moves its keys to the front; an evicted page's
+    # key leaves; at most max_pages of them
+    cache = PrefixCache(page_size=16)
+    for key, page in ((11, 1), (12, 2), (13, 3), (14, 4)):
+        cache.publish(key, page)
+    assert cache.summary(10) == [14, 13, 12, 11]
+    assert cache.match([11, 12]) == [1, 2]
+    assert cache.summary(3) == [12, 11, 14]
+    cache.park(3)
+    assert cache.evict() == 3
+    assert cache.summary(10) == [12, 11, 14]
