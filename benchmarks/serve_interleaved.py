@@ -40,9 +40,8 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from itertools import permutations
-from pathlib import Path
 from typing import Any
 
 from benchmarks import write_result
@@ -56,6 +55,7 @@ from cluster.bench_serve import (
     parse_engine_ttft,
 )
 from cluster.bench_stats import BenchSample, cpu_shares, cpu_times, make_samples, paired_difference
+from cluster.local_ray import _descendants
 from worker.heap import frozen_heap
 
 WAYS = ("serve", "beside", "alone")
@@ -63,27 +63,10 @@ ORDERS = list(permutations(WAYS))
 READY = "serve_interleaved: ready at "
 
 
-def descendants(root: int) -> list[int]:
-    """`root` and every process below it (from /proc's parent links)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with suppress(OSError):
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
-
-
 def app_processes(app_pid: int) -> list[int]:
     """Every process of the app: the child's tree, and any of Ray's that left it (a daemon
     re-parented to init), by `standing_by`'s titles."""
-    pids = set(descendants(app_pid))
+    pids = {app_pid, *_descendants(app_pid)}
     for group in processes().values():
         pids.update(group)
     pids.discard(os.getpid())
