@@ -33,7 +33,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import ray
@@ -45,6 +45,7 @@ from cluster.config import usable_cores, worker_torch_threads
 from cluster.dispatch import rss_bytes
 from cluster.router import RouteHint
 from cluster.transport import (
+    FrameWriter,
     decode_hello,
     decode_requests,
     decode_submit,
@@ -139,24 +140,40 @@ class Mailbox:
     started: set[str] = dataclasses.field(default_factory=set)
 
 
-def _mark_first_written(frames: list[list[RequestDelta]], box: Mailbox) -> None:
-    """The timeline's `first_written` of each request whose first token these frames carry."""
+def _mark_first_written(
+    frames: list[list[RequestDelta]], box: Mailbox, at: float | None = None
+) -> None:
+    """The timeline's `first_written` of each request whose first token these frames carry
+    (`at`: when the write began, if not now)."""
     for frame in frames:
         for delta in frame:
             if delta.new_token_ids and delta.request_id not in box.started:
-                timeline.mark(delta.request_id, "first_written")
+                timeline.mark(delta.request_id, "first_written", at)
                 box.started.add(delta.request_id)
             if delta.finished:
                 box.started.discard(delta.request_id)
 
 
-async def _pump(frames: AsyncGenerator[bytes, None], writer: asyncio.StreamWriter) -> None:
-    """A session's frames onto its socket; closing the session if this ends first (the
-    socket failed, or the task was cancelled) is what makes it abort what is unfinished."""
+# The engine thread writes a frame of at most this many requests' deltas itself; a larger one
+# (many requests of one ingress in a step) is encoded on the event loop, beside the next step.
+HAND_OFF_MAX_DELTAS = 16
+
+
+def _frame_of(frames: list[list[RequestDelta]], box: Mailbox) -> bytes:
+    """One frame for the steps a session read together (one delta per request)."""
+    if timeline.enabled():
+        _mark_first_written(frames, box)
+    return encode_deltas(frames[0] if len(frames) == 1 else merge_steps(frames))
+
+
+async def _pump(frames: AsyncGenerator[bytes, None], sink: FrameWriter) -> None:
+    """What a socket session yields (its accept frame and heartbeats) onto its socket;
+    closing the session if this ends first (the socket failed, or the task was cancelled) is
+    what makes it abort what is unfinished."""
     try:
         async for frame in frames:
-            write_frame(writer, frame)
-            await writer.drain()
+            sink.write(frame)
+            await sink.drain()
     finally:
         await frames.aclose()
 
@@ -205,6 +222,7 @@ class WorkerDeployment:
         self._submit_links: set[asyncio.StreamWriter] = set()  # open submit links
         self._draining = False  # Serve is stopping this replica
         self._link_submits = 0  # submits that came over submit links (the rest: Serve calls)
+        self._frames_handed_off = 0  # socket frames the engine thread wrote itself
         self._server: asyncio.Server | None = None
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         frozen = freeze_heap()  # no full collection walks the weights and modules mid-step
@@ -357,8 +375,9 @@ class WorkerDeployment:
         if kind == "submit":
             await self._submit_link(reader, writer, ingress_id)
             return
-        frames = self.session(RouteHint(replica_id=replica_id), ingress_id)
-        pump = asyncio.ensure_future(_pump(frames, writer))
+        sink = FrameWriter(writer)
+        frames = self.session(RouteHint(replica_id=replica_id), ingress_id, sink)
+        pump = asyncio.ensure_future(_pump(frames, sink))
         closed = asyncio.ensure_future(reader.read(1))  # the ingress sends nothing more: EOF
         self._socket_sessions += 1
         try:
@@ -368,6 +387,7 @@ class WorkerDeployment:
             closed.cancel()
             with contextlib.suppress(BaseException):
                 await pump
+            sink.close()
             writer.close()
             self._socket_sessions -= 1
 
@@ -396,12 +416,16 @@ class WorkerDeployment:
             self._submit_links.discard(writer)
             writer.close()
 
-    async def session(self, hint: RouteHint, ingress_id: str) -> AsyncGenerator[bytes, None]:
+    async def session(
+        self, hint: RouteHint, ingress_id: str, sink: FrameWriter | None = None
+    ) -> AsyncGenerator[bytes, None]:
         """The deltas of everything `ingress_id` queued here: an accept frame, then one
         frame per engine step (the steps since the last frame, if this reader lags), and a
         heartbeat after `heartbeat_s` of silence in which the engine stepped. Ends once
         none of them has been unfinished for `linger_s`; a cancelled session aborts what is
-        unfinished."""
+        unfinished. On a frame socket (`sink`) the deltas' frames go onto the socket rather
+        than out of this generator: the engine thread writes a step's frame itself when
+        nothing waits before it (`_hand_off`), and this writes the frames that waited."""
         if hint.replica_id != self._replica_id:  # routed elsewhere: its replica is gone
             yield encode_refused("gone", f"replica {hint.replica_id} is gone")
             return
@@ -416,19 +440,28 @@ class WorkerDeployment:
         box.attached, box.wake = True, asyncio.Event()
         wake = box.wake
         unregister = box.stream.wakeup(asyncio.get_running_loop(), wake)
+        take_back = None if sink is None else box.stream.hand_off(self._hand_off(box, sink))
         ended = False
         try:
             steps = self._engine.stats_snapshot.num_steps
             idle_since: float | None = None
             while box.session == number:
                 wake.clear()
-                frames, finished = box.stream.drain()
-                if frames:
-                    idle_since = None
-                    if timeline.enabled():
-                        _mark_first_written(frames, box)
-                    yield encode_deltas(frames[0] if len(frames) == 1 else merge_steps(frames))
-                    continue
+                if sink is None:
+                    frames, finished = box.stream.drain()
+                    if frames:
+                        idle_since = None
+                        yield _frame_of(frames, box)
+                        continue
+                else:
+                    with sink.lock:  # the engine thread's writes wait: these frames go first
+                        frames, finished = box.stream.drain()
+                        if frames:
+                            sink.write(_frame_of(frames, box))
+                    if frames:
+                        idle_since = None
+                        await sink.drain()
+                        continue
                 if finished:  # nothing left: linger a moment for the ingress's next submit
                     now = time.monotonic()
                     idle_since = now if idle_since is None else idle_since
@@ -447,6 +480,8 @@ class WorkerDeployment:
             ended = True  # replaced by a newer session
         finally:
             unregister()
+            if take_back is not None:
+                take_back()
             if box.session == number:
                 box.attached, box.wake = False, None
                 if not ended:  # cancelled: the ingress gave up on these requests, or died
@@ -455,6 +490,24 @@ class WorkerDeployment:
                         del self._mailboxes[ingress_id]
                 elif not box.stream.finished:
                     self._reap_later(ingress_id, box)
+
+    def _hand_off(self, box: Mailbox, sink: FrameWriter) -> Callable[[list[RequestDelta]], bool]:
+        """The engine thread's taker of a socket session's frames (`OutputStream.hand_off`):
+        it writes a step's frame as the step ends, when the socket has nothing queued."""
+
+        def take(frame: list[RequestDelta]) -> bool:
+            if len(frame) > HAND_OFF_MAX_DELTAS or not sink.ready():
+                return False
+            data = encode_deltas(frame)
+            began = time.perf_counter()
+            if not sink.try_write(data):
+                return False
+            self._frames_handed_off += 1  # this thread alone counts them
+            if timeline.enabled():  # the ingress may read the frame before this runs
+                _mark_first_written([frame], box, began)
+            return True
+
+        return take
 
     def _reap_later(self, ingress_id: str, box: Mailbox) -> None:
         """Abort a mailbox's requests if no session reads it for `orphan_timeout_s`."""
@@ -502,6 +555,7 @@ class WorkerDeployment:
             "replica_id": self._replica_id,
             "faults_injected": self._faults.injected,
             "link_submits": self._link_submits,
+            "frames_handed_off": self._frames_handed_off,
             "rss_bytes": rss_bytes(),
             "stalled_s": self._stalled_s(stats),
             **dataclasses.asdict(stats),

@@ -15,7 +15,8 @@ Serve stream (`ClusterConfig.frame_socket`): the accept frame of a submit then n
 address, the ingress connects and sends a hello (its id and the replica it expects), and
 reads the same frames, each prefixed with its length (4 bytes, big-endian). A Serve stream
 item crosses gRPC and Serve's streaming machinery in two Python processes; a socket write
-does not. Submits can take the same way (a *submit link*: a connection whose hello says
+does not. On the worker a `FrameWriter` lets the engine thread write a step's frame onto the
+socket itself as the step ends, without a hop through the worker's event loop. Submits can take the same way (a *submit link*: a connection whose hello says
 `submit`): the ingress's router picks the replica as for a Serve call, and the submit and its
 answer travel over the link, matched by an id.
 """
@@ -24,6 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import socket
+import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -139,6 +143,72 @@ def decode_submit_answer(frame: bytes) -> tuple[int, bytes]:
 
 def write_frame(writer: asyncio.StreamWriter, frame: bytes) -> None:
     writer.write(len(frame).to_bytes(_LENGTH_BYTES, "big") + frame)
+
+
+class FrameWriter:
+    """The writes onto one session socket, from two threads in one order: the engine
+    thread's (`try_write`: a step's frame sent as the step ends, with no hop through the
+    event loop, whose wakeup from another thread costs a lone request's first token more than
+    the write) and the event loop's (`write`: frames that waited, heartbeats). The engine
+    thread sends only when nothing is queued before it, and never blocks: what the socket
+    does not take at once is left to the loop. `lock` orders the two; the loop holds it
+    across taking frames from a stream and writing them (see `OutputStream.hand_off`)."""
+
+    def __init__(self, writer: asyncio.StreamWriter):
+        self._writer = writer
+        self._transport = writer.transport
+        self._loop = asyncio.get_running_loop()
+        # the same connection under another descriptor: the transport's own is the loop's
+        self._sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
+        self.lock = threading.RLock()
+        self._rest = b""  # what a send of the engine thread's left unsent: the loop's to write
+        self._closed = False
+
+    def ready(self) -> bool:
+        """Nothing is queued before the next write (a hint; `try_write` checks again)."""
+        return not (self._rest or self._closed or self._transport.get_write_buffer_size())
+
+    def try_write(self, frame: bytes) -> bool:
+        """Any thread: send `frame` now if nothing is queued before it. False: it was not
+        written (queued writes, a closed connection); the caller keeps it for `write`."""
+        data = len(frame).to_bytes(_LENGTH_BYTES, "big") + frame
+        with self.lock:
+            if not self.ready() or self._transport.is_closing():
+                return False
+            try:
+                sent = self._sock.send(data, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+            except BlockingIOError:
+                return False
+            except OSError:
+                return False  # the connection failed: the loop's write and read find out
+            if sent < len(data):
+                self._rest = data[sent:]
+                self._loop.call_soon_threadsafe(self._flush)
+            return True
+
+    def write(self, frame: bytes) -> None:
+        """The loop: queue `frame` on the transport after anything queued before it."""
+        with self.lock:
+            self._flush()
+            write_frame(self._writer, frame)
+
+    async def drain(self) -> None:
+        """Wait while the transport holds more than its high-water mark (backpressure)."""
+        await self._writer.drain()
+
+    def close(self) -> None:
+        """The loop, before it closes the connection: what is left goes onto the transport
+        (closing it sends that first); nothing more is sent from another thread."""
+        with self.lock:
+            self._flush()
+            self._closed = True
+            self._sock.close()
+
+    def _flush(self) -> None:
+        with self.lock:
+            if self._rest:
+                self._transport.write(self._rest)
+                self._rest = b""
 
 
 async def read_frame(reader: asyncio.StreamReader) -> bytes | None:

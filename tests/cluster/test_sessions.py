@@ -21,11 +21,13 @@ from cluster.dispatch import Dispatcher, Group
 from cluster.router import RouteHint
 from cluster.transport import (
     Accepted,
+    FrameWriter,
     Refused,
     WireRequest,
     decode_deltas,
     decode_first,
     decode_submit_answer,
+    encode_deltas,
     encode_hello,
     encode_requests,
     encode_submit,
@@ -36,6 +38,7 @@ from tests.factories.tiny_models import random_prompts
 from worker.config import EngineConfig
 from worker.outputs import RequestDelta
 from worker.sampling import SamplingParams
+from worker.streams import OutputStream
 
 REPLICA = "w-1"
 HERE = RouteHint(replica_id=REPLICA)
@@ -445,3 +448,99 @@ def test_the_timeline_records_a_first_tokens_hops_between_dispatcher_and_worker(
     timeline.mark("t-2", "routed")  # off again: nothing more is written
     timeline.flush()
     assert "t-2" not in timeline.read_timelines(tmp_path)
+
+
+def test_a_socket_sessions_frames_are_written_by_the_engine_thread(make_worker) -> None:
+    worker = make_worker(linger_s=0.2, frame_socket=True)
+
+    async def run() -> list[list[RequestDelta]]:
+        reader, writer = await open_socket_session(worker, payload("h", 1))
+        frames = []
+        while (frame := await read_frame(reader)) is not None:
+            frames.append(decode_deltas(frame))
+        writer.close()
+        return frames
+
+    frames = asyncio.run(run())
+    assert tokens_by_request([d for f in frames for d in f]) == {"h0": 12}
+    # an idle socket takes each step's frame at once: none went through the event loop
+    stats = asyncio.run(worker.stats())
+    assert stats["frames_handed_off"] == sum(bool(f) for f in frames) > 0
+
+
+def test_frames_from_the_engine_thread_and_the_loop_arrive_whole_and_in_order() -> None:
+    """A slow reader: the engine thread's sends fill the socket, leave rests to the loop and
+    are declined while anything is queued; the loop writes what waited, as a session does."""
+    count, tokens = 200, 4000  # frames of ~12 KB against buffers of a few
+
+    class Writer(FrameWriter):
+        rests = 0  # sends the socket took part of
+
+        def _flush(self) -> None:
+            with self.lock:
+                Writer.rests += bool(self._rest)
+                super()._flush()
+
+    async def run() -> tuple[list[int], int, int]:
+        stream = OutputStream(["a"], abort=lambda rid: None)
+        wake = asyncio.Event()
+        stream.wakeup(asyncio.get_running_loop(), wake)
+        taken, declined, sent = 0, 0, asyncio.Event()
+
+        async def serve(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal taken, declined
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            sink = Writer(writer)
+
+            def take(frame: list[RequestDelta]) -> bool:
+                nonlocal taken, declined
+                ok = sink.try_write(encode_deltas(frame))
+                taken, declined = taken + ok, declined + (not ok)
+                return ok
+
+            stream.hand_off(take)
+            sent.set()
+            while True:  # the session's part: what waited, under the writer's lock
+                wake.clear()
+                with sink.lock:
+                    frames, finished = stream.drain()
+                    for frame in frames:
+                        sink.write(encode_deltas(frame))
+                await sink.drain()
+                if finished and not frames:
+                    break
+                if not frames:
+                    await wake.wait()
+            sink.close()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before the handshake
+        client.connect(server.sockets[0].getsockname()[:2])
+        reader, writer = await asyncio.open_connection(sock=client)
+        await sent.wait()
+
+        def engine() -> None:
+            for i in range(count):
+                stream.push(step_of(i))
+
+        def step_of(i: int) -> list[RequestDelta]:
+            last = i == count - 1
+            return [RequestDelta("a", [i] * tokens, finish_reason="length" if last else None)]
+
+        pushing = asyncio.ensure_future(asyncio.to_thread(engine))
+        seen = []
+        while (frame := await read_frame(reader)) is not None:
+            (delta,) = decode_deltas(frame)
+            assert delta.new_token_ids == [delta.new_token_ids[0]] * tokens
+            seen.append(delta.new_token_ids[0])
+            await asyncio.sleep(0.001)  # a slow reader
+        await pushing
+        writer.close()
+        server.close()
+        return seen, taken, declined
+
+    seen, taken, declined = asyncio.run(run())
+    assert seen == list(range(200))
+    assert taken > 0 and declined > 0 and Writer.rests > 0, (taken, declined, Writer.rests)

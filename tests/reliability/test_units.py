@@ -223,6 +223,7 @@ def test_metrics_show_a_hung_step_as_stalled_seconds() -> None:
     replica._replica_id = "w-hung"
     replica._faults = FaultInjector(enabled=False)
     replica._link_submits = 0
+    replica._frames_handed_off = 0
     stats = asyncio.run(replica.stats())
     assert 119.0 < stats["stalled_s"] < 130.0
     text = Metrics("m", "ing-1").render([stats]).decode()
