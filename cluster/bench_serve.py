@@ -77,10 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="shared-prefix variant: tokens every prompt starts with",
     )
     parser.add_argument(
-        "--request-rate", type=float, default=float("inf"), help="requests/s; inf = all at once"
+        "--request-rate", type=_positive, default=float("inf"), help="requests/s; inf = all at once"
     )
     parser.add_argument(
-        "--burstiness", type=float, default=1.0, help="1 = Poisson; <1 burstier, >1 steadier"
+        "--burstiness", type=_positive, default=1.0, help="1 = Poisson; <1 burstier, >1 steadier"
     )
     parser.add_argument("--max-concurrency", type=int, default=16)
     parser.add_argument(
@@ -135,6 +135,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 BESIDE_APP = "in-process, app idle"  # the same load, while the launched app stands by
 ALONE = "in-process engine"  # the same load, no app (with --base-url: beside that server)
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # 0 and nan: no gaps to draw
+        raise argparse.ArgumentTypeError(f"must be above 0 (inf: all at once), not {text}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -424,3 +424,14 @@ def test_the_rounds_opening_bursts_are_paired_apart_from_the_steady_load() -> No
     assert (
         opening_lines([{"serve": {"ttft_ms": {}}, "in-process engine": {"ttft_ms": {}}}], 4) == []
     )
+
+
+def test_bench_serve_takes_only_rates_above_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    assert parser.parse_args(["--request-rate", "inf"]).request_rate == float("inf")
+    assert parser.parse_args(["--request-rate", "2.5"]).request_rate == 2.5
+    for bad in (["--request-rate", "0"], ["--request-rate", "nan"], ["--burstiness", "-1"]):
+        with pytest.raises(SystemExit):  # an argparse error, not a ZeroDivisionError later
+            parser.parse_args(bad)
+    assert "must be above 0" in capsys.readouterr().err
