@@ -136,6 +136,7 @@ class Mailbox:
     session: int = 0  # the number of the newest session; it alone reads the stream
     attached: bool = False
     wake: asyncio.Event | None = None  # the reading session's wakeup
+    handed_off: int = 0  # frames the engine thread wrote onto the session's socket itself
     # unfinished with a token out (timeline)
     started: set[str] = dataclasses.field(default_factory=set)
 
@@ -443,7 +444,7 @@ class WorkerDeployment:
         take_back = None if sink is None else box.stream.hand_off(self._hand_off(box, sink))
         ended = False
         try:
-            steps = self._engine.stats_snapshot.num_steps
+            steps, handed_off = self._engine.stats_snapshot.num_steps, box.handed_off
             idle_since: float | None = None
             while box.session == number:
                 wake.clear()
@@ -474,9 +475,11 @@ class WorkerDeployment:
                 try:
                     await asyncio.wait_for(wake.wait(), wait_s)
                 except TimeoutError:
-                    if not finished and self._engine.stats_snapshot.num_steps != steps:
-                        steps = self._engine.stats_snapshot.num_steps
-                        yield HEARTBEAT
+                    stepped = self._engine.stats_snapshot.num_steps != steps
+                    steps = self._engine.stats_snapshot.num_steps
+                    if not finished and stepped and box.handed_off == handed_off:
+                        yield HEARTBEAT  # nothing went out, not even from the engine thread
+                    handed_off = box.handed_off
             ended = True  # replaced by a newer session
         finally:
             unregister()
@@ -498,11 +501,16 @@ class WorkerDeployment:
         def take(frame: list[RequestDelta]) -> bool:
             if len(frame) > HAND_OFF_MAX_DELTAS or not sink.ready():
                 return False
-            data = encode_deltas(frame)
-            began = time.perf_counter()
-            if not sink.try_write(data):
+            try:
+                data = encode_deltas(frame)
+                began = time.perf_counter()
+                if not sink.try_write(data):
+                    return False
+            except Exception:  # never the engine thread's failure: the loop writes it instead
+                log.exception("the engine thread could not write a frame; the loop will")
                 return False
-            self._frames_handed_off += 1  # this thread alone counts them
+            self._frames_handed_off += 1  # this thread alone counts these
+            box.handed_off += 1
             if timeline.enabled():  # the ingress may read the frame before this runs
                 _mark_first_written([frame], box, began)
             return True

@@ -24,6 +24,7 @@ answer travel over the link, matched by an id.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import socket
@@ -183,7 +184,10 @@ class FrameWriter:
                 return False  # the connection failed: the loop's write and read find out
             if sent < len(data):
                 self._rest = data[sent:]
-                self._loop.call_soon_threadsafe(self._flush)
+                with contextlib.suppress(
+                    RuntimeError
+                ):  # a closed loop: the connection went with it
+                    self._loop.call_soon_threadsafe(self._flush)
             return True
 
     def write(self, frame: bytes) -> None:

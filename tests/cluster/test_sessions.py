@@ -544,3 +544,24 @@ def test_frames_from_the_engine_thread_and_the_loop_arrive_whole_and_in_order() 
     seen, taken, declined = asyncio.run(run())
     assert seen == list(range(200))
     assert taken > 0 and declined > 0 and Writer.rests > 0, (taken, declined, Writer.rests)
+
+
+def test_heartbeats_come_while_a_request_waits_and_not_while_its_frames_flow(make_worker) -> None:
+    worker = make_worker(frame_socket=True, heartbeat_s=0.05, linger_s=0.2, fault_injection=True)
+    worker._faults.arm(steps=10_000, stall_s=0.02)  # steps of 20 ms, frames from the engine thread
+
+    async def run() -> list[list[RequestDelta]]:
+        for prefix in ("b", "c"):  # 8 requests of another ingress fill every running slot
+            await submit(worker, payload(prefix, 4, max_tokens=20), "ing-other")
+        reader, writer = await open_socket_session(worker, payload("a", 1, max_tokens=20))
+        frames = []
+        while (frame := await read_frame(reader)) is not None:
+            frames.append(decode_deltas(frame))
+        writer.close()
+        return frames
+
+    frames = asyncio.run(run())
+    first = next(i for i, frame in enumerate(frames) if frame)
+    assert first >= 2, frames[: first + 1]  # empty frames while it waited behind the 8
+    assert all(frames[first:])  # none among its 20 steps' frames (~0.4 s, 8 heartbeat periods)
+    assert tokens_by_request([d for f in frames for d in f]) == {"a0": 20}
