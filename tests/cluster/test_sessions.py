@@ -229,18 +229,24 @@ async def open_socket_session(worker: WorkerDeployment, body: bytes, ingress: st
     return reader, writer
 
 
+async def read_to_the_end(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> list[list[RequestDelta]]:
+    """Every frame of a socket session until the worker closes it."""
+    frames = []
+    while (frame := await read_frame(reader)) is not None:
+        frames.append(decode_deltas(frame))
+    writer.close()
+    return frames
+
+
 def test_a_session_reads_the_same_frames_over_the_frame_socket(make_worker) -> None:
     worker = make_worker(linger_s=0.2, frame_socket=True)
 
-    async def run() -> list[RequestDelta]:
-        reader, writer = await open_socket_session(worker, payload("s", 3))
-        deltas = []
-        while (frame := await read_frame(reader)) is not None:  # the worker closes at the end
-            deltas.extend(decode_deltas(frame))
-        writer.close()
-        return deltas
+    async def run() -> list[list[RequestDelta]]:
+        return await read_to_the_end(*await open_socket_session(worker, payload("s", 3)))
 
-    deltas = asyncio.run(run())
+    deltas = [d for frame in asyncio.run(run()) for d in frame]
     assert tokens_by_request(deltas) == {"s0": 12, "s1": 12, "s2": 12}
     assert sorted(d.request_id for d in deltas if d.finished) == ["s0", "s1", "s2"]
     assert idle_and_free(worker)
@@ -454,12 +460,7 @@ def test_a_socket_sessions_frames_are_written_by_the_engine_thread(make_worker) 
     worker = make_worker(linger_s=0.2, frame_socket=True)
 
     async def run() -> list[list[RequestDelta]]:
-        reader, writer = await open_socket_session(worker, payload("h", 1))
-        frames = []
-        while (frame := await read_frame(reader)) is not None:
-            frames.append(decode_deltas(frame))
-        writer.close()
-        return frames
+        return await read_to_the_end(*await open_socket_session(worker, payload("h", 1)))
 
     frames = asyncio.run(run())
     assert tokens_by_request([d for f in frames for d in f]) == {"h0": 12}
@@ -553,12 +554,8 @@ def test_heartbeats_come_while_a_request_waits_and_not_while_its_frames_flow(mak
     async def run() -> list[list[RequestDelta]]:
         for prefix in ("b", "c"):  # 8 requests of another ingress fill every running slot
             await submit(worker, payload(prefix, 4, max_tokens=20), "ing-other")
-        reader, writer = await open_socket_session(worker, payload("a", 1, max_tokens=20))
-        frames = []
-        while (frame := await read_frame(reader)) is not None:
-            frames.append(decode_deltas(frame))
-        writer.close()
-        return frames
+        body = payload("a", 1, max_tokens=20)
+        return await read_to_the_end(*await open_socket_session(worker, body))
 
     frames = asyncio.run(run())
     first = next(i for i, frame in enumerate(frames) if frame)
