@@ -501,16 +501,21 @@ class WorkerDeployment:
         def take(frame: list[RequestDelta]) -> bool:
             if len(frame) > HAND_OFF_MAX_DELTAS or not sink.ready():
                 return False
+            # counted first, so no reader sees a frame the stats do not (this thread alone
+            # counts them); taken back if the frame is not sent
+            self._frames_handed_off += 1
+            box.handed_off += 1
             try:
                 data = encode_deltas(frame)
                 began = time.perf_counter()
-                if not sink.try_write(data):
-                    return False
+                sent = sink.try_write(data)
             except Exception:  # never the engine thread's failure: the loop writes it instead
                 log.exception("the engine thread could not write a frame; the loop will")
+                sent = False
+            if not sent:
+                self._frames_handed_off -= 1
+                box.handed_off -= 1
                 return False
-            self._frames_handed_off += 1  # this thread alone counts these
-            box.handed_off += 1
             if timeline.enabled():  # the ingress may read the frame before this runs
                 _mark_first_written([frame], box, began)
             return True

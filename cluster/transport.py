@@ -16,9 +16,10 @@ address, the ingress connects and sends a hello (its id and the replica it expec
 reads the same frames, each prefixed with its length (4 bytes, big-endian). A Serve stream
 item crosses gRPC and Serve's streaming machinery in two Python processes; a socket write
 does not. On the worker a `FrameWriter` lets the engine thread write a step's frame onto the
-socket itself as the step ends, without a hop through the worker's event loop. Submits can take the same way (a *submit link*: a connection whose hello says
-`submit`): the ingress's router picks the replica as for a Serve call, and the submit and its
-answer travel over the link, matched by an id.
+socket itself as the step ends, without a hop through the worker's event loop. Submits can
+take the same way (a *submit link*: a connection whose hello says `submit`): the ingress's
+router picks the replica as for a Serve call, and the submit and its answer travel over the
+link, matched by an id.
 """
 
 from __future__ import annotations
@@ -178,15 +179,12 @@ class FrameWriter:
                 return False
             try:
                 sent = self._sock.send(data, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
-            except BlockingIOError:
+            except OSError:  # it would block, or the connection failed (the loop finds out)
                 return False
-            except OSError:
-                return False  # the connection failed: the loop's write and read find out
             if sent < len(data):
                 self._rest = data[sent:]
-                with contextlib.suppress(
-                    RuntimeError
-                ):  # a closed loop: the connection went with it
+                # a closed loop: the connection went with it
+                with contextlib.suppress(RuntimeError):
                     self._loop.call_soon_threadsafe(self._flush)
             return True
 

@@ -50,28 +50,39 @@ class OutputStream:
         does not take waits for `drain` as any frame does."""
         with self._cond:
             taker = None if self._frames else self._taker
-        # The engine thread is the only one that pushes, so no frame gets in before this one
-        # while the taker has it; a consumer that drains meanwhile finds nothing, and is woken
-        # below when it must look again.
-        taken = taker is not None and taker(frame)
-        finished = False
-        with self._cond:
-            if not taken:
-                self._frames.append(frame)
-            for d in frame:  # after the frame is out or queued: see `drain`
-                if d.finish_reason is not None:
-                    self._unfinished.discard(d.request_id)
-                    finished = True
-            self._cond.notify_all()
-        if not taken or finished:  # a taken frame wakes the consumer only to end its wait
-            self._wake()
-
-    def _wake(self) -> None:
-        with self._cond:
-            wakeups = list(self._wakeups)
+            if taker is None:
+                self._queue(frame)
+                self._cond.notify_all()
+                wakeups = list(self._wakeups)
+        if taker is not None:
+            # The engine thread is the only one that pushes, so no frame gets in before this
+            # one while the taker has it; a consumer that drains meanwhile finds nothing, and
+            # is woken below when it must look again.
+            taken = taker(frame)
+            with self._cond:
+                finished = self._finish(frame) if taken else self._queue(frame)
+                self._cond.notify_all()
+                wakeups = list(self._wakeups)
+            if taken and not finished:
+                return  # a taken frame wakes the consumer only to end its wait
         for loop, event in wakeups:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(event.set)
+
+    def _queue(self, frame: list[RequestDelta]) -> bool:
+        """With the lock held: the frame waits for `drain`; whether it finished a request."""
+        self._frames.append(frame)
+        return self._finish(frame)
+
+    def _finish(self, frame: list[RequestDelta]) -> bool:
+        """With the lock held, once the frame is out or queued (see `drain`): its finished
+        requests leave the unfinished set; whether there were any."""
+        finished = False
+        for d in frame:
+            if d.finish_reason is not None:
+                self._unfinished.discard(d.request_id)
+                finished = True
+        return finished
 
     def hand_off(self, taker: Callable[[list[RequestDelta]], bool]) -> Callable[[], None]:
         """Give each frame pushed while none waits here to `taker`, on the engine thread, as
