@@ -337,11 +337,12 @@ def test_a_refused_submit_on_a_link_keeps_the_link_open(make_worker) -> None:
 
 
 def test_a_draining_worker_closes_its_submit_links_and_takes_no_new_ones(make_worker) -> None:
-    worker = make_worker(frame_socket=True)
+    worker = make_worker(frame_socket=True, fault_injection=True)
+    worker._faults.arm(steps=10_000, stall_s=0.05)  # 8 tokens take 0.4 s: unfinished at the stop
 
     async def run() -> tuple[bytes | None, bytes | None]:
         reader, writer = await open_submit_link(worker)
-        write_frame(writer, encode_submit(1, 1, "ing-a", payload("d", 1, max_tokens=2)))
+        write_frame(writer, encode_submit(1, 1, "ing-a", payload("d", 1, max_tokens=8)))
         assert isinstance(decode_first(decode_submit_answer(await read_frame(reader))[1]), Accepted)  # type: ignore[arg-type]
         stopping = worker.__del__()  # Serve stops the replica; its request is unfinished
         closed = await read_frame(reader)  # the link closes: a submit sent now is sent elsewhere
