@@ -143,8 +143,12 @@ def decode_submit_answer(frame: bytes) -> tuple[int, bytes]:
     return int(submit_id), bytes(answer)
 
 
+def _framed(frame: bytes) -> bytes:
+    return len(frame).to_bytes(_LENGTH_BYTES, "big") + frame
+
+
 def write_frame(writer: asyncio.StreamWriter, frame: bytes) -> None:
-    writer.write(len(frame).to_bytes(_LENGTH_BYTES, "big") + frame)
+    writer.write(_framed(frame))
 
 
 class FrameWriter:
@@ -167,15 +171,22 @@ class FrameWriter:
         self._closed = False
 
     def ready(self) -> bool:
-        """Nothing is queued before the next write (a hint; `try_write` checks again)."""
-        return not (self._rest or self._closed or self._transport.get_write_buffer_size())
+        """Nothing is queued before the next write and the connection is open (a hint;
+        `try_write` checks again)."""
+        transport = self._transport
+        return not (
+            self._rest
+            or self._closed
+            or transport.get_write_buffer_size()
+            or transport.is_closing()
+        )
 
     def try_write(self, frame: bytes) -> bool:
         """Any thread: send `frame` now if nothing is queued before it. False: it was not
         written (queued writes, a closed connection); the caller keeps it for `write`."""
-        data = len(frame).to_bytes(_LENGTH_BYTES, "big") + frame
+        data = _framed(frame)
         with self.lock:
-            if not self.ready() or self._transport.is_closing():
+            if not self.ready():
                 return False
             try:
                 sent = self._sock.send(data, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
