@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     with ray_session(include_dashboard=False, log_to_driver=False):
-        actors = [Idle.remote() for _ in range(args.actors)]
+        actors = [Idle.remote() for _ in range(args.actors)]  # type: ignore[attr-defined]
         ray.get([actor.ready.remote() for actor in actors])
         lowered = lower_control_plane()
         print(

@@ -86,7 +86,7 @@ def measure(batch: int, repeat: int) -> dict:
     row = {
         "batch": batch,
         "bind_ms": _median_ms(
-            lambda: cache._bind_from_host(tasks, rows, starts, seq_lens, batch), repeat
+            lambda: cache._bind_from_host(tasks, rows, starts, seq_lens, batch, ()), repeat
         ),
         "sampling_build_ms": _median_ms(build, repeat),
         "schedule_ms": _median_ms(engine.scheduler.schedule, repeat),
@@ -112,16 +112,17 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    rows: list[dict[str, float]] = []
     result = {
         "benchmark": "host_step",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}",
         "torch": torch.__version__,
-        "rows": [],
+        "rows": rows,
     }
     for batch in args.batches:
         row = measure(batch, args.repeat)
-        result["rows"].append(row)
+        rows.append(row)
         print(f"B={batch:4d}  bind {row['bind_ms']:6.2f} ms  sampling build {row['sampling_build_ms']:6.2f} ms  "
               f"schedule {row['schedule_ms']:6.2f} ms  steady step host {row['steady_step_host_ms']:6.2f} ms", flush=True)  # fmt: skip
     if args.json:

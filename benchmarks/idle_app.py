@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
             cpu[process_name(pid)] += 100 * (ticks - before[pid]) / hz / args.seconds
     wakes: collections.Counter[str] = collections.Counter()
     for tid, count in (switches or {}).items():
-        pid = owners.get(tid)
-        if pid is not None and pid != os.getpid():
-            wakes[process_name(pid)] += count / args.seconds
+        owner = owners.get(tid)
+        if owner is not None and owner != os.getpid():
+            wakes[process_name(owner)] += count / args.seconds
     names = sorted(set(cpu) | set(wakes), key=lambda n: -cpu[n])
     print(f"over {args.seconds:.0f} s: % of one core, switch-ins per second")
     for name in names:

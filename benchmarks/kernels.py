@@ -161,7 +161,7 @@ def sweep_kvray(case: DecodeCase) -> dict[str, Any]:
 
 def sdpa_calls(case: DecodeCase) -> list[Callable[[], Any]]:
     q = case.q.unsqueeze(2)
-    calls = []
+    calls: list[Callable[[], Any]] = []
     for s in range(case.n_sets):
         k, v = case.contiguous_kv(s)
         calls.append(
@@ -340,7 +340,8 @@ def _prefill_case(name: str, seqs: list[tuple[int, int]]) -> dict[str, Any]:
         for v in range(1, cuda_ops.prefill_variants())
     }
     us = graph_time_us([kvray_call(0)], min_calls=8)
-    sdpa_calls, start = [], 0
+    sdpa_calls: list[Callable[[], Any]] = []
+    start = 0
     for b, (q_len, kv_len) in enumerate(seqs):  # SDPA on contiguous K/V, one call per sequence
         slots = rt[b, :kv_len].long()
         kc = k_cache[slots].permute(1, 0, 2).unsqueeze(0).contiguous()

@@ -24,6 +24,7 @@ import os
 import statistics
 import time
 import urllib.request
+from typing import Any
 
 from cluster.app import INGRESS_NAME
 from cluster.bench_serve import parse_engine_steps
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the phases here (JSON)")
     args = ap.parse_args(argv)
     settings = SETTINGS[args.experiment]
-    phases = []
+    phases: list[dict[str, Any]] = []
     for i in range(args.phases):
         setting = settings[i % len(settings)]
         _apply(args.experiment, setting)

@@ -29,8 +29,8 @@ import random
 import signal
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext, suppress
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from functools import partial
 
 from benchmarks import write_result
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for _ in range(3):
         phase()
-    treatments = {"running": nullcontext}
+    treatments: dict[str, Callable[[], AbstractContextManager[object]]] = {"running": nullcontext}
     treatments |= {f"stopped:{name}": partial(stopped, pids) for name, pids in members.items()}
     treatments["control:SCHED_IDLE"] = partial(sched_idle, members["control"])
     treatments["control:0.1ms-slice"] = partial(short_slice, members["control"])
