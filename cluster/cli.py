@@ -45,6 +45,13 @@ def _parser() -> argparse.ArgumentParser:
         "none), each with its own HTTP proxy on the port: streamed throughput past one proxy's "
         "limit (e.g. one node per GPU, or twice that)",
     )
+    serve.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="start Ray's dashboard with the Ray kvray starts (http://127.0.0.1:8265; off by "
+        "default: idle, it takes ~3 %% of a core that the engine shares on a small machine; "
+        "`serve status` needs it)",
+    )
 
     sub.add_parser("prepare-demo", help="convert the demo model once and print its directory")
 
@@ -105,15 +112,20 @@ def _serve(args: argparse.Namespace) -> int:
     from cluster.local_ray import lower_control_plane, ray_session, set_own_ray_env
 
     config = _serve_config(args)
-    if args.address and args.ray_nodes != 1:
+    if args.address and (args.ray_nodes != 1 or args.dashboard):
         raise SystemExit(
-            "kvray serve: --ray-nodes starts a local Ray; it cannot be combined with --address"
+            "kvray serve: --ray-nodes and --dashboard start a local Ray; they cannot be "
+            "combined with --address"
         )
     set_serve_env()
     if args.address is None:
         set_own_ray_env()
+    own_ray = {} if args.address else {"include_dashboard": args.dashboard}
     with ray_session(
-        nodes=args.ray_nodes, address=args.address, runtime_env=cluster_runtime_env(config)
+        nodes=args.ray_nodes,
+        address=args.address,
+        runtime_env=cluster_runtime_env(config),
+        **own_ray,
     ):
         try:
             # a proxy on every node (with --ray-nodes, all on the one port)

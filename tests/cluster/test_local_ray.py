@@ -143,6 +143,40 @@ def test_kvray_serve_refuses_ray_nodes_with_an_address(ray_harness: RayHarness):
     assert not ray.is_initialized()
 
 
+def test_kvray_serve_refuses_a_dashboard_with_an_address():
+    from cluster.cli import main
+
+    with pytest.raises(SystemExit, match="cannot be combined with --address"):
+        main(["serve", "--model", "demo", "--dashboard", "--address", "auto"])
+
+
+@pytest.mark.parametrize("flag", [[], ["--dashboard"]])
+def test_kvray_serve_starts_rays_dashboard_only_when_asked(monkeypatch, flag):
+    """Idle, the dashboard took 2.9-3.7 % of a core on the 2-core CPU (benchmarks/README.md,
+    session 27): a Ray that `kvray serve` starts has none unless asked. Stopped at the start
+    of that Ray, with what it was asked for."""
+    import cluster.app
+    import cluster.local_ray
+    from cluster.cli import main
+
+    class Started(Exception):
+        pass
+
+    asked: dict = {}
+
+    def ray_session(**kwargs):
+        asked.update(kwargs)
+        raise Started
+
+    monkeypatch.setattr(cluster.local_ray, "ray_session", ray_session)
+    monkeypatch.setattr(cluster.local_ray, "set_own_ray_env", lambda: None)
+    monkeypatch.setattr(cluster.app, "set_serve_env", lambda: None)
+    with pytest.raises(Started):
+        main(["serve", "--model", "demo", *flag])
+    assert asked["include_dashboard"] is bool(flag)
+    assert asked["address"] is None
+
+
 def test_what_the_control_plane_starts_is_lowered_with_it(tmp_path):
     """The dashboard forks its module processes from a forkserver of its own; they are neither
     titled nor run as the control plane, yet are part of it. Stood in for by a process that
