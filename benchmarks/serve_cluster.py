@@ -126,6 +126,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="phase 3 on one GPU: 0.5 puts both replicas on it (hit rates still compare)",
     )
     p.add_argument("--skip-nonstream", action="store_true")
+    p.add_argument(
+        "--skip-openai-stream",
+        action="store_true",
+        help="no `openai` client stream after the loads (a machine without the openai package)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ray-num-cpus", type=int, help="CPUs Ray may hand out (default: all)")
     p.add_argument(
@@ -552,7 +557,7 @@ def _scale_to(
             _measured(_http_run(url, name, lat_samples, lat_arrivals, args.lat_concurrency))
         )
         _show("latency (stream)", results[key]["latency"])
-    if replicas == counts[-1]:
+    if replicas == counts[-1] and not args.skip_openai_stream:
         results[key]["openai_stream"] = _openai_stream(url, name)
         print(f"  openai stream: {results[key]['openai_stream']}", flush=True)
     before = _worker_stats()

@@ -6,6 +6,7 @@ import argparse
 import json
 import time
 
+import numpy as np
 import pytest
 
 from cluster import bench_serve, timeline
@@ -25,6 +26,7 @@ from cluster.bench_stats import (
     opening_lines,
     paired_difference,
     paired_lines,
+    pooled_difference,
     round_lines,
     step_summary,
 )
@@ -435,3 +437,26 @@ def test_bench_serve_takes_only_rates_above_zero(capsys: pytest.CaptureFixture[s
         with pytest.raises(SystemExit):  # an argparse error, not a ZeroDivisionError later
             parser.parse_args(bad)
     assert "must be above 0" in capsys.readouterr().err
+
+
+def test_pooled_difference_over_runs():
+    rng = np.random.default_rng(3)
+    shifted, noisy = [], []
+    for offset, n in ((0.0, 48), (40.0, 30)):  # two VMs: one 40 ms slower, fewer requests
+        y = offset + rng.normal(60.0, 5.0, n)
+        shifted.append((list(y + 4.0), list(y)))  # x: every request of y, 4 ms later
+        noisy.append((list(y + 4.0 + rng.normal(0.0, 2.0, n)), list(y)))
+    exact = pooled_difference(shifted, paired=True)
+    assert exact["pairs"] == 78
+    assert exact["median"] == exact["low"] == exact["high"] == pytest.approx(4.0)
+    paired = pooled_difference(noisy, paired=True)
+    assert paired["low"] < paired["median"] < paired["high"]
+    assert paired["low"] > 3.0 and paired["high"] < 5.0
+    between = pooled_difference(noisy, paired=False)
+    x_pool = np.concatenate([x for x, _ in noisy])
+    y_pool = np.concatenate([y for _, y in noisy])
+    assert between["median"] == pytest.approx(np.median(x_pool) - np.median(y_pool))
+    assert between["low"] < between["median"] < between["high"]
+    # unpaired, each side's own spread shows: a wider interval than the paired one
+    assert between["high"] - between["low"] > paired["high"] - paired["low"]
+    assert pooled_difference(noisy, paired=False) == between  # the same seed, the same interval
