@@ -216,6 +216,8 @@ class WorkerDeployment:
         # requests answered (accepted or refused) per sending ingress, and when last: the
         # routers count what they sent here and this has not answered yet (cluster/router.py)
         self._answered: dict[str, tuple[int, float]] = {}
+        self._last_report: dict[str, Any] | None = None  # record_routing_stats, and since when
+        self._last_report_time = 0.0
         self._stall_threshold_s = stall_threshold_s
         self._frame_socket = frame_socket
         self._frame_server: asyncio.Task[tuple[str, int] | None] | None = None
@@ -575,9 +577,12 @@ class WorkerDeployment:
         }
 
     def record_routing_stats(self) -> dict[str, Any]:
+        """What the routers rank this replica by. Its `time` is when the report last changed:
+        Serve's controller sends a replica's report to every router (the ingress replicas, its
+        proxies) only when it differs from the one before, so an idle replica's reports, all
+        alike, cost nothing past the call that asks for them."""
         stats = self._engine.stats()
-        return {
-            "time": time.time(),
+        report = {
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,
             "waiting_tokens": stats.waiting_tokens,
@@ -587,6 +592,9 @@ class WorkerDeployment:
             "stalled_s": self._stalled_s(stats),
             "answered": self._answered_counts(),
         }
+        if report != self._last_report:
+            self._last_report, self._last_report_time = report, time.time()
+        return {"time": self._last_report_time, **report}
 
     def _answered_counts(self) -> dict[str, int]:
         """Requests answered per sender that sent in the last ANSWERED_REPORT_S. The counts

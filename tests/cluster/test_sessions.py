@@ -124,6 +124,24 @@ def test_one_session_carries_every_submit_of_its_ingress_one_frame_per_step(make
     assert idle_and_free(worker)
 
 
+def test_an_idle_replicas_routing_reports_stay_alike(make_worker) -> None:
+    """Serve's controller sends a replica's report to every router only when it changed: an
+    idle replica's must not (its `time` is when the content last changed)."""
+    worker = make_worker(linger_s=0.2)
+    idle = worker.record_routing_stats()
+    assert worker.record_routing_stats() == idle
+
+    async def run() -> None:
+        await submit(worker, payload("a", 2, max_tokens=4))
+        await read(worker.session(HERE, "ing-a"))
+
+    asyncio.run(run())
+    served = worker.record_routing_stats()
+    assert served != idle and served["time"] > idle["time"]
+    assert served["prefix_keys"] and not idle["prefix_keys"]  # the prompts' pages, cached
+    assert worker.record_routing_stats() == served  # idle again: alike again
+
+
 def test_a_submit_while_the_session_lingers_comes_on_the_same_session(make_worker) -> None:
     worker = make_worker(linger_s=1.0)
 
