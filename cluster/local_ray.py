@@ -94,7 +94,13 @@ CONTROL_PLANE_NICENESS = 19
 # price: the controller notices a dead replica, a scaling decision or a deployment's next
 # step up to 0.5 s later (the demo app was ready in 10-12 s either way). A cluster of your
 # own (Kubernetes, `ray start`) keeps Serve's default unless you export it there too.
-OWN_RAY_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+# Ray also starts one Python worker per core for the first driver and keeps those that no
+# actor takes, idle, for as long as it runs (up to one per free CPU): on the GPU host's
+# 16-core CPU, 14 `ray::IDLE` processes beside the app, each with its core worker's timers
+# (~0.9 % of a core apiece, measured on the 2-core CPU). A soft limit of 0 idle workers keeps
+# the first driver's prestart (the app's actors still find workers started) and ends the
+# ones left idle after Ray's idle threshold (1 s).
+OWN_RAY_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_num_workers_soft_limit": "0"}
 
 
 def set_own_ray_env() -> None:

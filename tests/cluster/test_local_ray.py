@@ -213,3 +213,44 @@ def test_what_the_control_plane_starts_is_lowered_with_it(tmp_path):
     )
     # the monitor and its child, exactly those, at the control plane's niceness; not the driver
     assert out.stdout.split() == ["2", "True", f"{{{CONTROL_PLANE_NICENESS}}}", "True"], out
+
+
+def test_a_ray_of_kvrays_own_keeps_no_idle_workers():
+    """Ray prestarts a Python worker per core for its first driver and keeps those no actor
+    takes (14 `ray::IDLE` processes beside the app on a 16-core host). Stood in for on this
+    machine by a Ray of 4 CPUs allowed to start 4 workers at once, with one actor: kvray's
+    settings for its own Ray leave none idle once Ray's idle threshold has passed."""
+    driver = (
+        "import os, time\n"
+        "os.environ['RAY_worker_maximum_startup_concurrency'] = '4'\n"
+        "import ray\n"
+        "from cluster.local_ray import _argv, _descendants, ray_session, set_own_ray_env\n"
+        "if os.environ.get('OWN') == '1':\n"
+        "    set_own_ray_env()\n"
+        "@ray.remote(num_cpus=0)\n"
+        "class Idle:\n"
+        "    def ready(self): return True\n"
+        "with ray_session(num_cpus=4, include_dashboard=False, log_to_driver=False):\n"
+        "    actor = Idle.remote()\n"
+        "    ray.get(actor.ready.remote())\n"
+        "    time.sleep(4)\n"
+        "    argvs = [_argv(pid) for pid in _descendants(os.getpid())]\n"
+        "    print('idle', sum(bool(a) and a[0].startswith('ray::IDLE') for a in argvs))\n"
+    )
+
+    def idle_workers(own: bool) -> int:
+        env = {**os.environ, "OWN": "1" if own else "0"}
+        env.pop("RAY_num_workers_soft_limit", None)
+        out = subprocess.run(
+            [sys.executable, "-c", driver],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+            cwd=REPO,
+            env=env,
+        )
+        return int(out.stdout.split("idle")[-1].split()[0])
+
+    assert idle_workers(own=False) > 0  # Ray's default keeps them: the stand-in is one
+    assert idle_workers(own=True) == 0
