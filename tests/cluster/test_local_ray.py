@@ -43,6 +43,21 @@ class Niceness:
         return os.getpriority(os.PRIO_PROCESS, 0)
 
 
+def _run_driver(
+    driver: str, timeout_s: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`driver` (Python source) run in a process of its own, from the repository's root."""
+    return subprocess.run(
+        [sys.executable, "-c", driver],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=True,
+        cwd=REPO,
+        env=env,
+    )
+
+
 def _niceness_of_threads(pid: int) -> set[int]:
     return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
 
@@ -203,14 +218,7 @@ def test_what_the_control_plane_starts_is_lowered_with_it(tmp_path):
         "for pid in reversed(family):\n"
         "    os.kill(pid, 9)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", driver],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-        cwd=REPO,
-    )
+    out = _run_driver(driver, timeout_s=60)
     # the monitor and its child, exactly those, at the control plane's niceness; not the driver
     assert out.stdout.split() == ["2", "True", f"{{{CONTROL_PLANE_NICENESS}}}", "True"], out
 
@@ -241,15 +249,7 @@ def test_a_ray_of_kvrays_own_keeps_no_idle_workers():
     def idle_workers(own: bool) -> int:
         env = {**os.environ, "OWN": "1" if own else "0"}
         env.pop("RAY_num_workers_soft_limit", None)
-        out = subprocess.run(
-            [sys.executable, "-c", driver],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-            cwd=REPO,
-            env=env,
-        )
+        out = _run_driver(driver, timeout_s=120, env=env)
         return int(out.stdout.split("idle")[-1].split()[0])
 
     assert idle_workers(own=False) > 0  # Ray's default keeps them: the stand-in is one
