@@ -27,12 +27,12 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from cluster import limits, timeline
+from cluster import limits
 from cluster.config import ClusterConfig
-from cluster.dispatch import CallError, Dispatcher, Group, in_own_context, rss_bytes
+from cluster.dispatch import CallError, Dispatcher, Group, in_own_context
 from cluster.errors import ApiError, from_call, from_validation
-from cluster.generation import ChoiceDelta, ClosingStreamingResponse, Generation
-from cluster.metrics import CONTENT_TYPE, Metrics
+from cluster.generation import ClosingStreamingResponse, Generation
+from cluster.metrics import CONTENT_TYPE, Metrics, rss_bytes
 from cluster.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,12 +44,12 @@ from cluster.protocol import (
 )
 from cluster.responses import ChunkWriter, Collector, usage_of
 from cluster.router import RouteHint
-from cluster.transport import WireRequest
 from worker.heap import freeze_heap
 from worker.model.demo import resolve_model_path
 from worker.page_hash import page_hashes
 from worker.sampling import SamplingParams
 from worker.tokenizer import Tokenizer
+from worker.validation import EngineRequest
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,6 @@ class Ingress:
             router.max_batch_requests,
             config.limits,
             on_call=self._metrics.observe_call,
-            submit_socket=config.frame_socket and config.submit_socket,
         )
         self._created = now()
         self._info: dict[str, Any] | None = None
@@ -238,10 +237,6 @@ class Ingress:
             self._check_length(prompt, params.max_tokens, info["max_seq_len"], chat)
         rid, model = new_id("chatcmpl" if chat else "cmpl"), self._config.model_name
         group = self._group(rid, prompts, params, req.n, info)
-        if timeline.enabled():
-            for r in group.requests:
-                timeline.mark(r.request_id, "arrived", arrival)
-                timeline.mark(r.request_id, "dispatched")
         stream = self._dispatcher.submit(group)
         gen = Generation(
             stream,
@@ -282,7 +277,6 @@ class Ingress:
     async def _sse(
         self, gen: Generation, writer: ChunkWriter, num_choices: int
     ) -> AsyncIterator[str]:
-        first_sent: set[int] = set()  # choices whose first token is out (timeline)
         try:
             for line in writer.start(num_choices):
                 yield line
@@ -292,8 +286,6 @@ class Ingress:
                         self._metrics.count_finished(delta.finish_reason)
                 for line in writer.deltas(deltas):
                     yield line
-                if timeline.enabled():
-                    _mark_first_sent(gen, deltas, first_sent)
             for line in writer.usage(usage_of(gen)):
                 yield line
         except CallError as exc:
@@ -313,13 +305,19 @@ class Ingress:
         info: dict[str, Any],
     ) -> Group:
         """The engine requests of one response: prompt `p`'s choice `i` is `{rid}-{p}-{i}`, so
-        a request id in a worker's log or timeline names the response the client got."""
+        a request id in a worker's log names the response the client got."""
         requests = []
         for p, prompt in enumerate(prompts):
+            fitted = limits.fit_context(len(prompt), params.max_tokens, info["max_seq_len"])
+            base = params
+            if fitted != params.max_tokens:
+                assert fitted is not None
+                update = {"max_tokens": fitted, "min_tokens": min(params.min_tokens, fitted)}
+                base = params.model_copy(update=update)
             for i in range(n):
-                seed = params.seed + i if params.seed is not None and n > 1 else params.seed
-                one = params.model_copy(update={"seed": seed}) if seed != params.seed else params
-                requests.append(WireRequest(f"{rid}-{p}-{i}", prompt, one))
+                seed = base.seed + i if base.seed is not None and n > 1 else base.seed
+                one = base.model_copy(update={"seed": seed}) if seed != base.seed else base
+                requests.append(EngineRequest(f"{rid}-{p}-{i}", prompt, one))
         hashes: tuple[tuple[int, ...], ...] = ()
         if info.get("prefix_cache") and self._config.router.prefix_affinity:
             pages = self._config.router.prompt_pages
@@ -479,14 +477,6 @@ _METRICS_OP = {
         }
     }
 }
-
-
-def _mark_first_sent(gen: Generation, deltas: list[ChoiceDelta], done: set[int]) -> None:
-    """The timeline's `first_sent` of each choice whose first token these deltas carry."""
-    for delta in deltas:
-        if delta.token_ids and delta.index not in done:
-            done.add(delta.index)
-            timeline.mark(gen.stream.group.requests[delta.index].request_id, "first_sent")
 
 
 def _openapi_op(response: str, body: str | None = None) -> dict[str, Any]:

@@ -34,16 +34,10 @@ INGRESS_NAME = "KvrayIngress"
 # `ray.init` passes its environment to every process it starts; in Kubernetes the pods set
 # them, k8s/base).
 SERVE_ENV = {
-    # gRPC between deployments instead of Ray actor calls: on the 2-core CPU with a
-    # host-bound model, Serve's saturation throughput rose 1.58x and its added p50 TTFT fell
-    # from 35.6 to 21.5 ms (benchmarks/README.md, "The Serve data path").
+    # gRPC between deployments instead of Ray actor calls: a shorter data path per item.
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
-    # Ray starts its workers (here: the replicas, so the engine) at niceness 15, below its own
-    # daemons, which suits batch tasks and not a server: every wakeup of the GCS, the raylet
-    # or an agent then preempts the engine's threads, and a parallel op waits for its slowest
-    # thread. At 0, the engine's mean step under a steady Serve load on the 2-core CPU was
-    # 6-9 % shorter than at 15 (85.8 against 94.6 ms, phases alternated within one run;
-    # benchmarks/README.md, "Session 11").
+    # Ray starts its workers (so the engines) at niceness 15, below its own daemons: a server's
+    # engine must not yield its cores to every wakeup of the GCS or an agent.
     "RAY_worker_niceness": "0",
 }
 
@@ -51,13 +45,10 @@ SERVE_ENV = {
 # through the job's runtime_env rather than this process's environment: HAProxy in front of
 # ingress replicas that serve HTTP themselves (no Python proxy hop), and Serve's request
 # handling and handle routing on each replica's main event loop (no thread hop per call).
-# On the 2-core CPU this cut the Serve path of a lone request from 17.5-21 ms to 7-10 ms,
-# and on two H200s Serve's added p50 TTFT from +17-20 ms to +7.9 ms
-# (benchmarks/README.md, "Where a lone request's time goes"). Not the default: HAProxy is
-# reloaded whenever the ingress replicas change, and a client's idle keep-alive connection
-# closed by that reload fails its next request (a test that kills an ingress replica sees it).
-# A driver keeps Serve's defaults: its synchronous handle calls (`.result()`, the CLI's
-# drain) need the router's own event loop.
+# Not the default: HAProxy is reloaded whenever the ingress replicas change, and a client's
+# idle keep-alive connection closed by that reload fails its next request. A driver keeps
+# Serve's defaults: its synchronous handle calls (`.result()`, the CLI's drain) need the
+# router's own event loop.
 HAPROXY_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",  # direct ingress; user code and router on the main loop
@@ -102,9 +93,7 @@ HAPROXY_THREADS_ENV = "RAY_SERVE_HAPROXY_NBTHREAD"
 
 def haproxy_threads(cores: int) -> int:
     """HAProxy's threads on a machine of `cores` cores: a quarter of them, 1 to 4 (Serve
-    starts 4 whatever the machine). On the 2-core CPU under a steady load of 4 streams, the
-    HTTP front (the client's TTFT less the ingress's) was 3.7-3.8 ms with 4 threads and
-    2.9-3.0 ms with 1, runs alternated (benchmarks/README.md, "Session 13")."""
+    starts 4 whatever the machine), so it does not crowd out the replicas on a small one."""
     return max(1, min(4, cores // 4))
 
 
@@ -207,7 +196,6 @@ def _worker(config: ClusterConfig) -> Any:
         min(5.0, config.limits.stall_timeout_s / 4),
         # a live ingress opens its session right after a submit is accepted
         max(10.0, 2 * config.limits.accept_timeout_s),
-        frame_socket=config.frame_socket,
     )
 
 

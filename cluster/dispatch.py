@@ -4,11 +4,9 @@ stream per worker replica.
 An OpenAI request becomes a `Group` (its n x prompts engine requests). `Dispatcher.submit`
 returns the group's `GroupStream` at once and sends the group either alone (the ingress was
 idle for a window, or the window is 0) or together with every group that arrives within
-`window_s` (a request batch: one `submit`, one routing decision). A submit is a Serve call,
-or, with submit links, the router's choice of replica and a write on a connection to that
-replica's frame socket (`Dispatcher.call_submit`). An accepted group's
-deltas come on the `_Session` this ingress holds with that replica: one long-lived Serve
-stream (or frame socket, transport.py) per (ingress, worker) pair, one item per engine step for all of this ingress's
+`window_s` (a request batch: one `submit` Serve call, one routing decision). An accepted
+group's deltas come on the `_Session` this ingress holds with that replica: one long-lived
+Serve stream per (ingress, worker) pair, one item per engine step for all of this ingress's
 requests there, however many calls brought them. (A stream per call would cost the worker
 and the ingress one Ray item per call per step: at 512 running requests that, not the GPU,
 set the step time.) A session ends when nothing of this ingress is left unfinished on its
@@ -27,36 +25,20 @@ import asyncio
 import contextlib
 import contextvars
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from cluster import timeline
 from cluster.router import RouteHint
-from cluster.transport import (
-    Accepted,
-    Refused,
-    WireRequest,
-    decode_deltas,
-    decode_first,
-    decode_submit_answer,
-    encode_hello,
-    encode_requests,
-    encode_submit,
-    read_frame,
-    write_frame,
-)
+from cluster.transport import Accepted, Refused, decode_deltas, decode_first, encode_requests
 from worker.outputs import RequestDelta
+from worker.validation import EngineRequest
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# A worker's frame socket answers a connect at once, or refuses it (its replica is gone); a
-# network that drops the packets would otherwise hold a session's first frame this long.
-FRAME_SOCKET_CONNECT_S = 2.0
 ErrorKind = Literal["full", "invalid", "internal", "unavailable"]
 
 
@@ -73,7 +55,7 @@ class CallError(Exception):
 class Group:
     """The engine requests of one OpenAI request, and the page hashes of its prompts."""
 
-    requests: list[WireRequest]
+    requests: list[EngineRequest]
     page_hashes: tuple[tuple[int, ...], ...]
 
     @property
@@ -182,7 +164,7 @@ class _Submit:
             self._fail(CallError("unavailable", f"worker failed: {type(exc).__name__}: {exc}"))
             return
         if accepted is not None:
-            self.dispatcher.session(accepted.replica_id).add(self.streams, accepted.frames_at)
+            self.dispatcher.session(accepted.replica_id).add(self.streams)
             for stream in self.streams:
                 stream._on_accept(accepted.replica_id)
 
@@ -202,19 +184,11 @@ class _Submit:
         payload = encode_requests([r for g in groups for r in g.requests])
         dispatcher = self.dispatcher
         timeout_s = dispatcher.limits.accept_timeout_s
-        on_sent = None
-        if timeline.enabled():
-            ids = [r.request_id for g in groups for r in g.requests]
-            for rid in ids:
-                timeline.mark(rid, "routed")
-
-            def on_sent() -> None:
-                for rid in ids:
-                    timeline.mark(rid, "sent")
-
         try:
             async with asyncio.timeout(timeout_s):
-                answer = decode_first(await dispatcher.call_submit(hint, payload, on_sent))
+                answer = decode_first(
+                    await dispatcher.submit_handle.remote(hint, payload, dispatcher.ingress_id)
+                )
         except TimeoutError:
             raise CallError(
                 "unavailable", f"no worker accepted the request within {timeout_s:.0f} s"
@@ -235,86 +209,6 @@ class _Submit:
         self._fail(CallError(kind, refusal.message))
 
 
-class _SubmitLink:
-    """Submits to one worker replica over a connection to its frame socket (a submit link,
-    transport.py): each is written with an id, and its answer, the bytes a `submit` call
-    returns, is matched by that id. When the connection fails every submit waiting on it
-    fails with ConnectionError, as a Serve call to a dead replica fails, and the next
-    submit opens a new link."""
-
-    def __init__(self, dispatcher: Dispatcher, frames_at: tuple[str, int]):
-        self.dispatcher = dispatcher
-        self.frames_at = frames_at
-        self._writer: asyncio.Future[asyncio.StreamWriter] | None = None
-        self._waiting: dict[int, asyncio.Future[bytes]] = {}
-        self._ids = 0
-        self.closed = False
-
-    async def submit(
-        self, hint: RouteHint, payload: bytes, on_sent: Callable[[], None] | None = None
-    ) -> bytes:
-        if self._writer is None:
-            self._writer = asyncio.ensure_future(self._connect())
-        writer = await asyncio.shield(self._writer)
-        if self.closed:
-            raise ConnectionError(f"the submit link to {self.frames_at} closed")
-        self._ids += 1
-        submit_id = self._ids
-        answer = self._waiting[submit_id] = asyncio.get_running_loop().create_future()
-        if on_sent is not None:  # before the write: the worker may read it before this returns
-            on_sent()
-        write_frame(writer, encode_submit(submit_id, hint.num_requests, hint.sender, payload))
-        try:
-            return await answer
-        finally:  # answered, failed, or given up (the accept timeout)
-            self._waiting.pop(submit_id, None)
-
-    @property
-    def never_connected(self) -> bool:
-        """The connection could not be opened (not: it opened and failed later)."""
-        w = self._writer
-        return w is not None and w.done() and not w.cancelled() and w.exception() is not None
-
-    async def _connect(self) -> asyncio.StreamWriter:
-        host, port = self.frames_at
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port), FRAME_SOCKET_CONNECT_S
-            )
-        except BaseException:
-            self.close(None)
-            raise
-        write_frame(writer, encode_hello(self.dispatcher.ingress_id, "", kind="submit"))
-        self.dispatcher._spawn(self._read(reader, writer))
-        return writer
-
-    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        error: BaseException = ConnectionError(
-            f"the worker at {self.frames_at} closed the submit link"
-        )
-        try:
-            while (frame := await read_frame(reader)) is not None:
-                submit_id, answer = decode_submit_answer(frame)
-                waiting = self._waiting.pop(submit_id, None)
-                if waiting is not None and not waiting.done():
-                    waiting.set_result(answer)
-        except Exception as exc:
-            error = exc
-        finally:
-            writer.close()
-            self.close(error)
-
-    def close(self, error: BaseException | None) -> None:
-        """Fail what waits on this link, and let the dispatcher open a new one next time."""
-        self.closed = True
-        if self.dispatcher._links.get(self.frames_at) is self:
-            del self.dispatcher._links[self.frames_at]
-        for waiting in self._waiting.values():
-            if not waiting.done():
-                waiting.set_exception(error or ConnectionError("the submit link closed"))
-        self._waiting.clear()
-
-
 class _Session:
     """This ingress's frame stream from one worker replica: the deltas of every request
     it has there, one item per engine step (see the module docstring)."""
@@ -323,15 +217,11 @@ class _Session:
         self.dispatcher = dispatcher
         self.replica_id = replica_id
         self.request_ids: set[str] = set()  # accepted here, not yet finished on the worker
-        self.frames_at: tuple[str, int] | None = None  # the replica's frame socket, if any
         self._task: asyncio.Task[None] | None = None
 
-    def add(self, streams: list[GroupStream], frames_at: tuple[str, int] | None = None) -> None:
+    def add(self, streams: list[GroupStream]) -> None:
         """Requests accepted by this replica (those whose last delta came already excepted:
-        an open session can deliver before the submit's answer is read); `frames_at`: where
-        the replica serves sessions over a socket, as its answer said."""
-        if frames_at is not None:
-            self.frames_at = frames_at
+        an open session can deliver before the submit's answer is read)."""
         live = self.dispatcher.live
         self.request_ids.update(
             r.request_id for s in streams for r in s.group.requests if r.request_id in live
@@ -363,30 +253,7 @@ class _Session:
             self.dispatcher.session_ended(self)
 
     async def _read(self) -> bool:
-        """One session, read to its end; whether it delivered anything. Over the replica's
-        frame socket when it has one, else (or when no connection can be made to it: a
-        network that allows only Ray's ports) as a Serve streaming call."""
-        if self.frames_at is not None and self.frames_at not in self.dispatcher.unreachable:
-            host, port = self.frames_at
-            try:
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(host, port), FRAME_SOCKET_CONNECT_S
-                )
-            except (OSError, TimeoutError) as exc:
-                log.warning(
-                    "no frame socket to %s at %s:%d (%r): reading a Serve stream",
-                    self.replica_id,
-                    host,
-                    port,
-                    exc,
-                )
-                self.dispatcher.unreachable.add(self.frames_at)
-            else:
-                try:
-                    write_frame(writer, encode_hello(self.dispatcher.ingress_id, self.replica_id))
-                    return await self._consume(lambda: read_frame(reader), writer.close)
-                finally:
-                    writer.close()
+        """One session, a Serve streaming call, read to its end; whether it delivered anything."""
         response = self.dispatcher.session_handle.remote(
             RouteHint(replica_id=self.replica_id), self.dispatcher.ingress_id
         )
@@ -431,27 +298,23 @@ class _Session:
                 ) from None
             if frame is None:  # the worker ended the session
                 return delivered
-            read_at = time.perf_counter()
             deltas = decode_deltas(frame)
             delivered = delivered or bool(deltas)
-            self._deliver(deltas, read_at)
+            self._deliver(deltas)
 
-    def _deliver(self, deltas: list[RequestDelta], read_at: float | None = None) -> None:
+    def _deliver(self, deltas: list[RequestDelta]) -> None:
         live = self.dispatcher.live
         per_stream: dict[GroupStream, list[RequestDelta]] = {}
         for delta in deltas:
             stream = live.get(delta.request_id)
             if stream is None:
                 continue
-            if delta.new_token_ids and not stream.started:
-                timeline.mark(delta.request_id, "first_read", read_at)
             per_stream.setdefault(stream, []).append(delta)
             if delta.finished:
                 del live[delta.request_id]
                 self.request_ids.discard(delta.request_id)
         # First tokens first: each stream's HTTP handler wakes in this order and writes its
-        # own chunk, and a write costs ~0.2 ms of this loop on the 2-core CPU (py-spy), so a
-        # first token behind the tokens of N streams already under way would wait N writes.
+        # own chunk, so a first token behind N streams under way would wait N writes.
         for stream, mine in sorted(per_stream.items(), key=lambda item: item[0].started):
             stream._on_deltas(mine)
 
@@ -487,25 +350,16 @@ class Dispatcher:
         max_batch: int,
         limits: Any,
         on_call: Callable[[int], None] = lambda num_requests: None,
-        submit_socket: bool = False,
     ):
-        """`on_call(num_requests)` is told the size of every call sent (a metric).
-        `submit_socket`: send submits over a submit link to the chosen replica when it
-        publishes a frame socket (`call_submit`)."""
+        """`on_call(num_requests)` is told the size of every call sent (a metric)."""
         self._on_call = on_call
         self.submit_handle = worker_handle.options(method_name="submit")
-        # Serve's choice of replica without a call to it (Ray >= 2.60)
-        self._choose = (
-            getattr(self.submit_handle, "choose_replica", None) if submit_socket else None
-        )
-        self._links: dict[tuple[str, int], _SubmitLink] = {}
         self.session_handle = worker_handle.options(method_name="session", stream=True)
         self.ingress_id = uuid.uuid4().hex[:16]  # names this ingress's mailbox on each worker
         self._sessions: dict[str, _Session] = {}
         # every request sent and not yet finished on its worker, by id: a session delivers
         # through this, so deltas that outrun their submit's answer still find their stream
         self.live: dict[str, GroupStream] = {}
-        self.unreachable: set[tuple[str, int]] = set()  # frame sockets that could not be reached
         self._abort_handle = worker_handle.options(method_name="abort")
         self.limits = limits
         self._window_s = window_s
@@ -556,52 +410,6 @@ class Dispatcher:
                 self.live[r.request_id] = stream
         self._spawn(_Submit(self, streams, attempt).run())
 
-    async def call_submit(
-        self, hint: RouteHint, payload: bytes, on_sent: Callable[[], None] | None = None
-    ) -> bytes:
-        """One submit, answered with the worker's accept or refuse frame; `on_sent` is told
-        when it has left (the timeline).
-
-        With submit links, the router picks the replica as it would for a Serve call
-        (`choose_replica`, without reserving a slot there: the worker's own queue limit
-        answers for it), and the submit goes over the link to that replica's frame socket:
-        one socket write each way instead of a Serve call. A replica without a reachable
-        socket gets a Serve call, routed afresh."""
-        if self._choose is not None:
-            async with self._choose(hint, _reserve=False) as selection:
-                at = (getattr(selection, "replica_metadata", None) or {}).get("frames_at")
-                frames_at = (str(at[0]), int(at[1])) if at else None
-                if frames_at is not None and frames_at not in self.unreachable:
-                    answer = await self._link_submit(frames_at, hint, payload, on_sent)
-                    if answer is not None:
-                        return answer
-        if on_sent is not None:
-            on_sent()
-        response: bytes = await self.submit_handle.remote(hint, payload, self.ingress_id)
-        return response
-
-    async def _link_submit(
-        self,
-        frames_at: tuple[str, int],
-        hint: RouteHint,
-        payload: bytes,
-        on_sent: Callable[[], None] | None,
-    ) -> bytes | None:
-        """The answer over the replica's submit link; None when no link could be opened
-        (the address joins `unreachable`). A link that fails after it opened raises, as a
-        Serve call to a replica that died does (the submit is then sent once more)."""
-        link = self._links.get(frames_at)
-        if link is None:
-            link = self._links[frames_at] = _SubmitLink(self, frames_at)
-        try:
-            return await link.submit(hint, payload, on_sent)
-        except (OSError, TimeoutError) as exc:
-            if not link.never_connected:
-                raise
-            log.warning("no submit link to %s (%r): Serve calls instead", frames_at, exc)
-            self.unreachable.add(frames_at)
-            return None
-
     def session(self, replica_id: str) -> _Session:
         """The session with a replica, open or about to open."""
         session = self._sessions.get(replica_id)
@@ -646,12 +454,3 @@ def _by_leading_page(streams: Iterable[GroupStream]) -> list[list[GroupStream]]:
         key = hashes[0][0] if hashes and hashes[0] else None
         calls.setdefault(key, []).append(stream)
     return list(calls.values())
-
-
-def rss_bytes() -> int:
-    """Resident memory of this process (Linux /proc; 0 elsewhere): what the soak watches."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0

@@ -18,7 +18,6 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from cluster import timeline
 from cluster.dispatch import CallError, GroupStream
 from cluster.protocol import FinishReason
 from worker.outputs import RequestDelta, RequestMetrics, TokenLogprobs
@@ -118,11 +117,8 @@ class Generation:
         if finish is not None:
             choice.finished = True
             self._record(choice, now)
-        if delta.metrics is not None:
-            timeline.mark(delta.request_id, "engine_ttft", delta.metrics.time_to_first_token)
-            timeline.mark(delta.request_id, "engine_queue", delta.metrics.queue_time)
-            if self.on_engine_metrics is not None:
-                self.on_engine_metrics(delta.metrics)
+        if delta.metrics is not None and self.on_engine_metrics is not None:
+            self.on_engine_metrics(delta.metrics)
         return ChoiceDelta(choice.index, text, delta.new_token_ids, delta.logprobs, finish)
 
     def _record(self, choice: _Choice, now: float) -> None:

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from cluster.config import RequestLimits
 from cluster.errors import ApiError
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from worker import validation
+from worker.validation import InvalidRequest
 
 _JSON_SUBTYPE = "json"
 
@@ -118,16 +120,17 @@ def with_default_max_tokens(
     return req.model_copy(update={"max_tokens": cap if default is None else min(default, cap)})
 
 
+def _api_error(exc: InvalidRequest, field: str) -> ApiError:
+    param = field if exc.param == "prompt" else exc.param
+    return ApiError(400, exc.message, param=param, code=exc.code)
+
+
 def check_prompt_ids(prompt: Sequence[int], vocab_size: int, field: str) -> None:
-    """Token ids a client sent must name tokens of the vocabulary."""
-    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ApiError(
-            400,
-            f"token id {bad} is outside the vocabulary [0, {vocab_size})",
-            param=field,
-            code="invalid_token_id",
-        )
+    """Token ids a client sent must name tokens of the vocabulary (the worker's own rule)."""
+    try:
+        validation.check_prompt_ids(prompt, vocab_size)
+    except InvalidRequest as exc:
+        raise _api_error(exc, field) from None
 
 
 def check_prompt_tokens(prompt: Sequence[int], cap: int | None, field: str) -> None:
@@ -178,26 +181,24 @@ def check_fan_out(num_prompts: int, n: int, max_waiting: int) -> None:
 def check_context(
     prompt_len: int, max_tokens: int | None, max_seq_len: int, cap: int | None, field: str
 ) -> None:
-    """The prompt, and the prompt plus the tokens asked for, must fit the model's context.
+    """The prompt, and the prompt plus the tokens asked for, must fit the model's context
+    (the worker's own rule).
 
     The operator's max_tokens cap is also the default of requests that set none; such a
-    request stops where the context ends (the engine does), as one without any cap would.
+    request stops where the context ends (`fit_context` lowers it), as one without any cap
+    would.
     """
-    if prompt_len >= max_seq_len:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_seq_len} tokens. "
-            f"However, your prompt is {prompt_len} tokens.",
-            param=field,
-            code="context_length_exceeded",
-        )
-    if max_tokens is None or max_tokens == cap or prompt_len + max_tokens <= max_seq_len:
-        return
-    raise ApiError(
-        400,
-        f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
-        f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-        "completion).",
-        param="max_tokens",
-        code="context_length_exceeded",
-    )
+    if max_tokens is not None and max_tokens == cap:
+        max_tokens = fit_context(prompt_len, max_tokens, max_seq_len)
+    try:
+        validation.check_context(prompt_len, max_tokens, max_seq_len)
+    except InvalidRequest as exc:
+        raise _api_error(exc, field) from None
+
+
+def fit_context(prompt_len: int, max_tokens: int | None, max_seq_len: int) -> int | None:
+    """`max_tokens` lowered to what the context leaves after the prompt (the engine stops
+    there anyway), so every request a worker receives passes its context check."""
+    if max_tokens is None:
+        return None
+    return max(1, min(max_tokens, max_seq_len - prompt_len))

@@ -8,6 +8,7 @@ exported per replica (label `replica`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -227,3 +228,12 @@ class Metrics:
     def render(self, engine_stats: Sequence[Mapping[str, Any]]) -> bytes:
         self._engines.snapshot = engine_stats
         return generate_latest(self.registry)
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process (Linux /proc; 0 elsewhere): what the soak watches."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

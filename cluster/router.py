@@ -15,8 +15,8 @@ ingress: RouteHint.sender) has had answered there. The router adds the requests 
 a replica and that the replica had not yet answered at its report, so a burst of calls does
 not all land on the replica that looked idle half a second ago. (It counted calls sent after
 the report's time instead; but a busy worker takes a while to run a call it was sent, and a
-report taken meanwhile dropped those calls from its load. Under a burst of 1,024 requests on
-two H200 replicas that sent 72 % of the work to one of them.) A prefix it sent somewhere counts as
+report taken meanwhile dropped those calls from its load, and a burst went mostly to one
+replica.) A prefix it sent somewhere counts as
 cached there for `memory_s`, reported or not: a report taken while that call still waited
 or ran its prompt lacks the prefix's pages, and must not undo the claim (it did, and two
 requests in a row with one long prefix could go to different replicas).

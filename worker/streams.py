@@ -4,7 +4,7 @@ One frame per engine step, holding every request of the submit that advanced in 
 step. Consumers iterate it synchronously or from any asyncio loop; the engine thread wakes
 them (no polling sleeps). A long-lived stream can take more requests (`Engine.submit(...,
 into=stream)`): the cluster's worker keeps one per ingress replica and drains it with
-`drain` and `wakeup`, or takes each frame on the engine thread itself (`hand_off`).
+`drain` and `wakeup`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ class OutputStream:
         self._frames: deque[list[RequestDelta]] = deque()
         self._cond = threading.Condition()
         self._wakeups: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-        self._taker: Callable[[list[RequestDelta]], bool] | None = None
         self._closed = False
 
     @property
@@ -45,59 +44,17 @@ class OutputStream:
             self._unfinished.update(request_ids)
 
     def push(self, frame: list[RequestDelta]) -> None:
-        """Engine thread: deliver one step's deltas for this stream. With a taker (`hand_off`)
-        and no frame waiting before this one, the taker gets it here, on this thread; what it
-        does not take waits for `drain` as any frame does."""
+        """Engine thread: deliver one step's deltas for this stream."""
         with self._cond:
-            taker = None if self._frames else self._taker
-            if taker is None:
-                self._queue(frame)
-                self._cond.notify_all()
-                wakeups = list(self._wakeups)
-        if taker is not None:
-            # The engine thread is the only one that pushes, so no frame gets in before this
-            # one while the taker has it; a consumer that drains meanwhile finds nothing, and
-            # is woken below when it must look again.
-            taken = taker(frame)
-            with self._cond:
-                finished = self._finish(frame) if taken else self._queue(frame)
-                self._cond.notify_all()
-                wakeups = list(self._wakeups)
-            if taken and not finished:
-                return  # a taken frame wakes the consumer only to end its wait
+            self._frames.append(frame)
+            for d in frame:
+                if d.finish_reason is not None:
+                    self._unfinished.discard(d.request_id)
+            self._cond.notify_all()
+            wakeups = list(self._wakeups)
         for loop, event in wakeups:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(event.set)
-
-    def _queue(self, frame: list[RequestDelta]) -> bool:
-        """With the lock held: the frame waits for `drain`; whether it finished a request."""
-        self._frames.append(frame)
-        return self._finish(frame)
-
-    def _finish(self, frame: list[RequestDelta]) -> bool:
-        """With the lock held, once the frame is out or queued (see `drain`): its finished
-        requests leave the unfinished set; whether there were any."""
-        finished = False
-        for d in frame:
-            if d.finish_reason is not None:
-                self._unfinished.discard(d.request_id)
-                finished = True
-        return finished
-
-    def hand_off(self, taker: Callable[[list[RequestDelta]], bool]) -> Callable[[], None]:
-        """Give each frame pushed while none waits here to `taker`, on the engine thread, as
-        its step ends; it returns False to leave the frame waiting (for `drain`). It runs
-        outside the stream's lock and must be quick. Returns the function that takes it back
-        (if it is still this stream's taker)."""
-        with self._cond:
-            self._taker = taker
-
-        def take_back() -> None:
-            with self._cond:
-                if self._taker is taker:
-                    self._taker = None
-
-        return take_back
 
     def poll(self) -> list[list[RequestDelta]]:
         """Frames delivered so far and not yet read (never blocks)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,10 @@ from ray import serve
 
 from cluster.app import INGRESS_NAME, WORKER_NAME, build_app, cluster_runtime_env
 from cluster.config import ClusterConfig
+from cluster.router import RouteHint
+from cluster.transport import Accepted, decode_deltas, decode_first, encode_requests
+from worker.outputs import RequestDelta
+from worker.validation import EngineRequest
 
 API_KEY = "test-key"
 APP_NAME = "kvray"
@@ -57,6 +62,26 @@ class Served:
 
     def worker_handle(self) -> Any:
         return serve.get_deployment_handle(WORKER_NAME, app_name=APP_NAME)
+
+    def open_on(self, replica_id: str, requests: list[EngineRequest]) -> Any:
+        """Requests queued on one worker replica the way an ingress queues them (a `submit`
+        call, then its `session` stream, as an ingress of its own); the session's response,
+        whose `cancel()` aborts them, after its accept frame."""
+        ingress_id, hint = uuid.uuid4().hex[:16], RouteHint(replica_id=replica_id)
+        handle = self.worker_handle()
+        body = encode_requests(requests)
+        answer = decode_first(
+            handle.options(method_name="submit").remote(hint, body, ingress_id).result()
+        )
+        assert isinstance(answer, Accepted) and answer.replica_id == replica_id, answer
+        session = handle.options(method_name="session", stream=True).remote(hint, ingress_id)
+        first = decode_first(next(iter(session)))
+        assert isinstance(first, Accepted), first
+        return session
+
+    def generate_on(self, replica_id: str, requests: list[EngineRequest]) -> list[RequestDelta]:
+        """`open_on`, read to the session's end: every delta."""
+        return [d for frame in self.open_on(replica_id, requests) for d in decode_deltas(frame)]
 
     def worker_stats(self) -> dict[str, dict[str, Any]]:
         """Engine stats of every worker replica, by replica id."""

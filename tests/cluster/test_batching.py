@@ -21,13 +21,8 @@ def batch_histogram(served: Served) -> tuple[float, float]:
     return value("count"), value("sum")
 
 
-def link_submits(served: Served) -> int:
-    return sum(s["link_submits"] for s in served.worker_stats().values())
-
-
 def test_a_burst_shares_worker_calls_and_every_request_gets_its_own_answer(served: Served) -> None:
     calls_before, requests_before = batch_histogram(served)
-    links_before = link_submits(served)
     prompts = [f"Fact number {i} about the moon:" for i in range(6)]
 
     async def burst() -> list[httpx.Response]:
@@ -44,8 +39,6 @@ def test_a_burst_shares_worker_calls_and_every_request_gets_its_own_answer(serve
     calls_after, requests_after = batch_histogram(served)
     assert requests_after - requests_before == 6
     assert calls_after - calls_before < 6, "no two requests of the burst shared a call"
-    # the calls went over submit links (Serve's choose_replica, then the worker's socket)
-    assert link_submits(served) - links_before == calls_after - calls_before
     # batched or not, each answer is the one its prompt gets alone (greedy)
     alone = httpx.post(
         f"{served.base_url}/v1/completions",

@@ -16,12 +16,7 @@ from ray import serve
 from ray.serve.schema import ProxyStatus
 
 from cluster.local_ray import (
-    CONTROL_PLANE_NICENESS,
-    _argv,
-    _descendants,
     gpus_of_nodes,
-    is_control_plane,
-    lower_control_plane,
     ray_session,
 )
 from tests.cluster.conftest import RayHarness, free_port
@@ -58,10 +53,6 @@ def _run_driver(
     )
 
 
-def _niceness_of_threads(pid: int) -> set[int]:
-    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
-
-
 def _proxies_healthy(expected: int, timeout_s: float = 90.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -88,17 +79,8 @@ def test_two_local_nodes_serve_through_a_proxy_each_on_one_port(ray_harness: Ray
             }
             assert answers == set(proxies)  # both replicas answered, through either proxy
 
-            # kvray serve's next step: Ray's control plane yields to the replicas
-            lowered = lower_control_plane()
-            titles = [os.path.basename(_argv(pid)[0]) for pid in lowered]
-            assert "gcs_server" in titles, titles
-            assert any(t.startswith("ray::ServeController") for t in titles), titles  # + its task
-            assert all(_niceness_of_threads(pid) == {CONTROL_PLANE_NICENESS} for pid in lowered)
-            kept = [_argv(pid)[0] for pid in _descendants(os.getpid()) if pid not in lowered]
-            assert any(t.endswith("/raylet") for t in kept), kept  # it forks the workers
-            assert any(t.startswith("ray::ProxyActor") for t in kept), kept  # requests pass it
             # a replica started afterwards runs at kvray's worker niceness (tests/conftest.py
-            # sets cluster.app.SERVE_ENV as kvray serve does), not the raylet's nor Ray's 15
+            # sets cluster.app.SERVE_ENV as kvray serve does), not Ray's 15
             serve.run(Niceness.bind(), name="niceness", route_prefix="/niceness")
             assert httpx.get(f"http://127.0.0.1:{port}/niceness", timeout=60).json() == 0
             answers = {
@@ -108,31 +90,6 @@ def test_two_local_nodes_serve_through_a_proxy_each_on_one_port(ray_harness: Ray
         finally:
             serve.shutdown()
     assert not ray.is_initialized()
-
-
-def test_the_control_plane_is_told_apart_by_process_title_or_script():
-    site = "/venv/lib/python3.11/site-packages/ray"
-    for argv in (
-        [f"{site}/core/src/ray/gcs/gcs_server", "--log_dir=/tmp/ray"],
-        ["ray::DashboardAgent"],
-        ["ray::RuntimeEnvAgent"],
-        ["ray::ServeController.listen_for_change"],
-        ["/venv/bin/python", f"{site}/dashboard/dashboard.py", "--host=127.0.0.1"],
-        ["/venv/bin/python", "-u", f"{site}/_private/log_monitor.py"],
-        ["/venv/bin/python", "-u", f"{site}/autoscaler/_private/monitor.py"],
-    ):
-        assert is_control_plane(argv), argv
-    for argv in (
-        [f"{site}/core/src/ray/raylet/raylet", "--head"],
-        ["ray::ProxyActor"],
-        ["ray::HAProxyManager"],
-        ["ray::ServeReplica:kvray:KvrayWorker"],
-        ["ray::ServeReplica:kvray:KvrayIngress"],
-        ["ray::IDLE"],
-        ["/venv/bin/python", "-m", "cluster.cli", "serve"],
-        [],
-    ):
-        assert not is_control_plane(argv), argv
 
 
 def test_gpus_split_over_local_nodes():
@@ -190,37 +147,6 @@ def test_kvray_serve_starts_rays_dashboard_only_when_asked(monkeypatch, flag):
         main(["serve", "--model", "demo", *flag])
     assert asked["include_dashboard"] is bool(flag)
     assert asked["address"] is None
-
-
-def test_what_the_control_plane_starts_is_lowered_with_it(tmp_path):
-    """The dashboard forks its module processes from a forkserver of its own; they are neither
-    titled nor run as the control plane, yet are part of it. Stood in for by a process that
-    runs a script named like Ray's log monitor and starts a child, both under a process that
-    lowers its control plane."""
-    monitor = tmp_path / "log_monitor.py"
-    monitor.write_text(
-        "import subprocess, sys, time\n"
-        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-        "time.sleep(60)\n"
-    )
-    driver = (
-        "import os, subprocess, sys, time\n"
-        "from cluster.local_ray import _children, _descendants, lower_control_plane\n"
-        "before = os.getpriority(os.PRIO_PROCESS, 0)\n"
-        f"monitor = subprocess.Popen([sys.executable, {str(monitor)!r}])\n"
-        "deadline = time.monotonic() + 30\n"
-        "while not _children().get(monitor.pid) and time.monotonic() < deadline:\n"
-        "    time.sleep(0.05)\n"
-        "family = [monitor.pid, *_descendants(monitor.pid)]\n"
-        "lowered = lower_control_plane()\n"
-        "print(len(family), sorted(lowered) == sorted(family),\n"
-        "      {os.getpriority(os.PRIO_PROCESS, pid) for pid in family}, os.getpriority(os.PRIO_PROCESS, 0) == before)\n"
-        "for pid in reversed(family):\n"
-        "    os.kill(pid, 9)\n"
-    )
-    out = _run_driver(driver, timeout_s=60)
-    # the monitor and its child, exactly those, at the control plane's niceness; not the driver
-    assert out.stdout.split() == ["2", "True", f"{{{CONTROL_PLANE_NICENESS}}}", "True"], out
 
 
 def test_a_ray_of_kvrays_own_keeps_no_idle_workers():

@@ -15,10 +15,9 @@ import pytest
 import ray
 
 from cluster.api import REPLICA_HEADER
-from cluster.router import RouteHint
-from cluster.transport import WireRequest, encode_requests
 from tests.cluster.conftest import RayHarness, Served
 from worker.sampling import SamplingParams
+from worker.validation import EngineRequest
 
 DOC = (
     " ".join(
@@ -30,11 +29,8 @@ DOC = (
 
 @pytest.fixture(scope="module")
 def two(ray_harness: RayHarness) -> Iterator[Served]:
-    # Sessions as Serve streams here (every other module reads them over the frame socket),
-    # so both of the ingress's ways to read a worker run on real Ray Serve.
     config = {
         "worker_replicas": 2,
-        "frame_socket": False,
         "router": {"stats_period_s": 0.2, "imbalance_threshold": 2},
     }
     served = ray_harness.multinode_app(worker_nodes=2, worker_config=config)
@@ -97,12 +93,11 @@ def drain(response: Any) -> None:
 
 def flood(two: Served, replica_id: str, count: int) -> list[Any]:
     """Start `count` long generations on one replica, straight through a worker handle."""
-    handle = two.worker_handle().options(method_name="generate", stream=True)
     params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
     responses = []
     for i in range(count):
-        payload = encode_requests([WireRequest(f"flood-{i}", [1000 + i] * 40, params)])
-        response = handle.remote(RouteHint(replica_id=replica_id), payload)
+        request = EngineRequest(f"flood-{i}", [1000 + i] * 40, params)
+        response = two.open_on(replica_id, [request])
         threading.Thread(target=drain, args=(response,), daemon=True).start()
         responses.append(response)
     return responses

@@ -30,7 +30,6 @@ from cluster.router import ReplicaView, RouteHint, matched_pages, rank_replicas
 from cluster.transport import (
     Accepted,
     Refused,
-    WireRequest,
     decode_deltas,
     decode_first,
     decode_requests,
@@ -43,6 +42,7 @@ from worker.config import EngineConfig
 from worker.outputs import RequestDelta, RequestMetrics, TokenLogprobs
 from worker.page_hash import page_hashes
 from worker.sampling import SamplingParams
+from worker.validation import EngineRequest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,7 +91,10 @@ def test_without_affinity_the_least_loaded_replica_goes_first() -> None:
 
 def test_requests_round_trip_through_msgpack() -> None:
     params = SamplingParams(temperature=0.5, stop=("x", "yz"), seed=3, logprobs=2, max_tokens=7)
-    requests = [WireRequest("r-0", [1, 2, 3], params), WireRequest("r-1", [4], SamplingParams())]
+    requests = [
+        EngineRequest("r-0", [1, 2, 3], params),
+        EngineRequest("r-1", [4], SamplingParams()),
+    ]
     assert decode_requests(encode_requests(requests)) == requests
 
 
@@ -359,7 +362,7 @@ class RecordingDispatcher:
 
 
 def group_of(*request_ids: str) -> Group:
-    return Group([WireRequest(rid, [1, 2, 3], SamplingParams()) for rid in request_ids], ())
+    return Group([EngineRequest(rid, [1, 2, 3], SamplingParams()) for rid in request_ids], ())
 
 
 def test_group_stream_delivers_frames_queued_after_the_last_finish() -> None:
@@ -596,21 +599,6 @@ def test_merge_steps_gives_one_delta_per_request_in_step_order() -> None:
     assert merge_steps([steps[0]]) == steps[0]
 
 
-# -- process priority --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("niceness", "warns"), [(15, True), (0, False)])
-def test_a_worker_replica_below_rays_daemons_says_how_to_fix_it(
-    monkeypatch, caplog, niceness, warns
-) -> None:
-    import cluster.deployment as deployment
-
-    monkeypatch.setattr(deployment.os, "getpriority", lambda which, who: niceness)
-    with caplog.at_level("WARNING", logger=deployment.log.name):
-        deployment._warn_if_below_the_control_plane()
-    assert ("RAY_worker_niceness=0" in caplog.text) is warns
-
-
 def test_the_model_list_names_the_context_length_from_its_first_request(monkeypatch) -> None:
     """/v1/models asks a worker for the context length if nothing has yet, and answers
     without it (rather than an error) when no worker can say."""
@@ -652,7 +640,7 @@ def test_the_model_list_names_the_context_length_from_its_first_request(monkeypa
 
 def test_a_responses_engine_requests_are_named_after_its_id() -> None:
     """Prompt p's choice i of response `rid` is the engine request `{rid}-p-i`: a request id
-    in a worker's log or timeline names the response (`kvray bench serve` joins them)."""
+    in a worker's log names the response."""
     from types import SimpleNamespace
 
     import cluster.api as api
@@ -660,7 +648,12 @@ def test_a_responses_engine_requests_are_named_after_its_id() -> None:
     ingress_class = api.Ingress.__mro__[1]  # the class under serve.ingress's wrapper
     ingress = SimpleNamespace(_config=ClusterConfig())
     group = ingress_class._group(
-        ingress, "cmpl-7", [[1, 2], [3]], SamplingParams(seed=5), 2, {"prefix_cache": False}
+        ingress,
+        "cmpl-7",
+        [[1, 2], [3]],
+        SamplingParams(seed=5),
+        2,
+        {"prefix_cache": False, "max_seq_len": 64},
     )
     assert [r.request_id for r in group.requests] == [
         "cmpl-7-0-0",
@@ -669,3 +662,21 @@ def test_a_responses_engine_requests_are_named_after_its_id() -> None:
         "cmpl-7-1-1",
     ]
     assert [r.params.seed for r in group.requests] == [5, 6, 5, 6]  # n > 1: one seed a choice
+
+
+def test_the_operators_default_max_tokens_is_fitted_to_each_prompts_context() -> None:
+    """A request that took the operator's cap as its default stops where the context ends; the
+    ingress sends it with max_tokens fitted, so the worker's own context check passes it."""
+    from types import SimpleNamespace
+
+    import cluster.api as api
+
+    ingress_class = api.Ingress.__mro__[1]
+    ingress = SimpleNamespace(_config=ClusterConfig())
+    params = SamplingParams(max_tokens=50, min_tokens=40)
+    info = {"prefix_cache": False, "max_seq_len": 64}
+    group = ingress_class._group(ingress, "cmpl-8", [[1] * 30, [2] * 4], params, 1, info)
+    assert [(r.params.max_tokens, r.params.min_tokens) for r in group.requests] == [
+        (34, 34),
+        (50, 40),
+    ]

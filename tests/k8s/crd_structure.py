@@ -14,6 +14,8 @@ Sources, read 2026-11-29:
   `rayClusterDeletionDelaySeconds` and group `resources`/`labels` need v1.5.0 or newer.
   Enums are those of the kubebuilder markers (UpscalingMode) and of the Go constants.
 - Pod template, PVC (core/v1): the Kubernetes API, stable fields only.
+- RayCluster `authOptions` (KubeRay v1.5.1+, Ray token authentication).
+- NetworkPolicy (networking.k8s.io/v1): the stable fields k8s/network-policy uses.
 - ServiceMonitor / PodMonitor (monitoring.coreos.com/v1): Prometheus Operator's API; the few
   long-stable fields k8s/monitoring uses, written from its API reference, not fetched here.
 Subtrees kvray does not write are marked ANY and not descended.
@@ -240,6 +242,7 @@ RAY_CLUSTER_SPEC = Obj(
         "headServiceAnnotations": STRING_MAP,
         "suspend": BOOLEAN,
         "gcsFaultToleranceOptions": ANY,
+        "authOptions": Obj({"mode": Enum(("disabled", "token")), "secretName": STRING}),
     },
     required=("headGroupSpec",),
 )
@@ -290,7 +293,33 @@ POD_MONITOR = Obj(
     }
 )
 
+# -- networking.k8s.io/v1 -------------------------------------------------------------------
+
+NETWORK_POLICY_PEER = Obj({"podSelector": LABEL_SELECTOR, "namespaceSelector": LABEL_SELECTOR})
+NETWORK_POLICY_PORT = Obj(
+    {"port": INT_OR_STRING, "protocol": Enum(("TCP", "UDP", "SCTP")), "endPort": INTEGER}
+)
+NETWORK_POLICY = Obj(
+    {
+        "apiVersion": STRING,
+        "kind": STRING,
+        "metadata": OBJECT_META,
+        "spec": Obj(
+            {
+                "podSelector": LABEL_SELECTOR,
+                "policyTypes": ListOf(Enum(("Ingress", "Egress"))),
+                "ingress": ListOf(
+                    Obj({"from": ListOf(NETWORK_POLICY_PEER), "ports": ListOf(NETWORK_POLICY_PORT)})
+                ),
+            },
+            required=("podSelector",),
+        ),
+    },
+    required=("apiVersion", "kind", "metadata", "spec"),
+)
+
 STRUCTURES: dict[tuple[str, str], Obj] = {
+    ("networking.k8s.io/v1", "NetworkPolicy"): NETWORK_POLICY,
     ("ray.io/v1", "RayService"): RAY_SERVICE,
     ("v1", "PersistentVolumeClaim"): PVC,
     ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICE_MONITOR,

@@ -55,7 +55,9 @@ def _by_identity(resources: list[dict]) -> dict[tuple[str, str], dict]:
     return {(r["kind"], r["metadata"]["name"]): r for r in resources}
 
 
-@pytest.mark.parametrize("directory", ["base", "overlays/cpu-demo", "overlays/gpu", "monitoring"])
+@pytest.mark.parametrize(
+    "directory", ["base", "overlays/cpu-demo", "overlays/gpu", "monitoring", "network-policy"]
+)
 def test_python_composition_equals_kubectl_kustomize(directory: str) -> None:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
@@ -67,7 +69,9 @@ def test_python_composition_equals_kubectl_kustomize(directory: str) -> None:
     assert _by_identity(build(K8S / directory)) == _by_identity(expected)
 
 
-@pytest.mark.parametrize("directory", ["base", "overlays/cpu-demo", "overlays/gpu", "monitoring"])
+@pytest.mark.parametrize(
+    "directory", ["base", "overlays/cpu-demo", "overlays/gpu", "monitoring", "network-policy"]
+)
 def test_every_field_exists_in_the_crd_structure(directory: str) -> None:
     for resource in build(K8S / directory):
         assert crd_structure.problems(resource) == [], resource["kind"]
@@ -239,3 +243,34 @@ def test_every_pod_runs_with_kvrays_serve_settings(overlay: Overlay) -> None:
         env = {e["name"]: e.get("value") for e in container.get("env", [])}
         for key, value in SERVE_ENV.items():
             assert env.get(key) == value, (container["name"], key)
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_ray_token_auth_is_on_and_network_policies_fence_the_ray_ports(name: str) -> None:
+    """Every Ray RPC needs the cluster's token, and from outside the cluster's own pods only
+    Serve's HTTP port (API keys) and the metrics port reach a kvray pod."""
+    overlay = compose(name)
+    assert overlay.cluster_spec["authOptions"] == {"mode": "token"}
+    policies = {p["metadata"]["name"]: p for p in build(K8S / "network-policy")}
+    assert set(policies) == {"kvray-workers", "kvray-head"}
+    open_ports = {
+        overlay.cluster_config.port,
+        container_port(overlay.worker_container, "metrics"),
+    }
+    for policy, group in (
+        ("kvray-workers", overlay.worker_group),
+        ("kvray-head", overlay.head_group),
+    ):
+        spec = policies[policy]["spec"]
+        labels = group["template"]["metadata"]["labels"]
+        assert spec["podSelector"]["matchLabels"].items() <= labels.items(), policy
+        assert spec["policyTypes"] == ["Ingress"]
+        for rule in spec["ingress"]:
+            if "from" in rule:  # any port, but only from these peers
+                assert "ports" not in rule
+                for peer in rule["from"]:
+                    pods = peer.get("podSelector", {}).get("matchLabels", {})
+                    namespaces = peer.get("namespaceSelector", {}).get("matchLabels", {})
+                    assert pods == {"app.kubernetes.io/name": "kvray"} or namespaces, peer
+            else:  # from anywhere, but only these ports
+                assert {p["port"] for p in rule["ports"]} == open_ports, policy

@@ -11,8 +11,6 @@ from typing import Any
 
 import httpx
 
-from cluster.router import RouteHint
-from cluster.transport import WireRequest, decode_deltas, decode_first, encode_requests
 from tests.cluster.conftest import Served
 from tests.reliability.conftest import (
     STALL_TIMEOUT_S,
@@ -25,6 +23,7 @@ from tests.reliability.conftest import (
 )
 from worker.outputs import RequestDelta
 from worker.sampling import SamplingParams
+from worker.validation import EngineRequest
 
 
 def test_a_failing_step_answers_500_with_openai_error_json(app: Served) -> None:
@@ -60,13 +59,10 @@ def generate_on(
     app: Served, replica_id: str, request_id: str, max_tokens: int
 ) -> list[RequestDelta]:
     """One request straight through the worker handle, pinned to one replica; its deltas."""
-    handle = app.worker_handle().options(method_name="generate", stream=True)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
-    payload = encode_requests([WireRequest(request_id, [1000, 1001, 1002, 1003], params)])
-    response = handle.remote(RouteHint(replica_id=replica_id), payload)
-    frames = iter(response)
-    assert decode_first(next(frames)).replica_id == replica_id  # type: ignore[union-attr]
-    return [d for frame in frames for d in decode_deltas(frame)]
+    return app.generate_on(
+        replica_id, [EngineRequest(request_id, [1000, 1001, 1002, 1003], params)]
+    )
 
 
 def test_a_fault_on_one_replica_leaves_the_other_streaming(app: Served) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from typing import Any
 
@@ -12,10 +11,11 @@ import pytest
 from cluster.config import RequestLimits
 from cluster.deployment import FaultInjector, InjectedFault, WorkerDeployment
 from cluster.dispatch import Dispatcher, Group
-from cluster.transport import WireRequest, encode_accepted, encode_deltas
+from cluster.transport import encode_accepted, encode_deltas
 from worker.engine import EngineStats
 from worker.outputs import RequestDelta
 from worker.sampling import SamplingParams
+from worker.validation import EngineRequest
 
 
 def test_fault_injection_is_refused_unless_the_config_enables_it() -> None:
@@ -91,7 +91,7 @@ class _Handle:
 
 
 def _group(request_id: str) -> Group:
-    return Group([WireRequest(request_id, [1, 2, 3], SamplingParams(max_tokens=1))], ())
+    return Group([EngineRequest(request_id, [1, 2, 3], SamplingParams(max_tokens=1))], ())
 
 
 def test_a_call_that_fails_before_it_is_accepted_is_retried_once() -> None:
@@ -109,41 +109,6 @@ def test_a_call_that_fails_before_it_is_accepted_is_retried_once() -> None:
     replica, frames, calls = asyncio.run(run())
     assert (replica, calls) == ("live", {"submit": 2, "session": 1})
     assert [d.finish_reason for d in frames] == ["length"]
-
-
-class _UnreachableSocketHandle(_Handle):
-    """A live replica that names a frame socket nobody listens on."""
-
-    def __init__(self, request_id: str, port: int):
-        super().__init__(request_id)
-        self.port = port
-
-    def options(self, method_name: str, stream: bool = False) -> _Handle:
-        handle = _UnreachableSocketHandle(self._request_id, self.port)
-        handle.calls, handle._method = self.calls, method_name
-        return handle
-
-    async def _submit(self, attempt: int) -> bytes:
-        return encode_accepted("live", ("127.0.0.1", self.port))
-
-
-def test_a_frame_socket_that_cannot_be_reached_falls_back_to_a_serve_stream() -> None:
-    with socket.socket() as probe:  # a port that was free a moment ago: connects are refused
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-
-    async def run() -> tuple[list[RequestDelta], dict[str, int], set[tuple[str, int]]]:
-        handle = _UnreachableSocketHandle("r-3", port)
-        dispatcher = Dispatcher(handle, 0.0, 8, RequestLimits())
-        stream = dispatcher.submit(_group("r-3"))
-        await stream.accepted()
-        frames = [d async for frame in stream for d in frame]
-        stream.close()
-        return frames, handle.calls, dispatcher.unreachable
-
-    frames, calls, unreachable = asyncio.run(run())
-    assert [d.finish_reason for d in frames] == ["length"]
-    assert calls == {"submit": 1, "session": 1} and unreachable == {("127.0.0.1", port)}
 
 
 def test_draining_dispatcher_counts_open_requests_until_closed() -> None:
@@ -222,8 +187,6 @@ def test_metrics_show_a_hung_step_as_stalled_seconds() -> None:
     replica._engine = _HungEngine(work_age_s=120.0)  # type: ignore[assignment]
     replica._replica_id = "w-hung"
     replica._faults = FaultInjector(enabled=False)
-    replica._link_submits = 0
-    replica._frames_handed_off = 0
     stats = asyncio.run(replica.stats())
     assert 119.0 < stats["stalled_s"] < 130.0
     text = Metrics("m", "ing-1").render([stats]).decode()
