@@ -73,12 +73,13 @@ class Ingress:
         self._tokenizer = Tokenizer.from_dir(str(resolve_model_path(config.engine.model)))
         replica_id = serve.get_replica_context().replica_id.unique_id
         self._metrics = Metrics(config.model_name, replica_id)
-        router = config.router
+        router, self._limits = config.advanced.router, config.advanced.limits
         self._dispatcher = Dispatcher(
             worker,
             router.batch_window_ms / 1000.0,
             router.max_batch_requests,
-            config.limits,
+            self._limits.accept_timeout_s,
+            config.advanced.stall_timeout_s,
             on_call=self._metrics.observe_call,
         )
         self._created = now()
@@ -185,7 +186,7 @@ class Ingress:
     async def _parse(self, request: Request, model: type[ParsedRequest]) -> ParsedRequest:
         """Authorize, read the body under its size limit, validate it and apply the limits."""
         self._authorize(request)
-        cap = self._config.limits.max_request_bytes
+        cap = self._limits.max_request_bytes
         limits.check_content_length(request.headers, cap)
         limits.check_content_type(request.headers)
         try:
@@ -213,9 +214,9 @@ class Ingress:
                 param=refused,
                 code="unsupported",
             )
-        limits.check_request(req, self._config.limits)
+        limits.check_request(req, self._limits)
         await self._check_fan_out(req)
-        req = limits.with_default_max_tokens(req, self._config.limits.max_tokens)
+        req = limits.with_default_max_tokens(req, self._limits.max_tokens)
         try:  # what the protocol lets through must also make valid SamplingParams
             req.sampling_params()
         except ValidationError as exc:
@@ -251,7 +252,7 @@ class Ingress:
             replica_id = await stream.accepted()
         except CallError as exc:
             stream.close()
-            raise from_call(exc, self._config.limits.retry_after_s) from None
+            raise from_call(exc, self._limits.retry_after_s) from None
         except asyncio.CancelledError:  # the client left while the call was being routed
             stream.close()
             raise
@@ -268,7 +269,7 @@ class Ingress:
                 for delta in deltas:
                     collector.add(delta)
         except CallError as exc:
-            raise from_call(exc, self._config.limits.retry_after_s) from None
+            raise from_call(exc, self._limits.retry_after_s) from None
         self._count_finished(collector.choices.values())
         build = collector.chat if chat else collector.completion
         response = build(rid, now(), model, usage_of(gen), self._token_text)
@@ -289,7 +290,7 @@ class Ingress:
             for line in writer.usage(usage_of(gen)):
                 yield line
         except CallError as exc:
-            error = from_call(exc, self._config.limits.retry_after_s)
+            error = from_call(exc, self._limits.retry_after_s)
             self._metrics.count_failed(error.status)
             yield error.sse()
         finally:
@@ -319,8 +320,8 @@ class Ingress:
                 one = base.model_copy(update={"seed": seed}) if seed != base.seed else base
                 requests.append(EngineRequest(f"{rid}-{p}-{i}", prompt, one))
         hashes: tuple[tuple[int, ...], ...] = ()
-        if info.get("prefix_cache") and self._config.router.prefix_affinity:
-            pages = self._config.router.prompt_pages
+        if info.get("prefix_cache") and self._config.advanced.router.prefix_affinity:
+            pages = self._config.advanced.router.prompt_pages
             hashes = tuple(
                 tuple(page_hashes(prompt, info["page_size"], max_pages=pages)) for prompt in prompts
             )
@@ -332,9 +333,9 @@ class Ingress:
         field = "messages" if chat else "prompt"
         if not prompt:
             raise ApiError(400, "the prompt is empty", param=field)
-        limits.check_prompt_tokens(prompt, self._config.limits.max_prompt_tokens, field)
+        limits.check_prompt_tokens(prompt, self._limits.max_prompt_tokens, field)
         limits.check_prompt_ids(prompt, self._tokenizer.vocab_size, field)
-        cap = self._config.limits.max_tokens
+        cap = self._limits.max_tokens
         limits.check_context(len(prompt), max_tokens, max_seq_len, cap, field)
 
     # -- draining (shutdown) --------------------------------------------------------------
@@ -360,7 +361,7 @@ class Ingress:
             503,
             "the server is shutting down; retry on another replica",
             code="draining",
-            retry_after=self._config.limits.retry_after_s,
+            retry_after=self._limits.retry_after_s,
         )
 
     # -- helpers --------------------------------------------------------------------------
@@ -394,8 +395,8 @@ class Ingress:
     async def _check_text_size(self, num_chars: int, field: str) -> None:
         info = await self._engine_info()
         most = info["max_seq_len"] - 1
-        if self._config.limits.max_prompt_tokens is not None:
-            most = min(most, self._config.limits.max_prompt_tokens)
+        if self._limits.max_prompt_tokens is not None:
+            most = min(most, self._limits.max_prompt_tokens)
         limits.check_text_size(num_chars, self._token_chars, most, field)
 
     @functools.cached_property
@@ -424,7 +425,7 @@ class Ingress:
                     raise ApiError(
                         503,
                         f"no worker replica is available: {exc!r}",
-                        retry_after=self._config.limits.retry_after_s,
+                        retry_after=self._limits.retry_after_s,
                     ) from None
         assert self._info is not None
         return self._info

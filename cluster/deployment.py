@@ -85,7 +85,9 @@ class FaultInjector:
     def arm(self, steps: int, stall_s: float = 0.0) -> None:
         """Fail the next `steps` steps (raise), or with `stall_s` > 0 sleep that long in each."""
         if not self.enabled:
-            raise PermissionError("fault injection is off (ClusterConfig.fault_injection)")
+            raise PermissionError(
+                "fault injection is off (build_app(..., fault_injection=True), tests only)"
+            )
         if steps < 0 or stall_s < 0:
             raise ValueError("steps and stall_s must not be negative")
         with self._lock:

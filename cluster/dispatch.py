@@ -183,7 +183,7 @@ class _Submit:
         )
         payload = encode_requests([r for g in groups for r in g.requests])
         dispatcher = self.dispatcher
-        timeout_s = dispatcher.limits.accept_timeout_s
+        timeout_s = dispatcher.accept_timeout_s
         try:
             async with asyncio.timeout(timeout_s):
                 answer = decode_first(
@@ -272,9 +272,9 @@ class _Session:
     ) -> bool:
         """A session's frames, from its accept frame to its end (`next_frame` gives None);
         whether any delivered deltas. `cancel` gives up on the session after a timeout."""
-        limits = self.dispatcher.limits
+        accept_s, stall_s = self.dispatcher.accept_timeout_s, self.dispatcher.stall_timeout_s
         try:
-            async with asyncio.timeout(limits.accept_timeout_s):
+            async with asyncio.timeout(accept_s):
                 first = await next_frame()
         except TimeoutError:
             cancel()
@@ -289,12 +289,12 @@ class _Session:
         delivered = False
         while True:
             try:
-                async with asyncio.timeout(limits.stall_timeout_s):
+                async with asyncio.timeout(stall_s):
                     frame = await next_frame()
             except TimeoutError:
                 cancel()
                 raise CallError(
-                    "unavailable", f"the worker sent nothing for {limits.stall_timeout_s:.0f} s"
+                    "unavailable", f"the worker sent nothing for {stall_s:.0f} s"
                 ) from None
             if frame is None:  # the worker ended the session
                 return delivered
@@ -348,10 +348,13 @@ class Dispatcher:
         worker_handle: Any,
         window_s: float,
         max_batch: int,
-        limits: Any,
+        accept_timeout_s: float,
+        stall_timeout_s: float,
         on_call: Callable[[int], None] = lambda num_requests: None,
     ):
-        """`on_call(num_requests)` is told the size of every call sent (a metric)."""
+        """A worker must accept a call within `accept_timeout_s` and a session must not be
+        silent longer than `stall_timeout_s`; `on_call(num_requests)` is told the size of
+        every call sent (a metric)."""
         self._on_call = on_call
         self.submit_handle = worker_handle.options(method_name="submit")
         self.session_handle = worker_handle.options(method_name="session", stream=True)
@@ -361,7 +364,8 @@ class Dispatcher:
         # through this, so deltas that outrun their submit's answer still find their stream
         self.live: dict[str, GroupStream] = {}
         self._abort_handle = worker_handle.options(method_name="abort")
-        self.limits = limits
+        self.accept_timeout_s = accept_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self._window_s = window_s
         self._max_batch = max_batch
         self._pending: list[GroupStream] = []
@@ -432,7 +436,7 @@ class Dispatcher:
 
     async def _abort(self, replica_id: str, request_ids: list[str]) -> None:
         with contextlib.suppress(Exception):  # the replica may be gone: nothing left to free
-            async with asyncio.timeout(self.limits.accept_timeout_s):
+            async with asyncio.timeout(self.accept_timeout_s):
                 await self._abort_handle.remote(RouteHint(replica_id=replica_id), request_ids)
 
     def _spawn(self, coro: Any) -> None:

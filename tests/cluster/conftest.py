@@ -20,7 +20,13 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.app import INGRESS_NAME, WORKER_NAME, build_app, cluster_runtime_env
+from cluster.app import (
+    INGRESS_NAME,
+    WORKER_NAME,
+    build_app,
+    build_app_with_fault_injection,
+    cluster_runtime_env,
+)
 from cluster.config import ClusterConfig
 from cluster.router import RouteHint
 from cluster.transport import Accepted, decode_deltas, decode_first, encode_requests
@@ -91,9 +97,10 @@ class Served:
         return {s["replica_id"]: s for s in stats if isinstance(s, dict)}
 
 
-def deploy(config: ClusterConfig) -> Served:
+def deploy(config: ClusterConfig, fault_injection: bool = False) -> Served:
     serve.start(http_options={"host": config.host, "port": config.port})
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    build = build_app_with_fault_injection if fault_injection else build_app
+    serve.run(build(config), name=APP_NAME, route_prefix="/")
     served = Served(config, f"http://{config.host}:{config.port}")
     wait_healthy(served)
     warm_up(served)
@@ -145,8 +152,11 @@ class RayHarness:
                     "api_keys": [API_KEY],
                     "port": free_port(),
                     # a wide batch window: a burst must land in one window even on a loaded 2-core CI machine
-                    "router": {"stats_period_s": 0.2, "batch_window_ms": 25.0},
-                    "limits": {"accept_timeout_s": 30, "stall_timeout_s": 60},
+                    "advanced": {
+                        "router": {"stats_period_s": 0.2, "batch_window_ms": 25.0},
+                        "limits": {"accept_timeout_s": 30},
+                        "stall_timeout_s": 60,
+                    },
                 }
             )
             self.local = deploy(config)

@@ -31,7 +31,7 @@ DOC = (
 def two(ray_harness: RayHarness) -> Iterator[Served]:
     config = {
         "worker_replicas": 2,
-        "router": {"stats_period_s": 0.2, "imbalance_threshold": 2},
+        "advanced": {"router": {"stats_period_s": 0.2, "imbalance_threshold": 2}},
     }
     served = ray_harness.multinode_app(worker_nodes=2, worker_config=config)
     yield served

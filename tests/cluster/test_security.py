@@ -1,12 +1,13 @@
 """Nobody reaches a worker replica but through Ray: a replica listens on no port of kvray's
-own (only its Ray core worker's, as any Ray actor), and HTTP without the API key gets 401."""
+own (only those every Serve replica has: its Ray core worker's and Serve's inter-deployment
+gRPC server, both behind Ray's token authentication), and HTTP without the API key gets 401."""
 
 from __future__ import annotations
 
 import os
 
 import httpx
-import ray
+from ray import serve
 
 from tests.cluster.conftest import Served
 
@@ -31,8 +32,10 @@ def listening_ports(pid: int) -> list[int]:
     return sorted(ports)
 
 
-@ray.remote(num_cpus=0)
-class PlainActor:
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class PlainReplica:
+    """A Serve replica with no kvray code: what every replica listens on."""
+
     def ports(self) -> list[int]:
         return listening_ports(os.getpid())
 
@@ -40,15 +43,15 @@ class PlainActor:
 def test_a_worker_replica_listens_on_no_port_of_its_own(served: Served) -> None:
     # it has served requests, so anything opened on first use would be open by now
     body = {"model": "demo", "prompt": "Hello", "max_tokens": 2}
-    assert (
-        httpx.post(
-            f"{served.base_url}/v1/completions", json=body, headers=served.headers(), timeout=120
-        ).status_code
-        == 200
+    response = httpx.post(
+        f"{served.base_url}/v1/completions", json=body, headers=served.headers(), timeout=120
     )
-    plain = PlainActor.remote()
-    baseline = len(ray.get(plain.ports.remote(), timeout=60))
-    ray.kill(plain)
+    assert response.status_code == 200
+    plain = serve.run(PlainReplica.bind(), name="plain-ports", route_prefix="/plain-ports")
+    try:
+        baseline = len(plain.ports.remote().result(timeout_s=60))
+    finally:
+        serve.delete("plain-ports")
     stats = served.worker_stats()
     assert stats
     for replica_id, s in stats.items():

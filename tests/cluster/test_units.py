@@ -18,7 +18,6 @@ from cluster.autoscaling import EngineLoadPolicy
 from cluster.config import (
     API_KEYS_ENV,
     ClusterConfig,
-    RequestLimits,
     cgroup_cpu_limit,
     cores_text,
     usable_cores,
@@ -120,11 +119,11 @@ def test_config_from_yaml(tmp_path) -> None:
     path.write_text(
         "engine: {model: demo, num_pages: 64}\n"
         "autoscaling: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 8}\n"
-        "router: {batch_window_ms: 0, imbalance_threshold: 3}\n"
+        "advanced: {router: {batch_window_ms: 0, imbalance_threshold: 3}}\n"
         "worker_resources: {num_gpus: 1, accelerator_a100: 0.1}\n"
     )
     config = ClusterConfig.from_yaml(path)
-    assert config.engine.num_pages == 64 and config.router.batch_window_ms == 0
+    assert config.engine.num_pages == 64 and config.advanced.router.batch_window_ms == 0
     assert config.autoscaling is not None and config.autoscaling.max_replicas == 4
     options = config.worker_ray_resources(cluster_has_gpus=False)
     assert options == {"num_cpus": 1.0, "num_gpus": 1, "resources": {"accelerator_a100": 0.1}}
@@ -207,7 +206,7 @@ def test_config_rejects_bad_values() -> None:
     with pytest.raises(ValidationError):
         ClusterConfig.model_validate({"autoscaling": {"min_replicas": 3, "max_replicas": 2}})
     with pytest.raises(ValidationError):
-        ClusterConfig.model_validate({"router": {"batch_window_ms": -1}})
+        ClusterConfig.model_validate({"advanced": {"router": {"batch_window_ms": -1}}})
     with pytest.raises(ValidationError):
         ClusterConfig.model_validate({"no_such_field": 1})
 
@@ -329,7 +328,7 @@ def test_one_yaml_builds_the_app_for_kvray_serve_run_and_rayservice(tmp_path) ->
     args = {
         "engine": {"model": "demo", "num_pages": 64},
         "worker_replicas": 2,
-        "router": {"batch_window_ms": 1},
+        "advanced": {"router": {"batch_window_ms": 1}},
     }
     rayservice = {
         "applications": [
@@ -386,7 +385,7 @@ def test_a_frame_wakes_the_streams_awaiting_their_first_token_before_the_others(
             return self
 
     async def scenario() -> list[str]:
-        dispatcher = Dispatcher(NoHandle(), 0.0, 8, RequestLimits())
+        dispatcher = Dispatcher(NoHandle(), 0.0, 8, 60.0, 300.0)
         streams = {rid: GroupStream(dispatcher, group_of(rid)) for rid in ("a", "b", "c")}
         for rid, stream in streams.items():
             stream._on_accept("replica-1")

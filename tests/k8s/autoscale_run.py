@@ -58,16 +58,14 @@ TEST_ARGS: dict[str, Any] = {
         "token_budget": 512,
     },
     "worker_resources": {"fake_gpu": 1},
-    "worker_cpu_threads": 1,
-    "router": {"stats_period_s": 0.2},
-    "autoscaling": {
-        "min_replicas": 1,
-        "max_replicas": 2,
-        "target_ongoing_requests": 2,
+    "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2},
+    "advanced": {
+        "worker_cpu_threads": 1,
+        "router": {"stats_period_s": 0.2},
         "upscale_delay_s": 2,
         "downscale_delay_s": 6,
-        "look_back_period_s": 2,
-        "metrics_interval_s": 0.5,
+        "autoscaling_look_back_s": 2,
+        "autoscaling_metrics_interval_s": 0.5,
     },
     "host": "127.0.0.1",
 }
@@ -108,7 +106,7 @@ def serve_config(port: int) -> dict[str, Any]:
 
 
 def _merged(args: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """ClusterConfig args with `update` applied: its sections (engine, router, autoscaling)
+    """ClusterConfig args with `update` applied: its sections (engine, autoscaling, advanced)
     are merged field by field, every other key is replaced."""
     out = dict(args)
     for key, value in update.items():
@@ -116,7 +114,7 @@ def _merged(args: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_SECTIONS = ("engine", "router", "autoscaling")
+_SECTIONS = ("engine", "autoscaling", "advanced")
 
 
 def free_port() -> int:

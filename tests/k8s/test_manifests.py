@@ -117,8 +117,8 @@ def test_cluster_config_is_what_kvray_serve_reads(overlay: Overlay, tmp_path: Pa
 
 def test_app_name_route_and_port_agree_everywhere(overlay: Overlay) -> None:
     config, serve_config = overlay.cluster_config, overlay.serve_config
-    assert overlay.application["name"] == config.app_name
-    assert overlay.application["route_prefix"] == config.route_prefix
+    assert overlay.application["name"] == config.advanced.app_name
+    assert overlay.application["route_prefix"] == config.advanced.route_prefix
     http = serve_config["http_options"]
     assert http["host"] == config.host == "0.0.0.0"
     assert http["port"] == config.port
@@ -133,7 +133,7 @@ def test_head_runs_no_worker_replica_and_holds_the_ingress(overlay: Overlay) -> 
     assert "nvidia.com/gpu" not in overlay.head_container["resources"]["limits"]
     assert not overlay.head_group.get("resources")  # no custom resource a worker could ask for
     config = overlay.cluster_config
-    assert config.ingress_replicas * config.ingress_num_cpus <= float(params["num-cpus"])
+    assert config.ingress_replicas * config.advanced.ingress_num_cpus <= float(params["num-cpus"])
     assert float(params["num-cpus"]) <= cpu_quantity(
         overlay.head_container["resources"]["limits"]["cpu"]
     )
@@ -174,7 +174,8 @@ def test_serve_autoscaling_bounds_match_worker_pod_bounds(overlay: Overlay) -> N
     assert 1 <= auto.min_replicas == group["minReplicas"] * per_pod
     assert auto.max_replicas == group["maxReplicas"] * per_pod
     assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
-    assert auto.upscale_delay_s < auto.downscale_delay_s
+    advanced = overlay.cluster_config.advanced
+    assert advanced.upscale_delay_s < advanced.downscale_delay_s
 
 
 def test_graceful_drain_outlasts_running_generations(overlay: Overlay) -> None:
@@ -220,7 +221,10 @@ def test_cpu_demo_runs_the_image_s_demo_model_with_threads_that_fit_the_pod() ->
     assert config.engine.model == "demo" and config.engine.device == "cpu"
     assert _dockerfile_arg("WITH_DEMO") == "1"  # converted into the image at build time
     limit = cpu_quantity(demo.worker_container["resources"]["limits"]["cpu"])
-    assert config.worker_cpu_threads is not None and config.worker_cpu_threads <= limit
+    assert (
+        config.advanced.worker_cpu_threads is not None
+        and config.advanced.worker_cpu_threads <= limit
+    )
 
 
 def _dockerfile_arg(name: str) -> str:

@@ -39,11 +39,14 @@ def reliability_config(**overrides: Any) -> ClusterConfig:
         "port": free_port(),
         "worker_replicas": 2,
         "ingress_replicas": 2,
-        "fault_injection": True,
-        "router": {"stats_period_s": 0.2, "stalled_after_s": 1.0},
-        "limits": {"accept_timeout_s": 30, "stall_timeout_s": STALL_TIMEOUT_S},
-        "drain_timeout_s": 120,
-        "drain_poll_s": 0.5,
+        "advanced": {
+            "router": {"stats_period_s": 0.2},
+            "limits": {"accept_timeout_s": 30},
+            "stall_reroute_s": 1.0,
+            "stall_timeout_s": STALL_TIMEOUT_S,
+            "drain_timeout_s": 120,
+            "drain_poll_s": 0.5,
+        },
         **overrides,
     }
     return ClusterConfig.model_validate(data)
@@ -74,7 +77,7 @@ def app() -> Iterator[Served]:
         include_dashboard=False,
     )
     try:
-        yield deploy(reliability_config())
+        yield deploy(reliability_config(), fault_injection=True)
     finally:
         harness.stop()
 

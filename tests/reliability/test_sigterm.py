@@ -26,7 +26,11 @@ READY_TIMEOUT_S = 240.0
 
 
 def _start(tmp_path: Path, port: int) -> subprocess.Popen[str]:
-    config = {"engine": ENGINE, "port": port, "drain_timeout_s": 120, "drain_poll_s": 0.5}
+    config = {
+        "engine": ENGINE,
+        "port": port,
+        "advanced": {"drain_timeout_s": 120, "drain_poll_s": 0.5},
+    }
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     return subprocess.Popen(

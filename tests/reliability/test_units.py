@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from cluster.config import RequestLimits
 from cluster.deployment import FaultInjector, InjectedFault, WorkerDeployment
 from cluster.dispatch import Dispatcher, Group
 from cluster.transport import encode_accepted, encode_deltas
@@ -97,7 +96,7 @@ def _group(request_id: str) -> Group:
 def test_a_call_that_fails_before_it_is_accepted_is_retried_once() -> None:
     async def run() -> tuple[str, list[RequestDelta], dict[str, int]]:
         handle = _Handle("r-1")
-        dispatcher = Dispatcher(handle, 0.0, 8, RequestLimits())
+        dispatcher = Dispatcher(handle, 0.0, 8, 60.0, 300.0)
         stream = dispatcher.submit(_group("r-1"))
         replica = await stream.accepted()
         frames: list[RequestDelta] = []
@@ -113,7 +112,7 @@ def test_a_call_that_fails_before_it_is_accepted_is_retried_once() -> None:
 
 def test_draining_dispatcher_counts_open_requests_until_closed() -> None:
     async def run() -> list[int]:
-        dispatcher = Dispatcher(_Handle("r-2"), 0.0, 8, RequestLimits())
+        dispatcher = Dispatcher(_Handle("r-2"), 0.0, 8, 60.0, 300.0)
         counts = [dispatcher.num_open]
         stream = dispatcher.submit(_group("r-2"))
         counts.append(dispatcher.num_open)

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from cluster.timeline import read_timelines, summarize, write_client
 
 from cluster import bench_serve, timeline
 from cluster.bench_serve import (
@@ -31,7 +32,6 @@ from cluster.bench_stats import (
     step_summary,
 )
 from cluster.metrics import Metrics
-from cluster.timeline import read_timelines, summarize, write_client
 from tests.factories.tiny_models import random_prompts
 from worker.config import EngineConfig
 from worker.engine import Engine, EngineRequest, StepRecord
