@@ -74,7 +74,9 @@ def from_validation(exc: ValidationError) -> ApiError:
     first = max(
         (e for e in errors if e.get("loc", ())[:1] == field), key=lambda e: len(e.get("loc", ()))
     )
-    loc = [str(p) for p in first.get("loc", ()) if not _is_type_tag(p)]
+    loc = [str(p) for i, p in enumerate(first.get("loc", ())) if not _is_type_tag(p, i)]
+    if first.get("type") in ("union_tag_not_found", "union_tag_invalid"):
+        loc.append(str(first.get("ctx", {}).get("discriminator", "")).strip("'"))
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return ApiError(
@@ -84,14 +86,18 @@ def from_validation(exc: ValidationError) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_value")
 
 
-def _is_type_tag(part: str | int) -> bool:
-    """Union members in an error's location (`prompt.list[int].2`) are no part of the field."""
+def _is_type_tag(part: str | int, position: int) -> bool:
+    """Union members in an error's location (`prompt.list[int].2`, a message's role in
+    `messages.0.user.content`) are no part of the field."""
     if isinstance(part, int):
         return False
+    if position == 2 and part in _MESSAGE_ROLES:
+        return True
     return part in _TYPE_TAGS or "[" in part or "(" in part
 
 
 _TYPE_TAGS = frozenset({"body", "str", "int", "float", "bool", "list", "dict", "none"})
+_MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
 def from_call(error: CallError, retry_after: int) -> ApiError:

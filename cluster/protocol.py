@@ -132,16 +132,55 @@ class ContentPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
+class _Message(BaseModel):
     model_config = _STRICT
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+        content: str | list[ContentPart] | None = getattr(self, "content", None)
+        if isinstance(content, list):
+            return "".join(part.text for part in content)
+        return content or ""
+
+
+Content = str | list[ContentPart]
+
+
+class SystemMessage(_Message):
+    role: Literal["system"]
+    content: Content
+
+
+class DeveloperMessage(_Message):
+    role: Literal["developer"]
+    content: Content
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: Content
+
+
+class AssistantMessage(_Message):
+    """Content may be null: OpenAI allows it beside `tool_calls` (refused here, see
+    `ChatCompletionRequest.refused_field`)."""
+
+    role: Literal["assistant"]
+    content: Content | None = None
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+# One model per role, told apart by `role`, as OpenAI's schema has them: a user message
+# without content is a 400 naming `messages.N.content`, not an empty prompt.
+ChatMessage = Annotated[
+    SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage,
+    Field(discriminator="role"),
+]
 
 
 class ChatCompletionRequest(_Request):

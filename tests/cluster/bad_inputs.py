@@ -548,6 +548,20 @@ def roles(b: _Builder) -> None:
         b.chat(messages=[{"role": "user", "content": "Hi"}, {"role": "bot", "content": "x"}]),
         param="messages.1.role",
     )
+    for role in ("system", "developer", "user", "tool"):  # each role's own required fields
+        b.add(
+            f"{role}-without-content", b.chat(messages=[{"role": role}]), param="messages.0.content"
+        )
+        b.add(
+            f"{role}-null-content",
+            b.chat(messages=[{"role": role, "content": None, "tool_call_id": "c"}]),
+            param="messages.0.content",
+        )
+    b.add(
+        "tool-without-tool_call_id",
+        b.chat(messages=[{"role": "tool", "content": "42"}]),
+        param="messages.0.tool_call_id",
+    )
 
 
 def unsupported(b: _Builder) -> None:

@@ -73,8 +73,10 @@ def narrowed(spec: dict[str, Any], model: str) -> dict[str, Any]:
     chat = schemas["ChatCompletionRequest"]["properties"]
     chat["max_completion_tokens"] = {"type": "integer", "minimum": 1, "maximum": 4}
     chat["messages"]["maxItems"] = 2
-    schemas["ChatMessage"]["properties"]["content"] = {"type": "string", "maxLength": 50}
-    schemas["ChatMessage"]["additionalProperties"] = False
+    for role in ("System", "Developer", "User", "Assistant", "Tool"):
+        message = schemas[f"{role}Message"]
+        message["properties"]["content"] = {"type": "string", "maxLength": 50}
+        message["additionalProperties"] = False
     completion = schemas["CompletionRequest"]["properties"]
     completion["prompt"] = {"type": "string", "minLength": 1, "maxLength": 100}
     completion["echo"] = {"type": "boolean", "enum": [False]}

@@ -23,7 +23,6 @@ from tests.cluster.conftest import ENGINE, RayHarness, Served, deploy, free_port
 
 STALL_TIMEOUT_S = 6.0
 MODULE_ORDER = (
-    "test_units",
     "test_faults",
     "test_stalled_routing",
     "test_overload",

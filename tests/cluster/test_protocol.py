@@ -1,0 +1,98 @@
+"""The OpenAI request models: sampling parameters, prompt shapes, refused features."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.errors import from_validation
+from cluster.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def test_chat_request_maps_onto_sampling_params() -> None:
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "demo",
+            "messages": [
+                {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+                {"role": "user", "content": "hi"},
+            ],
+            "max_completion_tokens": 9,
+            "max_tokens": 3,
+            "logprobs": True,
+            "stop": "END",
+            "top_k": -1,
+            "seed": 5,
+        }
+    )
+    params = req.sampling_params()
+    assert (params.max_tokens, params.logprobs, params.stop, params.top_k, params.seed) == (
+        9,
+        0,
+        ("END",),
+        0,
+        5,
+    )
+    assert req.template_messages()[0] == {"role": "system", "content": "be brief"}
+
+
+def test_completion_prompts_take_every_openai_shape() -> None:
+    def prompts(p: object) -> object:
+        return CompletionRequest.model_validate({"model": "m", "prompt": p}).prompts()
+
+    assert prompts("hi") == ["hi"]
+    assert prompts(["a", "b"]) == ["a", "b"]
+    assert prompts([1, 2]) == [[1, 2]]
+    assert prompts([[1], [2, 3]]) == [[1], [2, 3]]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x"}).max_tokens == 16
+
+
+def test_unsupported_features_are_named() -> None:
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert (
+        ChatCompletionRequest.model_validate({**base, "tool_choice": "auto"}).refused_field()
+        == "tool_choice"
+    )
+    assert (
+        ChatCompletionRequest.model_validate(
+            {**base, "tool_choice": "none", "store": True}
+        ).refused_field()
+        is None
+    )
+    assert (
+        CompletionRequest.model_validate(
+            {"model": "m", "prompt": "x", "echo": True}
+        ).refused_field()
+        == "echo"
+    )
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "user"}, "messages.0.content"),
+        ({"role": "system"}, "messages.0.content"),
+        ({"role": "developer", "content": None}, "messages.0.content"),
+        ({"role": "tool", "content": "42"}, "messages.0.tool_call_id"),
+        ({"content": "Hi"}, "messages.0.role"),
+        ({"role": "bot", "content": "Hi"}, "messages.0.role"),
+        ({"role": "user", "content": 5}, "messages.0.content"),
+    ],
+)
+def test_each_role_is_validated_by_its_own_schema_naming_the_field(
+    message: dict, param: str
+) -> None:
+    body = {"model": "m", "messages": [message]}
+    with pytest.raises(ValidationError) as caught:
+        ChatCompletionRequest.model_validate_json(json.dumps(body))
+    assert from_validation(caught.value).param == param
+
+
+def test_an_assistant_turn_may_be_empty_and_its_tool_calls_are_named_as_refused() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant"}]}
+    req = ChatCompletionRequest.model_validate(body)
+    assert req.template_messages()[1] == {"role": "assistant", "content": ""}
+    body["messages"][1] = {"role": "assistant", "tool_calls": [{"id": "c1"}]}
+    assert ChatCompletionRequest.model_validate(body).refused_field() == "messages.1.tool_calls"

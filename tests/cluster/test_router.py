@@ -1,0 +1,161 @@
+"""The router's policy: prefix affinity against load, sent-but-unanswered calls, stalls."""
+
+from __future__ import annotations
+
+import asyncio
+
+from cluster.router import ReplicaView, RouteHint, matched_pages, rank_replicas
+from worker.page_hash import page_hashes
+
+PROMPT = list(range(100, 180))  # 5 full pages of 16
+KEYS = page_hashes(PROMPT, 16)
+
+
+def test_matched_pages_counts_the_leading_run_only() -> None:
+    assert matched_pages(KEYS, set(KEYS)) == 5
+    assert matched_pages(KEYS, set(KEYS[:3])) == 3
+    assert matched_pages(KEYS, set(KEYS[1:])) == 0
+
+
+def test_affinity_wins_while_balanced() -> None:
+    hint = RouteHint(page_hashes=(tuple(KEYS),), num_requests=1)
+    views = [
+        ReplicaView("cold", 0),
+        ReplicaView("warm", 2, keys=set(KEYS[:4])),
+        ReplicaView("luke", 1, keys={KEYS[0]}),
+    ]
+    assert rank_replicas(hint, views, imbalance_threshold=2) == ["warm", "luke", "cold"]
+
+
+def test_load_wins_past_the_imbalance_threshold() -> None:
+    hint = RouteHint(page_hashes=(tuple(KEYS),), num_requests=1)
+    views = [ReplicaView("idle", 0), ReplicaView("hot", 9, keys=set(KEYS))]
+    assert rank_replicas(hint, views, imbalance_threshold=8) == ["idle", "hot"]
+    assert rank_replicas(hint, views, imbalance_threshold=9) == ["hot", "idle"]
+
+
+def test_without_affinity_the_least_loaded_replica_goes_first() -> None:
+    views = [
+        ReplicaView("a", 3),
+        ReplicaView("b", 1, kv_usage=0.9),
+        ReplicaView("c", 1, kv_usage=0.1),
+    ]
+    assert rank_replicas(None, views, imbalance_threshold=8) == ["c", "b", "a"]
+    assert rank_replicas(None, [], imbalance_threshold=8) == []
+
+
+def test_affinity_holds_while_load_is_within_the_ratio_and_yields_past_it() -> None:
+    hint = RouteHint(page_hashes=((7, 8),), num_requests=1)
+    cached = ReplicaView("cached", load=70.0, keys=frozenset({7, 8}))
+    idle = ReplicaView("other", load=60.0)
+    # 10 more requests is past the absolute threshold but within 1.25x: affinity decides
+    assert rank_replicas(hint, [idle, cached], 8.0, 1.25)[0] == "cached"
+    # past both (80 > 60 + 8 and 80 > 1.25 x 60): load decides
+    busy = ReplicaView("cached", load=80.0, keys=frozenset({7, 8}))
+    assert rank_replicas(hint, [idle, busy], 8.0, 1.25)[0] == "other"
+    # ratio 1.0 is the absolute threshold alone
+    assert rank_replicas(hint, [idle, cached], 8.0, 1.0)[0] == "other"
+
+
+def test_a_prefix_sent_to_a_replica_stays_there_through_reports_that_predate_its_pages() -> None:
+    """A replica reports while the call is still queued or in its prompt step: its keys lack
+    the prefix's pages. The next call with the same prefix must still go where the first one
+    went (before, that report erased the router's claim and the tie went to a random replica)."""
+    import time
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from cluster.router import PrefixLoadRouter
+
+    ReplicaKey = namedtuple("ReplicaKey", "unique_id")  # hashable, like Serve's ReplicaID
+
+    router = object.__new__(PrefixLoadRouter)
+    router.initialize_state(imbalance_threshold=8.0, memory_s=10.0)
+    replicas = [
+        SimpleNamespace(replica_id=ReplicaKey(name), routing_stats={"time": 1.0, "prefix_keys": []})
+        for name in ("a", "b")
+    ]
+    hint = RouteHint(page_hashes=((11, 12, 13),), num_requests=1, num_tokens=60)
+    chosen = []
+    for i in range(8):
+        call = SimpleNamespace(args=[hint], metadata=SimpleNamespace(internal_request_id=f"r{i}"))
+        ranked = asyncio.run(router.choose_replicas(replicas, call))  # type: ignore[arg-type]
+        chosen.append(ranked[0][0].replica_id.unique_id)
+        for r in replicas:  # both report again, idle, without the prefix (taken too early)
+            r.routing_stats = {"time": time.time() + 0.001, "prefix_keys": [], "num_running": 0}
+    assert len(set(chosen)) == 1, chosen
+
+
+def test_calls_a_busy_replica_has_not_answered_yet_count_in_its_load() -> None:
+    """A burst of calls: replica `quick` answers each call at once (its reports count them
+    waiting), replica `slow` is too busy to run the calls it was sent before it reports again.
+    Its reports then show no load; the calls it has not answered must still count, or it
+    looks idle and takes the whole burst (before: the router counted only calls sent after a
+    report's time, and on two H200s one replica got 72 % of a 1,024-request burst)."""
+    import time
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from cluster.router import PrefixLoadRouter
+
+    ReplicaKey = namedtuple("ReplicaKey", "unique_id")
+    router = object.__new__(PrefixLoadRouter)
+    router.initialize_state(imbalance_threshold=8.0, memory_s=10.0)
+    quick = SimpleNamespace(replica_id=ReplicaKey("quick"), routing_stats={})
+    slow = SimpleNamespace(replica_id=ReplicaKey("slow"), routing_stats={})
+    counts = {"quick": 0, "slow": 0}
+    for i in range(100):
+        hint = RouteHint(num_requests=1, num_tokens=50, sender="ingress-1")
+        call = SimpleNamespace(args=[hint], metadata=SimpleNamespace(internal_request_id=f"r{i}"))
+        ranked = asyncio.run(router.choose_replicas([quick, slow], call))  # type: ignore[arg-type]
+        counts[ranked[0][0].replica_id.unique_id] += 1
+        now = time.time() + 0.001
+        quick.routing_stats = {
+            "time": now,
+            "num_waiting": counts["quick"],
+            "answered": {"ingress-1": counts["quick"]},
+        }
+        slow.routing_stats = {"time": now, "num_waiting": 0, "answered": {"ingress-1": 0}}
+    assert abs(counts["quick"] - counts["slow"]) <= 2, counts
+    # once `slow` answers (and reports them waiting), its load is what it reports
+    slow.routing_stats = {
+        "time": time.time() + 0.002,
+        "num_waiting": counts["slow"],
+        "answered": {"ingress-1": counts["slow"]},
+    }
+    assert router._view(slow).load == counts["slow"]  # type: ignore[arg-type]
+
+
+def test_a_senders_count_missing_from_reports_weighs_only_its_recent_sends(monkeypatch) -> None:
+    """A replica reports only the senders of the last 10 minutes, with counts kept from the
+    start. While its report lacks this router's count, the router's recent sends count as
+    unanswered, never its whole history; once reported again, the counts agree."""
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    import cluster.router as router_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(router_mod.time, "time", lambda: clock[0])
+    ReplicaKey = namedtuple("ReplicaKey", "unique_id")
+    router = object.__new__(router_mod.PrefixLoadRouter)
+    router.initialize_state(memory_s=10.0)
+    replica = SimpleNamespace(replica_id=ReplicaKey("a"), routing_stats={})
+
+    def send(i: int) -> None:
+        hint = RouteHint(num_requests=1, sender="ingress-1")
+        call = SimpleNamespace(args=[hint], metadata=SimpleNamespace(internal_request_id=f"r{i}"))
+        asyncio.run(router.choose_replicas([replica], call))  # type: ignore[arg-type]
+
+    for i in range(5):
+        send(i)
+    replica.routing_stats = {"time": clock[0], "answered": {"ingress-1": 5}}
+    assert router._view(replica).load == 0  # type: ignore[arg-type]
+    replica.routing_stats = {"time": clock[0], "answered": {}}  # this sender not reported
+    assert router._view(replica).load == 5  # type: ignore[arg-type]  # its recent sends
+    clock[0] += 11.0
+    assert router._view(replica).load == 0  # type: ignore[arg-type]  # ...not its history
+    send(5)
+    assert router._view(replica).load == 1  # type: ignore[arg-type]
+    replica.routing_stats = {"time": clock[0], "answered": {"ingress-1": 6}}
+    assert router._view(replica).load == 0  # type: ignore[arg-type]
