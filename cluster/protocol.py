@@ -146,22 +146,22 @@ class _Message(BaseModel):
 Content = str | list[ContentPart]
 
 
-class SystemMessage(_Message):
+class SystemMessageParam(_Message):
     role: Literal["system"]
     content: Content
 
 
-class DeveloperMessage(_Message):
+class DeveloperMessageParam(_Message):
     role: Literal["developer"]
     content: Content
 
 
-class UserMessage(_Message):
+class UserMessageParam(_Message):
     role: Literal["user"]
     content: Content
 
 
-class AssistantMessage(_Message):
+class AssistantMessageParam(_Message):
     """Content may be null: OpenAI allows it beside `tool_calls` (refused here, see
     `ChatCompletionRequest.refused_field`)."""
 
@@ -169,7 +169,7 @@ class AssistantMessage(_Message):
     content: Content | None = None
 
 
-class ToolMessage(_Message):
+class ToolMessageParam(_Message):
     role: Literal["tool"]
     content: Content
     tool_call_id: str
@@ -178,7 +178,11 @@ class ToolMessage(_Message):
 # One model per role, told apart by `role`, as OpenAI's schema has them: a user message
 # without content is a 400 naming `messages.N.content`, not an empty prompt.
 ChatMessage = Annotated[
-    SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage,
+    SystemMessageParam
+    | DeveloperMessageParam
+    | UserMessageParam
+    | AssistantMessageParam
+    | ToolMessageParam,
     Field(discriminator="role"),
 ]
 

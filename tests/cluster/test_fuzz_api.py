@@ -74,7 +74,7 @@ def narrowed(spec: dict[str, Any], model: str) -> dict[str, Any]:
     chat["max_completion_tokens"] = {"type": "integer", "minimum": 1, "maximum": 4}
     chat["messages"]["maxItems"] = 2
     for role in ("System", "Developer", "User", "Assistant", "Tool"):
-        message = schemas[f"{role}Message"]
+        message = schemas[f"{role}MessageParam"]
         message["properties"]["content"] = {"type": "string", "maxLength": 50}
         message["additionalProperties"] = False
     completion = schemas["CompletionRequest"]["properties"]
