@@ -168,7 +168,7 @@ class KVCache(CacheView):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         loc = self.batch.out_cache_loc if self.batch is not None else None
         assert loc is not None, "bind_tasks first"
-        # index_copy_ on the layer's view: on CPU, `buf[layer, loc] = k` (index_put) is ~800x slower.
+        # index_copy_ on the layer's view: on CPU, `buf[layer, loc] = k` (index_put) is far slower.
         self.k_cache[layer].index_copy_(0, loc, k)
         self.v_cache[layer].index_copy_(0, loc, v)
 
@@ -226,8 +226,8 @@ class KVCache(CacheView):
     def _bind_from_host(
         self, tasks, rows, starts, seq_lens, n_tokens: int, carried: Sequence[tuple[int, int]]
     ) -> torch.Tensor | None:
-        """Every buffer from the host lists, with whole-batch numpy ops (a batch of 256 decodes
-        binds in ~0.3 ms on CPU; one small op per request took 1.7 ms). Returns the rows of the
+        """Every buffer from the host lists, with whole-batch numpy ops (one small op per
+        request would cost more than the bind). Returns the rows of the
         tasks that sample when some do not (`ForwardBatch.sample_rows`), else None."""
         ws, b = self.ws, len(tasks)
         if self._staged is not None:

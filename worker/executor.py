@@ -115,8 +115,8 @@ class Executor:
         self._host_ids = [
             torch.zeros(config.max_running, dtype=torch.int64, pin_memory=cuda) for _ in range(2)
         ]
-        # With the prompt pacer, timed events give each step's device span
-        # (PendingStep.device_seconds); without it a step records one untimed event, as before.
+        # Timing events cost a little on every step, so only the prompt pacer, which needs each
+        # step's device span (PendingStep.device_seconds), gets them.
         timed = cuda and config.prefill_slowdown is not None
         self._started = [torch.cuda.Event(enable_timing=True) if timed else None for _ in range(2)]
         self._done = [torch.cuda.Event(enable_timing=timed) if cuda else None for _ in range(2)]

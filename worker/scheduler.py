@@ -31,17 +31,14 @@ class PromptPacer:
     Two least-squares lines, each observation weighing `decay` times less than the next:
     - a decode-only step's time in its number of decodes B: a + b x B;
     - a mixed step's extra time over that line in its prompt tokens P: E + c x P. E is what
-      any mixed step costs whatever its chunk (5-7 ms on an H200 with the 8B shape, most
-      likely the launches of its eager, not graph-captured, forward); c is a prompt token's
-      cost.
+      any mixed step costs whatever its chunk (such as the launches of an eager forward); c
+      is a prompt token's cost.
     The budget of a step with B decodes is ((slowdown - 1) x (a + b x B) - E) / c, at least
     `min_tokens` (prompts must advance); None (no cap) until both lines are known, and None
     when E alone breaks the bound: then no chunk size keeps a mixed step within it, and a
-    small one would only starve the queue. (Measured failures of earlier versions: against the
-    average decode-only step, the 250 decodes of a saturated H200 step were charged to its
-    prompt chunk; with no E, so that all of a mixed step's extra time was charged to its
-    chunk's tokens, an 8B engine at 8 req/s on an H200 let in too few prompt tokens a step to
-    keep up and its TTFT p50 reached 11 s.)
+    small one would only starve the queue. The decode line, not the average decode-only step,
+    keeps a large batch's decodes from being charged to a prompt chunk, and E keeps a mixed
+    step's fixed cost from being charged to its tokens (which would starve the queue).
     """
 
     def __init__(self, slowdown: float, min_tokens: int = 16, decay: float = 0.97):
