@@ -222,21 +222,19 @@ class Scheduler:
 
     def _admit(self, tasks: list[ScheduledTask], budget: int, prefill: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            task = self._admit_head(budget, prefill, keep_free=bool(self.running))
+            task = self._admit_head(budget, prefill)
             if task is None:
                 break
-            task.request.status = Status.RUNNING
-            self.running.append(task.request)
             tasks.append(task)
             budget -= task.num_new
             if task.request.num_pending > 1:
                 prefill -= task.num_new
 
-    def _admit_head(self, budget: int, prefill: int, keep_free: bool) -> ScheduledTask | None:
-        """Take the head of the queue with its row and its first tokens' pages (after the
-        prefix cache's hit): one token within `budget`, a prompt chunk within `prefill` too.
-        None, and nothing changed, when no row, chunk or pages (above the watermark, with
-        `keep_free`) are left for it. The caller sets its status."""
+    def _admit_head(self, budget: int, prefill: int) -> ScheduledTask | None:
+        """Move the head of the queue into `running` with its row and its first tokens' pages
+        (after the prefix cache's hit): one token within `budget`, a prompt chunk within
+        `prefill` too. None, and nothing changed, when no row, chunk or pages are left for it;
+        while others run, the pages must also leave the watermark free."""
         request = self.waiting[0]
         if not self.cache.admit(request):
             return None
@@ -245,7 +243,7 @@ class Scheduler:
         free_after = self.cache.num_free_pages - self.cache.pages_needed(request, num_new)
         if (
             num_new == 0
-            or (keep_free and free_after < self.watermark_pages)
+            or (self.running and free_after < self.watermark_pages)
             or not self.cache.reserve(request, num_new)
         ):
             self.cache.release(request)
@@ -253,6 +251,8 @@ class Scheduler:
             return None
         self.waiting.popleft()
         self.cache.admitted(request)
+        request.status = Status.RUNNING
+        self.running.append(request)
         return ScheduledTask(request, num_new)
 
 
