@@ -67,3 +67,39 @@ def test_the_public_names_still_import_from_worker():
     assert {"LLM", "EngineConfig", "RequestOutput", "SamplingParams"} <= set(dir(worker))
     with pytest.raises(AttributeError):
         _ = worker.Engine
+
+
+@pytest.mark.slow
+def test_a_plain_wheel_ships_the_kernel_sources(tmp_path):
+    """`pip install .` builds a wheel like this one (no editable install to fall back on)."""
+    import shutil
+    import zipfile
+
+    src = tmp_path / "src"  # a copy, so the build leaves no build/ or egg-info in the tree
+    shutil.copytree(
+        ROOT,
+        src,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "tests", "benchmarks", "docs", "k8s", "*.pyc"
+        ),
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = (tmp_path / "dist").glob("kvray-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"worker/_csrc/{p.name}" for p in (ROOT / "csrc").iterdir()} <= names
+    assert {"worker/__init__.py", "worker/attention/cuda_ops.py", "cluster/__init__.py"} <= names
