@@ -319,22 +319,19 @@ class Engine:
         return tasks or None
 
     def _drain(self) -> list[RequestDelta]:
+        """New requests into the scheduler; aborted ones finished (their pages freed)."""
         with self._cv:
+            inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
-        self._drain_inbox()
+        for r in inbox:
+            self.scheduler.add(r)
+            self._num_penalized += r.params.has_penalties
         deltas = []
         for rid in aborts:
             request = self._requests.get(rid)
             if request is not None and request.status is not Status.FINISHED:
                 deltas.append(self._finish(request, "abort"))
         return deltas
-
-    def _drain_inbox(self) -> None:
-        with self._cv:
-            inbox, self._inbox = self._inbox, []
-        for r in inbox:
-            self.scheduler.add(r)
-            self._num_penalized += r.params.has_penalties
 
     def _postprocess(self, step: PendingStep, result: StepResult) -> list[RequestDelta]:
         now = time.monotonic()
