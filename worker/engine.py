@@ -22,11 +22,11 @@ from worker.config import EngineConfig
 from worker.executor import Executor, PendingStep, StepResult
 from worker.model.config import ModelConfig
 from worker.model.demo import resolve_model_path
-from worker.outputs import FinishReason, RequestDelta, RequestMetrics
+from worker.outputs import FinishReason, RequestDelta
 from worker.request import Request, ScheduledTask, Status
 from worker.sampling import SamplingParams
 from worker.scheduler import Scheduler
-from worker.stats import EngineStats, StepObserver, StepRecord
+from worker.stats import EngineStats, StepObserver, StepRecord, request_metrics
 from worker.streams import OutputStream
 from worker.tokenizer import Tokenizer, read_eos_token_ids
 
@@ -405,7 +405,7 @@ class Engine:
             request.error,
             num_prompt_tokens=len(request.prompt_ids),
             num_cached_tokens=request.num_cached,
-            metrics=_metrics(request) if request.finish_time is not None else None,
+            metrics=request_metrics(request) if request.finish_time is not None else None,
         )
 
     def _publish(self, deltas: list[RequestDelta]) -> None:
@@ -513,21 +513,6 @@ class Engine:
         """Keys of cached pages, most recent first, as of the last refresh (at most
         SUMMARY_REFRESH_S old while the engine steps, current once it has nothing to step)."""
         return self._summary[:max_pages]
-
-
-def _metrics(r: Request) -> RequestMetrics:
-    end = r.finish_time or time.monotonic()
-    first = r.first_token_time
-    n_out = len(r.output_ids)
-    return RequestMetrics(
-        queue_time=(r.first_scheduled_time or end) - r.arrival_time,
-        time_to_first_token=(first or end) - r.arrival_time,
-        time_per_output_token=(end - first) / (n_out - 1)
-        if first is not None and n_out > 1
-        else 0.0,
-        e2e_latency=end - r.arrival_time,
-        num_preemptions=r.num_preemptions,
-    )
 
 
 def _carried(current: PendingStep, following: list[ScheduledTask]) -> list[tuple[int, int]]:

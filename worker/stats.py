@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from worker.cache import KVCache
 from worker.executor import PendingStep
+from worker.outputs import RequestMetrics
+from worker.request import Request
 from worker.scheduler import PromptPacer, Scheduler
 
 
@@ -110,3 +112,19 @@ class StepObserver:
             prompt_tokens_total=self.prompt_tokens,
             generation_tokens_total=self.generation_tokens,
         )
+
+
+def request_metrics(r: Request) -> RequestMetrics:
+    """A request's latencies so far (final once it has finished)."""
+    end = r.finish_time or time.monotonic()
+    first = r.first_token_time
+    n_out = len(r.output_ids)
+    return RequestMetrics(
+        queue_time=(r.first_scheduled_time or end) - r.arrival_time,
+        time_to_first_token=(first or end) - r.arrival_time,
+        time_per_output_token=(end - first) / (n_out - 1)
+        if first is not None and n_out > 1
+        else 0.0,
+        e2e_latency=end - r.arrival_time,
+        num_preemptions=r.num_preemptions,
+    )
