@@ -47,7 +47,7 @@ struct Tile {
 template <int D, int NW, int TT, int ST>
 struct Cfg {
   // Fewest tokens per split: shorter splits cost more in partials than they gain in
-  // parallelism (H200 sweep, 2026-11-29: B=1 L=4096 ran fastest at 256-token splits).
+  // parallelism.
   static constexpr int kMinChunk = 256;
   static constexpr int kStageBytes = NW * ST * 2 * Tile<D, TT>::kElems * 2;
   static constexpr int kMergeBytes = NW * (kRows * D + 2 * kRows) * 4;
@@ -466,8 +466,7 @@ cudaError_t run(const DecodeParams& p, cudaStream_t stream) {
 }
 
 // Tiling variants. 0 = automatic: head-major (5) once the batch gives every SM a block
-// without splitting, token-split (1) below that (H200, 2026-11-29: head-major was 3-6%
-// faster at B=128, token-split 1.5-2.5x faster at B<=8). 1 and 5 are compiled for every
+// without splitting, token-split (1) below that, where head-major leaves SMs idle. 1 and 5 are compiled for every
 // dtype and head_dim; the others for bf16 / head_dim 128 only, for the benchmark's sweep.
 //   1: token-split, 4 warps, 16-token tiles, 3 stages   2: token-split, 4 warps, 2 stages
 //   3: token-split, 8 warps, 2 stages                   4: head-major, 4 warps, 3 stages
@@ -543,8 +542,7 @@ int decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim
   const int group = num_q_heads / num_kv_heads;
   const int units = num_kv_heads * ((group + kRows - 1) / kRows);
   const int per_split = batch * ((units + ki->units_per_block - 1) / ki->units_per_block);
-  // One wave of resident blocks: more splits only add partials and a deeper combine
-  // (H200 sweep, 2026-11-29: B=32 and B=128 were fastest unsplit, B=8 at 4 splits).
+  // One wave of resident blocks: more splits only add partials and a deeper combine.
   const int resident = num_sms * ki->blocks_per_sm;
   return std::max(1, std::min(s_cap, resident / per_split));
 }

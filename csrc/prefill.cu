@@ -319,12 +319,10 @@ const PrefillInfo* variant_info(int variant) {
 
 int prefill_num_variants() { return kNumVariants; }
 
-// H200, 2026-11-30, 8B attention shapes (benchmarks/kernels.py): 32-row warps (2) win once the
-// 128-query tiles fill the GPU one and a half times over (1,920- to 9,504-token prompts:
-// +10-20 % over 1); below that the fewer, heavier blocks of 2 leave SMs idle at the end
-// (a lone 1,024-token prompt: -25 %), and 3, which shares each K/V tile among 8 warps, is
-// best while sequences average 64 queries or more (a 512-query chunk: +18 % over 1). Shorter
-// ones (prompt chunks next to decodes) keep 64-query tiles.
+// 32-row warps (2) once the 128-query tiles fill the GPU one and a half times over, since
+// below that their fewer, heavier blocks leave SMs idle at the end; 3, which shares each K/V
+// tile among 8 warps, while sequences average 64 queries or more; shorter ones (prompt
+// chunks next to decodes) keep 64-query tiles.
 int prefill_resolve_variant(int variant, int batch, int num_tokens, int num_q_heads, int num_sms,
                             int blocks_per_sm_2) {
   if (variant != 0) return variant;

@@ -14,7 +14,6 @@ from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
-from threading import Lock
 
 import numpy as np
 import torch
@@ -57,8 +56,7 @@ class ReqToTokenPool:
 
     The last row is the scratch row (all slot 0, the scratch page) that CUDA-graph padding
     uses. Writes go to the mirror and reach the device in one batched scatter per step,
-    through preallocated staging buffers, so a steady step allocates nothing. Writes and
-    flushes hold a lock: on CPU the prompt lane binds on a thread of its own.
+    through preallocated staging buffers, so a steady step allocates nothing.
     """
 
     def __init__(self, max_running: int, max_seq_len: int, device: torch.device, staging: int):
@@ -67,7 +65,6 @@ class ReqToTokenPool:
         self.scratch_row = max_running
         self._free_rows = list(range(max_running - 1, -1, -1))
         self._dirty: list[tuple[int, int, int]] = []
-        self._lock = Lock()
         pin = device.type == "cuda"
         self._h_idx = torch.zeros(staging, dtype=torch.int64, pin_memory=pin)
         self._h_val = torch.zeros(staging, dtype=torch.int32, pin_memory=pin)
@@ -88,17 +85,10 @@ class ReqToTokenPool:
         self._free_rows.append(row)
 
     def set_slots(self, row: int, start: int, slots: np.ndarray) -> None:
-        with self._lock:
-            self.host[row, start : start + len(slots)] = slots
-            self._dirty.append((row, start, start + len(slots)))
+        self.host[row, start : start + len(slots)] = slots
+        self._dirty.append((row, start, start + len(slots)))
 
     def flush(self) -> None:
-        if not self._dirty:
-            return
-        with self._lock:
-            self._flush()
-
-    def _flush(self) -> None:
         if not self._dirty:
             return
         width = self.host.shape[1]
@@ -147,11 +137,9 @@ def _is_steady_increment(prev: _BindState | None, now: _BindState) -> bool:
     )
 
 
-class StepBinder(CacheView):
-    """The KV storage and slot table as a step sees them: `bind_tasks` fills a workspace with a
-    step's metadata, `write` stores its K/V. The KVCache is the engine's binder; the CPU prompt
-    lane has one of its own over the same storage, table and rows (`KVCache.binder`), with its
-    own workspace, so the two can bind steps of different requests at once."""
+class KVCache(CacheView):
+    """Owns the storage and the slot table; admits, grows, binds and releases requests.
+    `bind_tasks` fills the workspace with a step's metadata, `write` stores its K/V."""
 
     def __init__(
         self,
@@ -159,7 +147,6 @@ class StepBinder(CacheView):
         req_pool: ReqToTokenPool,
         page_size: int,
         workspace: InferenceWorkspace,
-        task_len: np.ndarray,
     ):
         self.k_cache, self.v_cache = storage.k, storage.v
         self.storage, self.req_pool, self.page_size, self.ws = (
@@ -169,7 +156,7 @@ class StepBinder(CacheView):
             workspace,
         )
         self.req_to_token = req_pool.table
-        self._task_len = task_len  # tokens bound per row, shared by every binder of the cache
+        self._task_len = np.zeros(req_pool.table.shape[0], dtype=np.int64)  # tokens bound per row
         self._last_bind: _BindState | None = None
         self.batch: ForwardBatch | None = None
         # Recorded after a host bind's copies. A step that samples nothing returns without
@@ -181,7 +168,7 @@ class StepBinder(CacheView):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         loc = self.batch.out_cache_loc if self.batch is not None else None
         assert loc is not None, "bind_tasks first"
-        # index_copy_ on the layer's view: on CPU, `buf[layer, loc] = k` (index_put) is ~800x slower.
+        # index_copy_ on the layer's view: on CPU, `buf[layer, loc] = k` (index_put) is far slower.
         self.k_cache[layer].index_copy_(0, loc, k)
         self.v_cache[layer].index_copy_(0, loc, v)
 
@@ -239,8 +226,8 @@ class StepBinder(CacheView):
     def _bind_from_host(
         self, tasks, rows, starts, seq_lens, n_tokens: int, carried: Sequence[tuple[int, int]]
     ) -> torch.Tensor | None:
-        """Every buffer from the host lists, with whole-batch numpy ops (a batch of 256 decodes
-        binds in ~0.3 ms on CPU; one small op per request took 1.7 ms). Returns the rows of the
+        """Every buffer from the host lists, with whole-batch numpy ops (one small op per
+        request would cost more than the bind). Returns the rows of the
         tasks that sample when some do not (`ForwardBatch.sample_rows`), else None."""
         ws, b = self.ws, len(tasks)
         if self._staged is not None:
@@ -295,31 +282,6 @@ class StepBinder(CacheView):
     def invalidate_bind(self) -> None:
         """Forget the last bind (after an aborted step), so the next one rebuilds everything."""
         self._last_bind = None
-
-
-class KVCache(StepBinder):
-    """Owns the storage and the slot table; admits, grows, binds and releases requests."""
-
-    def __init__(
-        self,
-        storage: KVStorage,
-        req_pool: ReqToTokenPool,
-        page_size: int,
-        workspace: InferenceWorkspace,
-    ):
-        super().__init__(
-            storage,
-            req_pool,
-            page_size,
-            workspace,
-            np.zeros(req_pool.table.shape[0], dtype=np.int64),
-        )
-
-    def binder(self, workspace: InferenceWorkspace) -> StepBinder:
-        """A second binder of this cache, into `workspace`: binds and writes the steps of requests
-        that no other binder's step holds (the CPU prompt lane). Admitting, growing and releasing
-        stay with the cache."""
-        return StepBinder(self.storage, self.req_pool, self.page_size, workspace, self._task_len)
 
     # -- capacity, in pages --------------------------------------------------------------
     @property

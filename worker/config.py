@@ -60,15 +60,6 @@ class EngineConfig(BaseModel):
         le=100,
         description="while requests decode, cap a step's prompt tokens so that it takes at most this many times a decode-only step, from measured step times (e.g. 1.8 for inter-token p99 within 2x p50; later first tokens); None = off",
     )
-    cpu_small_step_tokens: int | None = Field(
-        4,
-        ge=1,
-        description="on CPU, steps of at most this many tokens (decodes of a few requests, bound by memory rather than compute) run on one torch thread fewer, leaving a core to the HTTP front end, tokenization and clients beside the engine; None = every thread on every step",
-    )
-    cpu_prompt_lane: bool = Field(
-        True,
-        description="on CPU with 2 or 3 torch threads, in an engine that runs its own loop (a server), the prompts of new requests run on a thread of their own with one torch thread, beside the decode steps of the requests under way, which then neither wait for a prompt step nor carry prompt chunks; off (or with other thread counts, or overlap) = prompts are chunks of the engine's steps. With 4 threads or more the lane's share would be an OpenMP team beside the loop's, which throttles the loop's steps",
-    )
     backend: Literal["auto", "torch", "cuda"] = Field(
         "auto", description="attention backend; auto = cuda on CUDA with paged cache, else torch"
     )

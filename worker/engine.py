@@ -1,12 +1,8 @@
-"""Engine: one model on one device — request lifecycle, the engine-loop thread, streams, stats.
+"""Engine: one model on one device — request lifecycle and the engine-loop thread.
 
 `step()` is schedule -> execute -> postprocess. The offline LLM calls it directly; a
-server calls `start()` and the loop thread runs it whenever there is work, publishing
-each step's deltas to the streams that wait for them. On CPU, `start()` also starts the
-prompt lane's thread (`EngineConfig.cpu_prompt_lane`): while requests decode, new prompts
-run there, beside the loop's decode steps, and each first token is published as soon as
-it is sampled. The two threads share the scheduler and the cache under one lock, held for
-everything but the forward passes.
+server calls `start()` (or builds it with `launched`) and the loop thread runs it whenever
+there is work, publishing each step's deltas to the streams that wait for them.
 """
 
 from __future__ import annotations
@@ -26,10 +22,11 @@ from worker.config import EngineConfig
 from worker.executor import Executor, PendingStep, StepResult
 from worker.model.config import ModelConfig
 from worker.model.demo import resolve_model_path
-from worker.outputs import FinishReason, RequestDelta, RequestMetrics
+from worker.outputs import FinishReason, RequestDelta
 from worker.request import Request, ScheduledTask, Status
 from worker.sampling import SamplingParams
 from worker.scheduler import Scheduler
+from worker.stats import EngineStats, StepObserver, StepRecord, request_metrics
 from worker.streams import OutputStream
 from worker.tokenizer import Tokenizer, read_eos_token_ids
 
@@ -48,43 +45,8 @@ class EngineRequest:
     params: SamplingParams
 
 
-@dataclass(slots=True)
-class StepRecord:
-    """One resolved step, for profiling (`Engine.step_log`)."""
-
-    seconds: float  # wall time of the `step()` call that read this step's results
-    num_decodes: int  # requests advancing by one token of their output
-    num_prompt_tokens: int  # prompt (or recomputed) tokens in the step
-    overlapped: bool  # queued on the device before its predecessor's tokens were read
-    launch_seconds: float = 0.0  # host time that queued it (bind, forward, sampling launched)
-    schedule_seconds: float = (
-        0.0  # host time that chose its tasks (and drained inputs, unless overlapped)
-    )
-
-
 class EngineFull(RuntimeError):
     """The waiting queue is at `max_waiting`: try again later (HTTP 429)."""
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_waiting: int = 0
-    num_running: int = 0
-    waiting_tokens: int = 0
-    num_free_pages: int = 0
-    num_total_pages: int = 0
-    kv_usage: float = 0.0
-    prefix_hits: int = 0
-    prefix_queries: int = 0
-    prefix_hit_rate: float = 0.0
-    num_steps: int = 0
-    step_seconds_total: float = 0.0  # wall time of those steps' `Engine.step` calls, summed
-    num_preemptions: int = 0
-    last_step_time: float = 0.0
-    loop_alive: bool = False
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    num_lane_steps: int = 0  # prompt steps the CPU prompt lane ran
 
 
 class Engine:
@@ -114,23 +76,11 @@ class Engine:
         self._inflight: PendingStep | None = None  # launched on the device, results not yet read
         self._aborts: list[str] = []
         self._cv = threading.Condition()
-        self._state = threading.Lock()  # the scheduler, the cache and the requests' state
         self._thread: threading.Thread | None = None
-        self._lane_thread: threading.Thread | None = None
-        self._lane_step: list[ScheduledTask] = []  # the prompt lane's step in flight
-        self._lane_aborts: list[Request] = []  # aborted in that step: finished after it
         self._stopped = False
+        self.observer = StepObserver(self.scheduler.pacer)
         self.stats_snapshot = EngineStats()
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
-        self._num_steps = 0
-        self._num_lane_steps = 0
-        self._step_seconds = 0.0
-        self.num_overlapped_steps = 0  # steps queued before their predecessor's tokens were read
         self._num_penalized = 0  # live requests with penalties (they keep steps from overlapping)
-        self.step_log: list[StepRecord] | None = (
-            None  # set to a list to record every step (profiling)
-        )
         self._summary: list[int] = []
         self._summary_time = 0.0
         self.work_since = 0.0  # when work last arrived at an idle engine (monotonic)
@@ -219,103 +169,58 @@ class Engine:
             self._inbox or self._aborts or self.scheduler.has_work or self._inflight is not None
         )
 
-    @property
-    def _loop_has_work(self) -> bool:
-        """Work for the loop thread: what `has_work` says, less what only the prompt lane does."""
-        sched = self.scheduler
-        # fmt: skip
-        return bool(
-            self._inbox
-            or self._aborts
-            or sched.running
-            or self._inflight is not None
-            or (sched.waiting and sched.admits)
-        )
-
     def step(self) -> list[RequestDelta]:
-        """One engine iteration; returns (and publishes) every delta it produced.
-
-        With `overlap`, the next step is scheduled and queued on the device before this one's
-        results are read, so the host's bookkeeping runs while the device computes.
-        """
-        with self._state:
-            deltas = self._step()
-        self._publish(deltas)
-        if self._lane_thread is not None:
-            with self._cv:
-                self._cv.notify_all()  # the lane may start now: requests run, or the step's threads are free
-        return deltas
-
-    def _step(self) -> list[RequestDelta]:
-        start = time.perf_counter()
+        """One engine iteration; returns (and publishes) every delta it produced."""
+        started = time.perf_counter()
         deltas = self._drain()
-        if self._inflight is None:
-            tasks, too_long = self.scheduler.schedule()
-            for request in too_long:
-                deltas.append(self._finish(request, "length"))
-            if tasks:
-                self._inflight = self._launch(tasks, deltas)
-                if self._inflight is not None:
-                    self._inflight.schedule_seconds = (
-                        time.perf_counter() - start - self._inflight.launch_seconds
-                    )
-        current, self._inflight = self._inflight, None
-        if current is not None:
-            pacer = self.scheduler.pacer
-            record = (
-                self._record(current) if self.step_log is not None or pacer is not None else None
-            )
-            scheduled_at = time.perf_counter()
-            following = self._continuation(current, deltas) if self.config.overlap else None
-            if following is not None:
-                self._inflight = self._launch(
-                    following, deltas, carried=_carried(current, following)
-                )
-                if self._inflight is not None:
-                    self._inflight.overlapped = True
-                    self._inflight.schedule_seconds = (
-                        time.perf_counter() - scheduled_at - self._inflight.launch_seconds
-                    )
-                self.num_overlapped_steps += 1
-            device_s = None
-            try:
-                result = self.executor.resolve(current)
-                device_s = current.device_seconds() if pacer is not None else None
-            except Exception as e:
-                queued = self._inflight.tasks if self._inflight is not None else []
-                self._inflight = None  # it ran on the failed step's state
-                deltas.extend(self._fail(current.tasks + queued, e))
-            else:
-                deltas.extend(self._apply(current, result))
-            self._num_steps += 1
-            if record is not None:
-                record.seconds = time.perf_counter() - start
-                # on CUDA the step's own span on the device, not its wall time
-                if pacer is not None:
-                    pacer.observe(
-                        device_s or record.seconds, record.num_decodes, record.num_prompt_tokens
-                    )
-                if self.step_log is not None:  # the list may be unset meanwhile
-                    self.step_log.append(record)
-        if current is not None:
-            self._step_seconds += time.perf_counter() - start
+        if self.config.overlap:
+            stepped = self._overlap_step(deltas, started)
+        else:
+            stepped = self._normal_step(deltas, started)
+        if stepped:
+            self.observer.step_seconds += time.perf_counter() - started
         self._snapshot()
+        self._publish(deltas)
         return deltas
 
-    @staticmethod
-    def _record(step: PendingStep) -> StepRecord:
-        decode = [t.num_new == 1 and bool(t.request.output_ids) for t in step.tasks]
-        prompt = sum(t.num_new for t, d in zip(step.tasks, decode, strict=True) if not d)
-        return StepRecord(
-            0.0, sum(decode), prompt, step.overlapped, step.launch_seconds, step.schedule_seconds
-        )
+    def _normal_step(self, deltas: list[RequestDelta], started: float) -> bool:
+        """Schedule, launch, wait for the sampled ids, postprocess."""
+        step = self._schedule(deltas, started)
+        if step is None:
+            return False
+        self._resolve(step, deltas, started)
+        return True
+
+    def _overlap_step(self, deltas: list[RequestDelta], started: float) -> bool:
+        """Resolve the step in flight after queueing the next one behind it on the device, so
+        the host's bookkeeping runs while the device computes."""
+        current = self._inflight or self._schedule(deltas, started)
+        self._inflight = None
+        if current is None:
+            return False
+        scheduled_at = time.perf_counter()
+        following = self._continuation(current, deltas)
+        if following is not None:
+            carried = _carried(current, following)
+            self._inflight = self._launch(following, deltas, scheduled_at, carried, overlapped=True)
+        self._resolve(current, deltas, started)
+        return True
+
+    def _schedule(self, deltas: list[RequestDelta], since: float) -> PendingStep | None:
+        tasks, too_long = self.scheduler.schedule()
+        for request in too_long:
+            deltas.append(self._finish(request, "length"))
+        return self._launch(tasks, deltas, since) if tasks else None
 
     def _launch(
         self,
         tasks: list[ScheduledTask],
         deltas: list[RequestDelta],
+        since: float,
         carried: Sequence[tuple[int, int]] = (),
+        overlapped: bool = False,
     ) -> PendingStep | None:
+        """Queue a step on the device; `since`: when choosing its tasks began."""
         now = time.monotonic()
         for t in tasks:  # queue time ends when a request's first step is queued, not when it ends
             if t.request.first_scheduled_time is None:
@@ -323,22 +228,31 @@ class Engine:
         try:
             if callable(self.fault_hook):
                 self.fault_hook(tasks)
-            if self._lane_thread is not None:
-                sched = self.scheduler
-                self.executor.lane_wanted = bool(sched.lane or (sched.waiting and sched.running))
-            self._state.release()  # the prompt lane may schedule while this step computes
-            try:
-                return self.executor.launch(tasks, carried)
-            finally:
-                self._state.acquire()
+            step = self.executor.launch(tasks, carried)
         except Exception as e:
             deltas.extend(self._fail(tasks, e))
             return None
+        step.overlapped = overlapped
+        step.schedule_seconds = time.perf_counter() - since - step.launch_seconds
+        self.observer.launched(step)
+        return step
+
+    def _resolve(self, step: PendingStep, deltas: list[RequestDelta], started: float) -> None:
+        """Wait for a launched step's sampled ids and apply them to its requests."""
+        try:
+            result = self.executor.resolve(step)
+        except Exception as e:
+            queued = self._inflight.tasks if self._inflight is not None else []
+            self._inflight = None  # it ran on the failed step's state
+            deltas.extend(self._fail(step.tasks + queued, e))
+        else:
+            deltas.extend(self._apply(step, result))
+        self.observer.resolved(step, started)
 
     def _apply(self, step: PendingStep, result: StepResult) -> list[RequestDelta]:
         """`_postprocess`; should it raise (a bug in the bookkeeping, not in the device's
-        step), the step's requests end with an error rather than stay half-advanced, or stuck
-        in the prompt lane with no step to take them, their clients waiting for ever."""
+        step), the step's requests end with an error rather than stay half-advanced, their
+        clients waiting for ever."""
         live = [t.request for t in step.tasks if t.request.status is not Status.FINISHED]
         try:
             return self._postprocess(step, result)
@@ -405,27 +319,19 @@ class Engine:
         return tasks or None
 
     def _drain(self) -> list[RequestDelta]:
-        with self._cv:
-            aborts, self._aborts = self._aborts, []
-        self._drain_inbox()
-        deltas = []
-        in_lane = {id(t.request) for t in self._lane_step} if aborts else set()
-        for rid in aborts:
-            request = self._requests.get(rid)
-            if request is None or request.status is Status.FINISHED:
-                continue
-            if id(request) in in_lane:  # its pages are in the lane's forward: finish it after
-                self._lane_aborts.append(request)
-            else:
-                deltas.append(self._finish(request, "abort"))
-        return deltas
-
-    def _drain_inbox(self) -> None:
+        """New requests into the scheduler; aborted ones finished (their pages freed)."""
         with self._cv:
             inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
         for r in inbox:
             self.scheduler.add(r)
             self._num_penalized += r.params.has_penalties
+        deltas = []
+        for rid in aborts:
+            request = self._requests.get(rid)
+            if request is not None and request.status is not Status.FINISHED:
+                deltas.append(self._finish(request, "abort"))
+        return deltas
 
     def _postprocess(self, step: PendingStep, result: StepResult) -> list[RequestDelta]:
         now = time.monotonic()
@@ -450,10 +356,10 @@ class Engine:
                 request.output_ids[-1] = token  # over its PENDING placeholder
             else:
                 request.output_ids.append(token)
-            self._generation_tokens += 1
+            self.observer.generation_tokens += 1
             if len(request.output_ids) == 1:
                 request.first_token_time = now
-                self._prompt_tokens += len(request.prompt_ids)
+                self.observer.prompt_tokens += len(request.prompt_ids)
             if lp is not None:
                 request.logprobs = (request.logprobs or []) + [lp]
             reason = self._stop_reason(request, token)
@@ -499,7 +405,7 @@ class Engine:
             request.error,
             num_prompt_tokens=len(request.prompt_ids),
             num_cached_tokens=request.num_cached,
-            metrics=_metrics(request) if request.finish_time is not None else None,
+            metrics=request_metrics(request) if request.finish_time is not None else None,
         )
 
     def _publish(self, deltas: list[RequestDelta]) -> None:
@@ -519,16 +425,9 @@ class Engine:
     # -- the loop thread -----------------------------------------------------------------
     @classmethod
     def launched(cls, config: EngineConfig) -> Engine:
-        """An engine built on the loop thread that then steps it (as `start` does): every torch
-        op of its build and of its steps on one thread. A server's engine should start so.
-
-        On CPU it matters. GNU OpenMP, torch's CPU thread pool, gives each thread that runs
-        parallel work a team of its own; once the teams' threads outnumber the cores, every
-        thread sleeps at each barrier after a short spin instead of a long one, and a step's
-        hundreds of small parallel ops each wait for a futex wakeup. Built on one thread and
-        stepped on another (`Engine(...)` then `start()`), a 64-token demo prompt step took
-        201 ms on the 2-core CPU; built and stepped on one thread, 127 ms
-        (benchmarks/engine_thread.py; docs/architecture.md)."""
+        """An engine built on the loop thread that then steps it, as a server's should be: GNU
+        OpenMP gives each thread that runs torch CPU work a team of its own, and more team
+        threads than cores make every parallel op's barrier sleep."""
         handoff: queue.SimpleQueue[Engine | BaseException] = queue.SimpleQueue()
 
         def main() -> None:
@@ -538,7 +437,6 @@ class Engine:
                 handoff.put(exc)
                 return
             engine._thread = threading.current_thread()
-            engine._start_lane()
             handoff.put(engine)
             engine._loop()
 
@@ -549,33 +447,23 @@ class Engine:
         return built
 
     def start(self) -> None:
-        """Step on a loop thread from now on (on CPU, and the prompt lane's); see `launched`."""
+        """Step on a loop thread from now on; see `launched`."""
         if self._thread is not None:
             return
-        self._start_lane()
         self._thread = threading.Thread(target=self._loop, name="kvray-engine", daemon=True)
         self._thread.start()
-
-    def _start_lane(self) -> None:
-        if self.executor.lane is not None:
-            self.scheduler.lane_on = True
-            self._lane_thread = threading.Thread(
-                target=self._lane_loop, name="kvray-prompt-lane", daemon=True
-            )
-            self._lane_thread.start()
 
     def shutdown(self) -> None:
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
-        for thread in (self._thread, self._lane_thread):
-            if thread is not None:
-                thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._stopped or self._loop_has_work)
+                self._cv.wait_for(lambda: self._stopped or self.has_work)
                 if self._stopped:
                     return
             try:
@@ -583,97 +471,29 @@ class Engine:
             except Exception:  # the loop never dies silently: log and keep serving
                 log.exception("engine step raised outside the executor")
 
-    # -- the prompt lane (CPU) -----------------------------------------------------------
-    def _lane_loop(self) -> None:
-        """Run prompt steps while requests decode on the loop thread (Scheduler.schedule_lane)."""
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._stopped or self._lane_may_run())
-                if self._stopped:
-                    return
-            try:
-                ran = self.lane_step()
-            except Exception:
-                log.exception("prompt lane step raised outside the executor")
-                ran = False
-            if not ran:  # nothing it could take now (no threads, pages or rows): wait for a change
-                with self._cv:
-                    self._cv.wait(timeout=0.05)
-
-    def _lane_may_run(self) -> bool:
-        sched = self.scheduler
-        return bool(sched.lane or (sched.running and (sched.waiting or self._inbox)))
-
-    def lane_step(self) -> bool:
-        """One prompt step of the lane, its first tokens published as soon as they are sampled.
-        False when there was nothing it could run."""
-        executor = self.executor
-        if not executor.claim_lane():
-            return False
-        try:
-            with self._state:
-                self._drain_inbox()
-                tasks = self.scheduler.schedule_lane()
-                if not tasks:
-                    return False
-                now = time.monotonic()
-                for t in tasks:
-                    if t.request.first_scheduled_time is None:
-                        t.request.first_scheduled_time = now
-                self._lane_step = tasks
-            try:
-                result = executor.run_prompts(tasks)
-            except Exception as e:
-                with self._state:
-                    self._lane_step, self._lane_aborts = [], []
-                    self._publish(self._fail(tasks, e))
-            else:
-                with self._state:  # published before the engine's step can advance these requests
-                    self._lane_step = []
-                    deltas = self._apply(PendingStep(tasks, result.task_indices), result)
-                    aborted, self._lane_aborts = self._lane_aborts, []
-                    deltas.extend(
-                        self._finish(r, "abort") for r in aborted if r.status is not Status.FINISHED
-                    )
-                    self.scheduler.join([t.request for t in tasks])
-                    self._num_lane_steps += 1
-                    self._publish(deltas)
-                    self._snapshot()  # a lane step is a step: the health check sees it
-        finally:
-            executor.release_lane()
-        with self._cv:
-            self._cv.notify_all()  # the loop: new requests decode
-        return True
-
     # -- observability -------------------------------------------------------------------
+    @property
+    def num_overlapped_steps(self) -> int:
+        return self.observer.num_overlapped_steps
+
+    @property
+    def step_log(self) -> list[StepRecord] | None:
+        """Set to a list to record every resolved step (profiling)."""
+        return self.observer.step_log
+
+    @step_log.setter
+    def step_log(self, log: list[StepRecord] | None) -> None:
+        self.observer.step_log = log
+
     def _snapshot(self) -> None:
         cache, sched = self.executor.cache, self.scheduler
         now = time.monotonic()
-        # at most every SUMMARY_REFRESH_S while steps come, and always at the last one: an idle
-        # engine has no next step to refresh it (0.05 ms for 4,096 keys)
-        settled = not (sched.running or sched.waiting or sched.lane) and self._inflight is None
+        # refreshed at most every SUMMARY_REFRESH_S while steps come, and always at the last
+        # one: an idle engine has no next step to refresh it
+        settled = not sched.has_work and self._inflight is None
         if settled or now - self._summary_time > SUMMARY_REFRESH_S:
             self._summary, self._summary_time = cache.prefix_summary(SUMMARY_PAGES), now
-        hits, queries = cache.prefix_stats
-        free, total = cache.num_free_pages, cache.num_total_pages
-        self.stats_snapshot = EngineStats(
-            num_waiting=len(sched.waiting),
-            num_running=len(sched.running) + len(sched.lane),
-            waiting_tokens=sum(r.num_pending for r in sched.waiting),
-            num_free_pages=free,
-            num_total_pages=total,
-            kv_usage=1.0 - free / total if total else 0.0,
-            prefix_hits=hits,
-            prefix_queries=queries,
-            prefix_hit_rate=hits / queries if queries else 0.0,
-            num_steps=self._num_steps,
-            step_seconds_total=self._step_seconds,
-            num_preemptions=sched.num_preemptions,
-            last_step_time=now,
-            prompt_tokens_total=self._prompt_tokens,
-            generation_tokens_total=self._generation_tokens,
-            num_lane_steps=self._num_lane_steps,
-        )
+        self.stats_snapshot = self.observer.snapshot(cache, sched)
 
     def stats(self) -> EngineStats:
         """The last step's snapshot, with the request counts read live: a step that hangs
@@ -681,35 +501,18 @@ class Engine:
         with self._cv:
             pending = len(self._inbox)
         alive = self._thread is not None and self._thread.is_alive()
-        if self._lane_thread is not None:  # prompts wait for the lane: it must be alive too
-            alive = alive and self._lane_thread.is_alive()
         sched = self.scheduler
         return dataclasses.replace(
             self.stats_snapshot,
-            num_running=len(sched.running) + len(sched.lane),
+            num_running=len(sched.running),
             num_waiting=len(sched.waiting) + pending,
             loop_alive=alive,
         )
 
     def prefix_summary(self, max_pages: int = SUMMARY_PAGES) -> list[int]:
-        """Keys of cached pages, most recent first, as of the last refresh (engine thread: at most
-        50 ms old while it steps, current once it has nothing left to step)."""
+        """Keys of cached pages, most recent first, as of the last refresh (at most
+        SUMMARY_REFRESH_S old while the engine steps, current once it has nothing to step)."""
         return self._summary[:max_pages]
-
-
-def _metrics(r: Request) -> RequestMetrics:
-    end = r.finish_time or time.monotonic()
-    first = r.first_token_time
-    n_out = len(r.output_ids)
-    return RequestMetrics(
-        queue_time=(r.first_scheduled_time or end) - r.arrival_time,
-        time_to_first_token=(first or end) - r.arrival_time,
-        time_per_output_token=(end - first) / (n_out - 1)
-        if first is not None and n_out > 1
-        else 0.0,
-        e2e_latency=end - r.arrival_time,
-        num_preemptions=r.num_preemptions,
-    )
 
 
 def _carried(current: PendingStep, following: list[ScheduledTask]) -> list[tuple[int, int]]:

@@ -6,21 +6,17 @@ It never looks inside the scheduler; the scheduler never touches tensors.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from worker.attention import BACKENDS
-from worker.attention.base import AttentionBackend
 from worker.attention.cuda import CudaBackend
 from worker.batch import ForwardBatch
-from worker.cache import StepBinder
 from worker.config import EngineConfig
 from worker.graphs import DecodeGraphRunner, PromptGraphRunner
 from worker.kv_sizing import build_cache
@@ -58,6 +54,8 @@ class PendingStep:
     started: torch.cuda.Event | None = None  # recorded before its first kernel (CUDA only)
     launch_seconds: float = 0.0  # host time of `Executor.launch` (bind, forward, sampling queued)
     schedule_seconds: float = 0.0  # host time the engine spent choosing its tasks (Engine.step)
+    num_decodes: int = 0  # set at launch when the engine times its steps (worker/stats.py)
+    num_prompt_tokens: int = 0
 
     def device_seconds(self) -> float | None:
         """The step's span on the device stream, from its first queued work to the copy of its
@@ -70,19 +68,6 @@ class PendingStep:
     @property
     def needs_host_logprobs(self) -> bool:
         return self.sampled is not None
-
-
-@dataclass(slots=True)
-class PromptLane:
-    """What the CPU prompt lane's steps run with: a workspace, a binder of the engine's KV cache
-    and an attention backend of their own (so they bind and attend beside the engine's steps),
-    the lane's share of the torch threads, and a generator for first tokens without a seed."""
-
-    workspace: InferenceWorkspace
-    binder: StepBinder
-    backend: AttentionBackend
-    threads: int
-    generator: torch.Generator
 
 
 class Executor:
@@ -130,25 +115,12 @@ class Executor:
         self._host_ids = [
             torch.zeros(config.max_running, dtype=torch.int64, pin_memory=cuda) for _ in range(2)
         ]
-        # With the prompt pacer, timed events give each step's device span
-        # (PendingStep.device_seconds); without it a step records one untimed event, as before.
+        # Timing events cost a little on every step, so only the prompt pacer, which needs each
+        # step's device span (PendingStep.device_seconds), gets them.
         timed = cuda and config.prefill_slowdown is not None
         self._started = [torch.cuda.Event(enable_timing=True) if timed else None for _ in range(2)]
         self._done = [torch.cuda.Event(enable_timing=timed) if cuda else None for _ in range(2)]
         self._flip = 0
-        # The torch threads of a CPU step when they follow its size: at most the count set on
-        # the thread that builds the engine (a worker replica sets it there and steps on another).
-        self.lane = self._prompt_lane(model_config) if self._lane_possible() else None
-        sized = self.device.type == "cpu" and (
-            config.cpu_small_step_tokens is not None or self.lane is not None
-        )
-        self._max_threads = torch.get_num_threads() if sized else None
-        self.lane_busy = False  # the lane runs a step now: its threads are taken
-        self.lane_wanted = (
-            False  # prompts wait for the lane: the engine's next step leaves it its threads
-        )
-        self.main_threads = 0  # torch threads of the engine's own step in flight (0: none)
-        self._threads_lock = threading.Lock()  # lane_busy and main_threads change under it
         self.graphs: DecodeGraphRunner | None = None
         self.prompt_graphs: PromptGraphRunner | None = None
         if config.cuda_graphs and self.backend.supports_graph:
@@ -159,82 +131,6 @@ class Executor:
                     self.model, self.backend, self.cache, self.workspace, config.prompt_graph_tokens
                 )
                 self.prompt_graphs.capture()
-
-    def _lane_possible(self) -> bool:
-        """With 2 or 3 torch threads, where the lane's share is one thread. With more, its share
-        would be an OpenMP team beside the loop thread's, and once libgomp counts more team
-        threads than cores it makes every barrier sleep after a short spin: on a 16-core host a
-        lone prompt step went from 75 to 136 ms once the lane had run, and stayed there
-        (scripts/device/lane-teams.py; benchmarks/README.md, "Session 22")."""
-        # fmt: skip
-        return (
-            self.config.cpu_prompt_lane
-            and self.device.type == "cpu"
-            and not self.config.overlap
-            and torch.get_num_threads() in (2, 3)
-        )
-
-    def _prompt_lane(self, model_config: ModelConfig) -> PromptLane:
-        config = self.config
-        assert config.max_seq_len is not None
-        # fmt: skip
-        workspace = InferenceWorkspace(
-            max_tokens=config.token_budget,
-            max_running=config.max_running,
-            max_seq_len=config.max_seq_len,
-            num_heads=model_config.num_heads,
-            head_dim=model_config.head_dim,
-            dtype=config.torch_dtype,
-            device=self.device,
-            split_kv=False,
-        )
-        backend = BACKENDS[config.backend](model_config.num_heads, model_config.head_dim, workspace)
-        generator = torch.Generator(self.device).manual_seed(config.seed + 1)
-        return PromptLane(
-            workspace,
-            self.cache.binder(workspace),
-            backend,
-            1,  # `_lane_possible`
-            generator,
-        )
-
-    @torch.inference_mode()
-    def run_prompts(self, tasks: list[ScheduledTask]) -> StepResult:
-        """One prompt step of the lane (on the lane's thread, beside the engine's own steps):
-        its tasks' requests are in no other step. Bind, forward and sample, on the lane's
-        threads; returns the sampled ids (and logprobs)."""
-        assert self.lane is not None
-        return self._run_prompts(self.lane, tasks)
-
-    def _run_prompts(self, lane: PromptLane, tasks: list[ScheduledTask]) -> StepResult:
-        with _torch_threads(lane.threads):
-            batch = lane.binder.bind_tasks(tasks)
-            lane.backend.prepare(batch, lane.binder)
-            hidden = self.model(batch.input_ids, batch.positions, lane.binder, lane.backend)
-            rows = [i for i, t in enumerate(tasks) if t.samples]
-            if not rows:
-                return StepResult([], [], [])
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
-            if len(rows) < len(tasks):
-                assert batch.sample_rows is not None
-                logits = logits.index_select(0, batch.sample_rows)
-            reqs = [tasks[i].request for i in rows]
-            # fmt: skip
-            info = SamplingBatchInfo.build(
-                [r.params for r in reqs],
-                [r.prompt_ids for r in reqs],
-                [r.output_ids for r in reqs],
-                [r.generator for r in reqs],
-                vocab_size=self.model_config.vocab_size,
-                device=self.device,
-                eos_token_ids=self.eos_token_ids,
-                default_generator=lane.generator,
-            )
-            out = sample(logits, info)
-            logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-            if info.max_logprobs is not None:
-                logprobs = self._logprobs(tasks, rows, out)
-            return StepResult(rows, out.token_ids.tolist(), logprobs)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, all_logits: bool = False) -> torch.Tensor:
@@ -255,10 +151,6 @@ class Executor:
             hidden = self.model(batch.input_ids, batch.positions, self.cache, self.backend)
         return self.model.compute_logits(hidden if all_logits else hidden[batch.logits_indices])
 
-    def step(self, tasks: list[ScheduledTask]) -> StepResult:
-        """Run one step and wait for its sampled ids."""
-        return self.resolve(self.launch(tasks))
-
     @torch.inference_mode()
     def launch(
         self, tasks: list[ScheduledTask], carried: Sequence[tuple[int, int]] = ()
@@ -270,62 +162,12 @@ class Executor:
         tokens the previous step sampled and the host has not read yet."""
         start = time.perf_counter()
         try:
-            with self._threads_for(tasks):
-                pending = self._launch(tasks, carried)
+            pending = self._launch(tasks, carried)
         except BaseException:
             self.discard()
             raise
         pending.launch_seconds = time.perf_counter() - start
         return pending
-
-    @contextlib.contextmanager
-    def _threads_for(self, tasks: list[ScheduledTask]) -> Iterator[None]:
-        if self._max_threads is None:
-            yield
-            return
-        with self._threads_lock:
-            threads = self.step_threads(sum(t.num_new for t in tasks))
-            assert threads is not None
-            self.main_threads = threads
-        try:
-            with _torch_threads(threads):
-                yield
-        finally:
-            with self._threads_lock:
-                self.main_threads = 0
-
-    def claim_lane(self) -> bool:
-        """The lane takes its threads for a step, if the engine's step in flight leaves them free
-        (a prompt step of the engine's own runs on every thread: the lane waits for its end)."""
-        assert self.lane is not None and self._max_threads is not None
-        with self._threads_lock:
-            if self.main_threads + self.lane.threads > self._max_threads:
-                return False
-            self.lane_busy = True
-            return True
-
-    def release_lane(self) -> None:
-        with self._threads_lock:
-            self.lane_busy = False
-
-    def step_threads(self, num_tokens: int) -> int | None:
-        """Torch threads for a CPU step of `num_tokens` tokens (`cpu_small_step_tokens`), less
-        the prompt lane's while it runs a step; None: leave them as they are. On the 2-core CPU a demo decode step of 4 requests took 78-79 ms
-        on one thread or two, of 16 requests 138-143 against 107-111 ms, and 4 decodes beside a
-        64-token prompt 292-295 against 183-190 ms (benchmarks/cpu_step_threads.py;
-        benchmarks/README.md, "Session 12")."""
-        if self._max_threads is None:
-            return None
-        lane = self.lane is not None and (self.lane_busy or self.lane_wanted)
-        most = (
-            self._max_threads - self.lane.threads
-            if lane and self.lane is not None
-            else self._max_threads
-        )
-        small = self.config.cpu_small_step_tokens
-        if small is not None and num_tokens <= small:
-            most = min(most, self._max_threads - 1)
-        return max(1, most)
 
     def resolve(self, pending: PendingStep) -> StepResult:
         """Wait for a launched step; its sampled ids (and logprobs) on the host."""
@@ -434,14 +276,3 @@ class Executor:
             )
             result.append(TokenLogprobs(ids[j], chosen[j], top))
         return result
-
-
-@contextlib.contextmanager
-def _torch_threads(threads: int) -> Iterator[None]:
-    """Torch's intra-op threads of this thread at `threads`, then back to what they were."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

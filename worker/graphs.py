@@ -190,8 +190,7 @@ class PromptGraphRunner:
     without decodes beside them), up to `max_tokens` tokens.
 
     Eagerly such a step launches a few hundred small kernels from Python, and on a GPU that
-    finishes them faster than Python launches them the step takes the launches' time: it
-    was the fixed cost every mixed step paid over a decode step. Here the step's tokens are
+    finishes them faster than Python launches them the step takes the launches' time. Here the step's tokens are
     padded to a bucket and each layer costs one graph launch plus its attention kernels,
     which run eagerly on the real tokens only, writing into a fixed buffer that the next
     piece reads. Padded rows hold stale but finite tokens and positions; every op is

@@ -2,9 +2,7 @@
 
 A process that holds torch, the demo engine, Ray Serve and kvray's app tracks some 410,000
 objects; a full collection walks them all and holds the GIL throughout, so every thread of the
-process stops: the engine's step, the stream that carries its tokens. Under the demo engine's
-decode load on the 2-core CPU one came in 56 s and took 226 ms, against 0.7 ms with the heap
-frozen (`benchmarks/gc_pauses.py`; benchmarks/README.md, "Session 17"). Almost none of those
+process stops: the engine's step, the stream that carries its tokens. Almost none of those
 objects (modules, weights, the tokenizer) ever become garbage, so serving processes move them
 out of the collector's sight once they are built, as vLLM and SGLang do; the collector then
 walks only what was made since.

@@ -74,5 +74,5 @@ class PrefixCache:
     def summary(self, max_pages: int) -> list[int]:
         """Keys now cached, most recently used first (what the router matches prompts against).
         The engine thread takes it after a step, before the step's tokens go out, so the keys
-        are walked in C: 4,096 of them took 0.05 ms on the 2-core CPU, 0.15 in a Python loop."""
+        are walked in C rather than a Python loop."""
         return list(islice(reversed(self._recent), max_pages))

@@ -15,7 +15,6 @@ from worker.sampling import SamplingParams
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREFILLING = "prefilling"  # its prompt runs in the CPU prompt lane (Scheduler.lane)
     FINISHED = "finished"
 
 
@@ -50,10 +49,6 @@ class Request:
     def num_pending(self) -> int:
         """Tokens still to run through the model before the next sample."""
         return self.num_tokens - self.num_computed
-
-    @property
-    def is_decoding(self) -> bool:
-        return bool(self.output_ids) and self.num_pending == 1
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         n_prompt = len(self.prompt_ids)

@@ -7,17 +7,10 @@ rest while KV pages last (above a watermark). With `prefill_budget` set, prompt 
 step that carries a long prompt chunk next to the decodes is what makes inter-token
 latency spiky. With `prefill_slowdown` set, that cap is measured instead (PromptPacer):
 as many prompt tokens as keep such a step within that many times a decode-only step.
-When pages run out mid-decode, the newest
-running request is preempted: its pages go back (full ones stay in the prefix cache) and
-it returns to the front of the queue to be recomputed. Nothing is aborted for memory.
-A step's tasks list its one-token rows (decodes) first.
-
-With the CPU prompt lane on (`lane_on`), prompts take another path while requests are under
-way: `schedule_lane` admits waiting requests into `lane`, whose prompt steps run on a thread
-of their own beside the decode steps, and `join` moves each into `running` once its prompt is
-done and its first token sampled. The decode steps then admit no one, so they carry no
-prompt chunks; with nothing running, `schedule` admits as before, and so it does while more
-prompts wait than requests are under way, decoding or in the lane (`admits`).
+When pages run out mid-decode, the newest running request is preempted: its pages go back
+(full ones stay in the prefix cache) and it returns to the front of the queue to be
+recomputed. Nothing is aborted for memory. A step's tasks list its one-token rows (decodes)
+first.
 """
 
 from __future__ import annotations
@@ -29,13 +22,6 @@ from worker.cache import KVCache
 from worker.config import EngineConfig
 from worker.request import Request, ScheduledTask, Status
 
-# A prompt step of the lane takes the next waiting prompt whole, and more only while the step
-# stays within this many tokens. On one CPU thread a step costs a fixed ~60 ms (reading every
-# weight: the demo model's one-request decode step) plus ~4 ms a prompt token, so two prompts
-# of 64 tokens in one step would hold back the first for the second's ~250 ms, while short
-# ones are cheaper together than each on its own.
-LANE_BATCH_TOKENS = 32
-
 
 class PromptPacer:
     """Prompt tokens a step may carry next to decodes so that it takes at most `slowdown`
@@ -45,17 +31,14 @@ class PromptPacer:
     Two least-squares lines, each observation weighing `decay` times less than the next:
     - a decode-only step's time in its number of decodes B: a + b x B;
     - a mixed step's extra time over that line in its prompt tokens P: E + c x P. E is what
-      any mixed step costs whatever its chunk (5-7 ms on an H200 with the 8B shape, most
-      likely the launches of its eager, not graph-captured, forward); c is a prompt token's
-      cost.
+      any mixed step costs whatever its chunk (such as the launches of an eager forward); c
+      is a prompt token's cost.
     The budget of a step with B decodes is ((slowdown - 1) x (a + b x B) - E) / c, at least
     `min_tokens` (prompts must advance); None (no cap) until both lines are known, and None
     when E alone breaks the bound: then no chunk size keeps a mixed step within it, and a
-    small one would only starve the queue. (Measured failures of earlier versions: against the
-    average decode-only step, the 250 decodes of a saturated H200 step were charged to its
-    prompt chunk; with no E, so that all of a mixed step's extra time was charged to its
-    chunk's tokens, an 8B engine at 8 req/s on an H200 let in too few prompt tokens a step to
-    keep up and its TTFT p50 reached 11 s.)
+    small one would only starve the queue. The decode line, not the average decode-only step,
+    keeps a large batch's decodes from being charged to a prompt chunk, and E keeps a mixed
+    step's fixed cost from being charged to its tokens (which would starve the queue).
     """
 
     def __init__(self, slowdown: float, min_tokens: int = 16, decay: float = 0.97):
@@ -161,32 +144,11 @@ class Scheduler:
         self.watermark_pages = int(config.admission_watermark * cache.num_total_pages)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.lane: list[Request] = []  # in the prompt lane (Status.PREFILLING)
-        self.lane_on = False  # set by an engine that runs the CPU prompt lane
         self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.lane)
-
-    @property
-    def admits(self) -> bool:
-        """May `schedule` admit waiting requests? Always, unless the prompt lane takes them:
-        then only while more wait than are under way (running or in the lane; with none under
-        way, any waiting at all).
-
-        The lane runs one long prompt at a time, which suits requests that arrive while others
-        decode, one by one: at a steady load one arrives as one leaves, and the decode steps
-        carry no prompts. A burst is another matter: requests that arrive a few ms apart
-        (through HTTP, never at once) find the first one's prompt step under way, and the lane
-        would take the rest one by one, the last waiting for all of them (four 64-token demo
-        prompts on the 2-core CPU: ~270 ms each on the lane's thread). While the prompts waiting
-        outnumber the requests under way, the engine's own steps take them too (all of them,
-        within the token budget, on the threads the lane leaves): those decodes wait out one
-        long step, so that the prompts do not wait out each other. The lane's requests count as
-        under way: a prompt admitted beside the lane's always makes the decodes wait, and with
-        them counted that happens only in a burst (benchmarks/README.md, "Session 17")."""
-        return not self.lane_on or len(self.waiting) > len(self.running) + len(self.lane)
+        return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -195,8 +157,6 @@ class Scheduler:
         """Take a request out (finished or aborted) and give back its KV."""
         if request.status is Status.RUNNING:
             self.running.remove(request)
-        elif request.status is Status.PREFILLING:
-            self.lane.remove(request)
         elif request.status is Status.WAITING and request in self.waiting:
             self.waiting.remove(request)
         self.cache.release(request)
@@ -229,49 +189,8 @@ class Scheduler:
             budget -= num_new
             if pending > 1:
                 prefill -= num_new
-        if self.admits:
-            self._admit(tasks, budget, prefill)
+        self._admit(tasks, budget, prefill)
         return _one_token_rows_first(tasks), too_long
-
-    def schedule_lane(self) -> list[ScheduledTask]:
-        """A prompt step for the lane, up to the token budget: the lane's unfinished prompts
-        first, then waiting requests admitted in order (their pages reserved here, above the
-        watermark) while requests run; with nothing running, `schedule` takes new prompts, on
-        every thread. A request joins a step that has tasks already only if the step stays
-        within LANE_BATCH_TOKENS."""
-        budget = self.token_budget
-        tasks: list[ScheduledTask] = []
-        for request in self.lane:
-            num_new = min(request.num_pending, budget)
-            if num_new == 0 or not self.cache.reserve(request, num_new):
-                continue
-            tasks.append(ScheduledTask(request, num_new))
-            budget -= num_new
-        while (
-            self.running
-            and self.waiting
-            and budget > 0
-            and len(self.running) + len(self.lane) < self.max_running
-        ):
-            request = self.waiting[0]
-            if tasks and self.token_budget - budget + request.num_pending > LANE_BATCH_TOKENS:
-                break
-            task = self._admit_head(budget, budget, keep_free=True)
-            if task is None:
-                break
-            request.status = Status.PREFILLING
-            self.lane.append(request)
-            tasks.append(task)
-            budget -= task.num_new
-        return tasks
-
-    def join(self, requests: Collection[Request]) -> None:
-        """Lane requests whose prompt is done (their first token sampled) start decoding."""
-        for request in requests:
-            if request.status is Status.PREFILLING and request.num_pending == 1:
-                self.lane.remove(request)
-                request.status = Status.RUNNING
-                self.running.append(request)
 
     def prompt_share(self, num_decodes: int) -> int:
         """Prompt tokens a step may carry next to `num_decodes` decodes."""
@@ -302,23 +221,20 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit(self, tasks: list[ScheduledTask], budget: int, prefill: int) -> None:
-        # the lane's requests join `running` when their prompt is done: they count already
-        while self.waiting and budget > 0 and len(self.running) + len(self.lane) < self.max_running:
-            task = self._admit_head(budget, prefill, keep_free=bool(self.running))
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            task = self._admit_head(budget, prefill)
             if task is None:
                 break
-            task.request.status = Status.RUNNING
-            self.running.append(task.request)
             tasks.append(task)
             budget -= task.num_new
             if task.request.num_pending > 1:
                 prefill -= task.num_new
 
-    def _admit_head(self, budget: int, prefill: int, keep_free: bool) -> ScheduledTask | None:
-        """Take the head of the queue with its row and its first tokens' pages (after the
-        prefix cache's hit): one token within `budget`, a prompt chunk within `prefill` too.
-        None, and nothing changed, when no row, chunk or pages (above the watermark, with
-        `keep_free`) are left for it. The caller sets its status."""
+    def _admit_head(self, budget: int, prefill: int) -> ScheduledTask | None:
+        """Move the head of the queue into `running` with its row and its first tokens' pages
+        (after the prefix cache's hit): one token within `budget`, a prompt chunk within
+        `prefill` too. None, and nothing changed, when no row, chunk or pages are left for it;
+        while others run, the pages must also leave the watermark free."""
         request = self.waiting[0]
         if not self.cache.admit(request):
             return None
@@ -327,7 +243,7 @@ class Scheduler:
         free_after = self.cache.num_free_pages - self.cache.pages_needed(request, num_new)
         if (
             num_new == 0
-            or (keep_free and free_after < self.watermark_pages)
+            or (self.running and free_after < self.watermark_pages)
             or not self.cache.reserve(request, num_new)
         ):
             self.cache.release(request)
@@ -335,6 +251,8 @@ class Scheduler:
             return None
         self.waiting.popleft()
         self.cache.admitted(request)
+        request.status = Status.RUNNING
+        self.running.append(request)
         return ScheduledTask(request, num_new)
 
 

@@ -253,7 +253,7 @@ def test_launching_a_mixed_step_never_waits_for_the_device(
     ]
     for r in reqs:
         assert cache.admit(r) and cache.reserve(r, r.num_pending)
-    prefill = ex.step([ScheduledTask(r, r.num_pending) for r in reqs])
+    prefill = ex.resolve(ex.launch([ScheduledTask(r, r.num_pending) for r in reqs]))
     for r, token in zip(reqs, prefill.token_ids, strict=True):
         r.num_computed = len(r.prompt_ids)
         r.output_ids.append(token)

@@ -27,10 +27,9 @@ class CudaBackend(AttentionBackend):
     def prepare(self, batch: ForwardBatch, view: CacheView) -> None:
         self._batch = batch
         self._decode = batch.is_decode
-        # A batch that mixes decodes with prompt chunks: its leading one-token rows (the
-        # scheduler puts decodes first) go to the decode kernel. The prefill kernel gives each
-        # such row a 64-query tile per head: 98 % of it idle, and at 128 decodes of 1k context
-        # next to a 1,920-token chunk (8B shape) it spent 1.1 of its 1.5 ms per layer there.
+        # A batch that mixes decodes with prompt chunks sends its leading one-token rows (the
+        # scheduler puts decodes first) to the decode kernel, since the prefill kernel would
+        # give each a 64-query tile per head that is almost all idle.
         self._num_leading_decodes = 0
         if not self._decode:
             d = 0

@@ -24,9 +24,21 @@ from types import ModuleType
 
 import torch
 
-CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 _SOURCES = ("ops.cpp", "decode.cu", "prefill.cu", "store_kv.cu", "fused.cu")
 _HEADERS = ("common.cuh", "launch.h")
+
+
+def find_csrc(package_dir: Path = Path(__file__).resolve().parents[1]) -> Path:
+    """The kernels' sources: `worker/_csrc/` in an installed wheel (package data), else the
+    checkout's top-level `csrc/` next to `worker/` (a source tree or an editable install)."""
+    for candidate in (package_dir / "_csrc", package_dir.parent / "csrc"):
+        if all((candidate / name).is_file() for name in (*_SOURCES, *_HEADERS)):
+            return candidate
+    raise KernelBuildError(
+        f"the kvray kernel sources are neither in {package_dir / '_csrc'} nor in {package_dir.parent / 'csrc'}"
+    )
+
+
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "kvray" / "kernels"
 
 # The decode kernel never makes a split shorter than this (csrc/decode.cu, kMinChunk), so
@@ -53,12 +65,12 @@ def arch_flags(major: int, minor: int) -> list[str]:
     return [f"-gencode=arch=compute_{cc},code=sm_{cc}"]
 
 
-def _build_tag(flags: list[str]) -> str:
+def _build_tag(csrc: Path, flags: list[str]) -> str:
     """Hash of everything that changes the binary: sources, flags, torch and CUDA versions."""
     h = hashlib.sha256()
     for name in (*_SOURCES, *_HEADERS):
         h.update(name.encode())
-        h.update((CSRC_DIR / name).read_bytes())
+        h.update((csrc / name).read_bytes())
     h.update(" ".join(flags).encode())
     h.update(f"{torch.__version__}|{torch.version.cuda}".encode())
     return h.hexdigest()[:16]
@@ -101,16 +113,17 @@ def _build(*, verbose: bool, cache_dir: Path) -> ModuleType:
 
     major, minor = torch.cuda.get_device_capability()
     flags = [*arch_flags(major, minor), "-O3", "-lineinfo", "--expt-relaxed-constexpr"]
-    tag = _build_tag(flags)
+    csrc = find_csrc()
+    tag = _build_tag(csrc, flags)
     build_dir = cache_dir / f"sm{major}{minor}-{tag}"
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
             name=f"kvray_kernels_{tag}",
-            sources=[str(CSRC_DIR / s) for s in _SOURCES],
+            sources=[str(csrc / s) for s in _SOURCES],
             extra_cflags=["-O3"],
             extra_cuda_cflags=flags,
-            extra_include_paths=[str(CSRC_DIR)],
+            extra_include_paths=[str(csrc)],
             build_directory=str(build_dir),
             verbose=verbose,
         )
