@@ -10,8 +10,8 @@ per engine step for the pair, not one per call (see transport.py). Each ingress 
   held open by idle sessions.
 - A session the ingress cancels, or a mailbox no session reads for `orphan_timeout_s` (its
   ingress died), aborts what is left.
-- Every request is checked again here (`worker.validation`) before the engine sees it: a
-  worker trusts no caller to have gone through the ingress.
+- Every request is checked again as the engine takes it (`worker.validation`, the ingress's
+  own rules): a worker trusts no caller to have gone through the ingress.
 
 A replica reports its load and prefix-cache keys to routers (`record_routing_stats`), its
 queue depth and KV usage to the autoscaler (`record_autoscaling_stats`), and counts as
@@ -49,7 +49,7 @@ from worker.heap import freeze_heap
 from worker.outputs import merge_steps
 from worker.request import ScheduledTask
 from worker.streams import OutputStream
-from worker.validation import InvalidRequest, check_request
+from worker.validation import InvalidRequest
 
 HEARTBEAT = encode_deltas([])  # an empty step frame: "still queued, the engine is stepping"
 ANSWERED_REPORT_S = 600.0  # a sender's answered count is reported while it sent in this window
@@ -158,30 +158,23 @@ class WorkerDeployment:
     async def submit(self, hint: RouteHint, payload: bytes, ingress_id: str) -> bytes:
         """Queue a batch of requests for `ingress_id`; answers accept or refuse. Their
         deltas come on that ingress's `session`."""
-        answered = 0
         try:
             requests = decode_requests(payload)
-            answered = len(requests)  # counted here: the hint is the caller's word
-            config = self._engine.config
-            assert config.max_seq_len is not None
-            vocab = self._engine.model_config.vocab_size
-            for request in requests:
-                check_request(request, vocab, config.max_seq_len)
         except InvalidRequest as exc:
             return encode_refused("invalid", exc.message)
-        finally:
-            if isinstance(hint, RouteHint) and isinstance(hint.sender, str) and answered:
-                count, _ = self._answered.get(hint.sender, (0, 0.0))
-                self._answered[hint.sender] = (count + answered, time.monotonic())
+        if isinstance(hint.sender, str):  # counted here: the hint's count is the caller's word
+            count, _ = self._answered.get(hint.sender, (0, 0.0))
+            self._answered[hint.sender] = (count + len(requests), time.monotonic())
         box = self._mailboxes.get(ingress_id)
         if box is None or box.stream.closed:
-            box = self._mailboxes[ingress_id] = Mailbox(OutputStream([], self._engine.abort))
+            box = Mailbox(OutputStream([], self._engine.abort))
         try:
             self._engine.submit(requests, into=box.stream)
         except EngineFull as exc:
             return encode_refused("full", str(exc) or "the worker's waiting queue is full")
-        except ValueError as exc:
+        except ValueError as exc:  # worker.validation's rules, checked by the engine
             return encode_refused("invalid", str(exc))
+        self._mailboxes[ingress_id] = box
         if not box.attached:
             self._reap_later(ingress_id, box)
         return encode_accepted(self._replica_id)

@@ -13,7 +13,6 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,11 +23,11 @@ from worker.model.config import ModelConfig
 from worker.model.demo import resolve_model_path
 from worker.outputs import FinishReason, RequestDelta
 from worker.request import Request, ScheduledTask, Status
-from worker.sampling import SamplingParams
 from worker.scheduler import Scheduler
 from worker.stats import EngineStats, StepObserver, StepRecord, request_metrics
 from worker.streams import OutputStream
 from worker.tokenizer import Tokenizer, read_eos_token_ids
+from worker.validation import EngineRequest, check_request
 
 log = logging.getLogger("kvray.engine")
 
@@ -36,13 +35,6 @@ log = logging.getLogger("kvray.engine")
 PENDING = -1
 SUMMARY_PAGES = 4096  # most prefix-cache keys a replica reports to the router
 SUMMARY_REFRESH_S = 0.05
-
-
-@dataclass(slots=True)
-class EngineRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
 
 
 class EngineFull(RuntimeError):
@@ -144,16 +136,8 @@ class Engine:
 
     def _validate(self, r: EngineRequest) -> Request:
         assert self.config.max_seq_len is not None
+        check_request(r, self.model_config.vocab_size, self.config.max_seq_len)
         n = len(r.prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt is empty")
-        if n >= self.config.max_seq_len:
-            raise ValueError(
-                f"prompt has {n} tokens; this model's limit is {self.config.max_seq_len - 1} prompt tokens"
-            )
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in r.prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         page = self.executor.cache.page_size
         if -(-(n + 1) // page) > self.executor.cache.num_total_pages:
             raise ValueError(f"prompt of {n} tokens does not fit the KV cache")

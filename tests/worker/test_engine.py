@@ -131,7 +131,13 @@ def test_failed_step_fails_only_its_requests_and_the_engine_keeps_serving(engine
 
 @pytest.mark.parametrize(
     "prompt, message",
-    [([], "empty"), ([5] * 200, "limit"), ([5, 99999], r"\[0, 211\)"), ([-1, 4], r"\[0, 211\)")],
+    [
+        ([], "empty"),
+        ([5] * 200, "context length"),
+        ([5, 99999], r"\[0, 211\)"),
+        ([-1, 4], r"\[0, 211\)"),
+        ([5, 2.0], "integers"),
+    ],
 )
 def test_bad_input_is_refused_at_submit(engine_factory, prompt, message):
     engine = engine_factory()
@@ -432,7 +438,7 @@ def _mixed_workload(stop_token: int | None) -> list[EngineRequest]:
             frequency_penalty=0.4,
             ignore_eos=True,
         ),
-        SamplingParams(max_tokens=80, **greedy),  # runs into max_seq_len (30 + 80 > 96)
+        SamplingParams(**greedy),  # no max_tokens: runs into max_seq_len (96)
         SamplingParams(max_tokens=25, logprobs=2, **greedy),
     ]
     return [
@@ -601,3 +607,11 @@ def test_step_log_accounts_for_every_step(make_engine):
         all(s.seconds > 0 for s in log)
         and sum(s.overlapped for s in log) == engine.num_overlapped_steps
     )
+
+
+def test_max_tokens_past_the_context_is_refused_as_the_ingress_refuses_it(engine_factory):
+    """worker.validation: the engine takes what the ingress would send, nothing more."""
+    engine = engine_factory()
+    with pytest.raises(ValueError, match="context length"):
+        engine.submit([EngineRequest("x", [5] * 10, SamplingParams(max_tokens=2**62))])
+    assert not engine.has_work
