@@ -272,7 +272,7 @@ class WorkerDeployment:
         config = self._engine.config
         return {
             "max_seq_len": config.max_seq_len,
-            "page_size": config.page_size,
+            "page_size": config.advanced.page_size,
             "prefix_cache": config.prefix_cache,
             "engine": config.model_dump(),
         }

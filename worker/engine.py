@@ -86,8 +86,8 @@ class Engine:
             path.name,
             self.config.dtype,
             self.config.device,
-            self.config.backend,
-            self.config.cache,
+            self.config.advanced.backend,
+            self.config.advanced.cache,
             self.config.max_running,
             self.config.max_seq_len,
             self.config.token_budget,
@@ -157,7 +157,7 @@ class Engine:
         """One engine iteration; returns (and publishes) every delta it produced."""
         started = time.perf_counter()
         deltas = self._drain()
-        if self.config.overlap:
+        if self.config.advanced.overlap:
             stepped = self._overlap_step(deltas, started)
         else:
             stepped = self._normal_step(deltas, started)

@@ -87,8 +87,8 @@ class Executor:
             config.torch_dtype,
             self.device,
             config.max_seq_len,
-            random=config.load_format == "random",
-            ops=OPS[config.backend](),
+            random=config.advanced.load_format == "random",
+            ops=OPS[config.advanced.backend](),
         )
         self.workspace = InferenceWorkspace(
             max_tokens=config.token_budget,
@@ -98,10 +98,10 @@ class Executor:
             head_dim=model_config.head_dim,
             dtype=config.torch_dtype,
             device=self.device,
-            split_kv=config.backend == "cuda",
+            split_kv=config.advanced.backend == "cuda",
         )
         self.cache = build_cache(config, model_config, self.workspace)
-        self.backend = BACKENDS[config.backend](
+        self.backend = BACKENDS[config.advanced.backend](
             model_config.num_heads, model_config.head_dim, self.workspace
         )
         log.info(
@@ -109,7 +109,7 @@ class Executor:
             type(self.backend).__name__,
             type(self.model.ops).__name__,
         )
-        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.generator = torch.Generator(self.device).manual_seed(config.advanced.seed)
         self._sampling: SamplingBatchInfo | None = None
         cuda = self.device.type == "cuda"
         self._host_ids = [
@@ -117,18 +117,22 @@ class Executor:
         ]
         # Timing events cost a little on every step, so only the prompt pacer, which needs each
         # step's device span (PendingStep.device_seconds), gets them.
-        timed = cuda and config.prefill_slowdown is not None
+        timed = cuda and config.advanced.prefill_slowdown is not None
         self._started = [torch.cuda.Event(enable_timing=True) if timed else None for _ in range(2)]
         self._done = [torch.cuda.Event(enable_timing=timed) if cuda else None for _ in range(2)]
         self._flip = 0
         self.graphs: DecodeGraphRunner | None = None
         self.prompt_graphs: PromptGraphRunner | None = None
-        if config.cuda_graphs and self.backend.supports_graph:
+        if config.advanced.cuda_graphs and self.backend.supports_graph:
             self.graphs = DecodeGraphRunner(self.model, self.backend, self.cache, self.workspace)
             self.graphs.capture()
-            if config.prompt_graph_tokens and isinstance(self.backend, CudaBackend):
+            if config.advanced.prompt_graph_tokens and isinstance(self.backend, CudaBackend):
                 self.prompt_graphs = PromptGraphRunner(
-                    self.model, self.backend, self.cache, self.workspace, config.prompt_graph_tokens
+                    self.model,
+                    self.backend,
+                    self.cache,
+                    self.workspace,
+                    config.advanced.prompt_graph_tokens,
                 )
                 self.prompt_graphs.capture()
 

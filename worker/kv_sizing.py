@@ -22,9 +22,9 @@ def auto_num_pages(cfg: EngineConfig, model: ModelConfig, bytes_per_token: int) 
         free, _ = torch.cuda.mem_get_info(device)
         budget = free * cfg.kv_memory_fraction
     else:
-        budget = cfg.max_kv_cpu_gib * 2**30
-    fit = int(budget // (bytes_per_token * cfg.page_size))
-    useful = cfg.max_running * -(-cfg.max_seq_len // cfg.page_size) + 1
+        budget = cfg.advanced.max_kv_cpu_gib * 2**30
+    fit = int(budget // (bytes_per_token * cfg.advanced.page_size))
+    useful = cfg.max_running * -(-cfg.max_seq_len // cfg.advanced.page_size) + 1
     return max(2, min(fit, useful))
 
 
@@ -34,9 +34,11 @@ def build_cache(cfg: EngineConfig, model: ModelConfig, workspace: InferenceWorks
     per_token = KVStorage.bytes_per_token(
         model.num_layers, model.num_kv_heads, model.head_dim, dtype
     )
-    staging = cfg.token_budget + cfg.max_running * cfg.page_size  # slots one step can newly map
+    staging = (
+        cfg.token_budget + cfg.max_running * cfg.advanced.page_size
+    )  # slots one step can newly map
     req_pool = ReqToTokenPool(cfg.max_running, cfg.max_seq_len, device, staging)
-    if cfg.cache == "contiguous":
+    if cfg.advanced.cache == "contiguous":
         n_slots = cfg.max_running * cfg.max_seq_len
         storage = KVStorage(
             model.num_layers, n_slots, model.num_kv_heads, model.head_dim, dtype, device
@@ -46,16 +48,18 @@ def build_cache(cfg: EngineConfig, model: ModelConfig, workspace: InferenceWorks
         num_pages = cfg.num_pages or auto_num_pages(cfg, model, per_token)
         storage = KVStorage(
             model.num_layers,
-            num_pages * cfg.page_size,
+            num_pages * cfg.advanced.page_size,
             model.num_kv_heads,
             model.head_dim,
             dtype,
             device,
         )
-        cache = PageCache(storage, req_pool, cfg.page_size, num_pages, workspace, cfg.prefix_cache)
+        cache = PageCache(
+            storage, req_pool, cfg.advanced.page_size, num_pages, workspace, cfg.prefix_cache
+        )
     log.info(
         "KV cache: %s, %d pages of %d tokens, %.2f GiB (%d B/token)",
-        cfg.cache,
+        cfg.advanced.cache,
         cache.num_total_pages,
         cache.page_size,
         storage.nbytes / 2**30,

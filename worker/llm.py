@@ -19,7 +19,7 @@ class LLM:
     """`LLM("demo")` or `LLM("/path/to/hf-dir", dtype="bfloat16", cache="paged", ...)` (EngineConfig fields)."""
 
     def __init__(self, model: str = "demo", **config: Any):
-        self.engine = Engine(EngineConfig(model=model, **config))
+        self.engine = Engine(EngineConfig.from_flat(model=model, **config))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -136,12 +136,14 @@ class Scheduler:
     def __init__(self, config: EngineConfig, cache: KVCache):
         self.cache = cache
         self.token_budget = config.token_budget
-        self.prefill_budget = config.prefill_budget
+        self.prefill_budget = config.advanced.prefill_budget
         self.pacer = (
-            PromptPacer(config.prefill_slowdown) if config.prefill_slowdown is not None else None
+            PromptPacer(config.advanced.prefill_slowdown)
+            if config.advanced.prefill_slowdown is not None
+            else None
         )
         self.max_running = config.max_running
-        self.watermark_pages = int(config.admission_watermark * cache.num_total_pages)
+        self.watermark_pages = int(config.advanced.admission_watermark * cache.num_total_pages)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0

@@ -35,7 +35,12 @@ def make_worker(tiny_model, monkeypatch) -> Iterator[object]:
 
     def make(**options: float | bool) -> WorkerDeployment:
         config = EngineConfig(
-            model=str(path), device="cpu", max_seq_len=128, max_running=8, page_size=4, num_pages=96
+            model=str(path),
+            device="cpu",
+            max_seq_len=128,
+            max_running=8,
+            num_pages=96,
+            advanced={"page_size": 4},
         )
         worker = WorkerDeployment(config, **options)  # type: ignore[arg-type]
         made.append(worker)

@@ -38,7 +38,7 @@ def _engine(path, **overrides) -> Engine:
     EngineConfig): the tests below compare the two paths."""
     cfg = dict(model=str(path), load_format="random", dtype="bfloat16", device="cuda", max_running=MAX_RUNNING,
                max_seq_len=2048, num_pages=2048, page_size=16, prompt_graph_tokens=0)  # fmt: skip
-    return Engine(EngineConfig(**{**cfg, **overrides}))
+    return Engine(EngineConfig.from_flat(**{**cfg, **overrides}))
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def test_overlap_gives_the_tokens_of_stepping_in_turn(graph_engine, shape_dir):
     """The default on CUDA queues a steady step before reading the last one's ids."""
     plain = _engine(shape_dir, overlap=False, max_running=16)
     prompts = random_prompts([5 + (11 * i) % 70 for i in range(12)], vocab=49152, seed=21)
-    assert graph_engine.config.overlap and not plain.config.overlap
+    assert graph_engine.config.advanced.overlap and not plain.config.advanced.overlap
     before = graph_engine.num_overlapped_steps
     assert _greedy(graph_engine, prompts, 40) == _greedy(plain, prompts, 40)
     assert graph_engine.num_overlapped_steps - before > 30 and plain.num_overlapped_steps == 0
@@ -163,9 +163,9 @@ def test_an_engine_launched_on_its_loop_thread_gives_the_tokens_of_stepping_in_t
     cfg = dict(model=str(shape_dir), load_format="random", dtype="bfloat16", device="cuda",
                max_running=MAX_RUNNING, max_seq_len=2048, num_pages=2048, page_size=16,
                prompt_graph_tokens=0)  # fmt: skip
-    launched = Engine.launched(EngineConfig(**cfg))
+    launched = Engine.launched(EngineConfig.from_flat(**cfg))
     try:
-        assert launched.config.overlap and launched.executor.graphs is not None
+        assert launched.config.advanced.overlap and launched.executor.graphs is not None
         prompts = random_prompts([5 + (13 * i) % 90 for i in range(12)], vocab=49152, seed=23)
         params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
         stream = launched.submit([EngineRequest(f"l{i}", p, params) for i, p in enumerate(prompts)])

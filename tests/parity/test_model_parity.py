@@ -15,7 +15,7 @@ LENGTHS = [5, 17, 1, 33]
 
 def _executor(path, **overrides) -> Executor:
     mcfg = ModelConfig.from_dir(path)
-    cfg = EngineConfig(
+    cfg = EngineConfig.from_flat(
         model=str(path),
         device="cpu",
         dtype="float32",

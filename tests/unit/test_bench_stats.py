@@ -67,7 +67,12 @@ def test_engine_step_log_records_each_steps_launch_time(tiny_model):
     path, _ = tiny_model("llama")
     engine = Engine(
         EngineConfig(
-            model=str(path), device="cpu", max_seq_len=64, max_running=4, page_size=4, num_pages=64
+            model=str(path),
+            device="cpu",
+            max_seq_len=64,
+            max_running=4,
+            num_pages=64,
+            advanced={"page_size": 4},
         )
     )
     engine.step_log = []

@@ -17,7 +17,7 @@ def engine_factory(tiny_model):
     path, _ = tiny_model("llama")
 
     def make(**overrides) -> Engine:
-        return Engine(EngineConfig(**{**_config(path), **overrides}))
+        return Engine(EngineConfig.from_flat(**{**_config(path), **overrides}))
 
     return make
 
@@ -214,7 +214,7 @@ def test_launched_builds_and_steps_on_its_loop_thread(tiny_model, llm, monkeypat
 
     monkeypatch.setattr(engine_module, "Executor", Recording)
     path, _ = tiny_model("llama")
-    engine = Engine.launched(EngineConfig(**_config(path)))
+    engine = Engine.launched(EngineConfig.from_flat(**_config(path)))
     try:
         assert built_on == [engine._thread] and built_on[0] is not threading.current_thread()
         assert engine.stats().loop_alive
@@ -383,7 +383,7 @@ def make_engine(tiny_model):
             num_pages=160,
             overlap=overlap,
         )
-        return Engine(EngineConfig(**{**cfg, **overrides}))
+        return Engine(EngineConfig.from_flat(**{**cfg, **overrides}))
 
     return make
 

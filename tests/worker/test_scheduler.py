@@ -26,7 +26,7 @@ def scheduler(
                             dtype=torch.float32, device=dev, split_kv=False)  # fmt: skip
     storage = KVStorage(2, PAGES * PAGE, 1, 8, torch.float32, dev)
     cache = PageCache(storage, ReqToTokenPool(8, 256, dev, staging=512), PAGE, PAGES, ws, False)
-    config = EngineConfig.model_construct(
+    config = EngineConfig.from_flat(
         token_budget=token_budget,
         prefill_budget=prefill_budget,
         prefill_slowdown=prefill_slowdown,
