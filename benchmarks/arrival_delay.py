@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the result here (JSON)")
     args = ap.parse_args(argv)
 
-    from cluster.bench_serve import warm_up_samples
-    from cluster.bench_stats import BenchSample, make_samples
+    from benchmarks.serve import warm_up_samples
+    from benchmarks.stats import BenchSample, make_samples
     from worker.config import EngineConfig
     from worker.engine import Engine, EngineRequest
     from worker.sampling import SamplingParams

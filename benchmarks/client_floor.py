@@ -22,7 +22,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from benchmarks import write_result
-from cluster.bench_serve import http_client
+from benchmarks.serve import http_client
 
 CHUNK = b'data: {"id":"cmpl-0","object":"text_completion","choices":[{"index":0,"text":" a"}]}\n\n'
 ANSWER = (

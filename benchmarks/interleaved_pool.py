@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import write_result
-from cluster.bench_stats import pooled_difference
+from benchmarks.stats import pooled_difference
 
 WAYS = ("serve", "beside", "alone")
 COMPARED = (("serve", "alone"), ("serve", "beside"), ("beside", "alone"))

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from cluster.bench_serve import _engine_run
-from cluster.bench_stats import make_arrivals, make_samples
+from benchmarks.serve import _engine_run
+from benchmarks.stats import make_arrivals, make_samples
 from worker.config import EngineConfig
 from worker.model.random_model import get_shape, write_random_model
 from worker.tokenizer import Tokenizer

@@ -26,8 +26,8 @@ import time
 import urllib.request
 from typing import Any
 
+from benchmarks.serve import parse_engine_steps
 from cluster.app import INGRESS_NAME
-from cluster.bench_serve import parse_engine_steps
 from cluster.local_ray import _argv, _threads, is_control_plane
 
 

@@ -38,8 +38,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from cluster.bench_serve import _drive, _engine_run, http_client, http_request, http_run
-from cluster.bench_stats import (
+from benchmarks.serve import _drive, _engine_run, http_client, http_request, http_run
+from benchmarks.stats import (
     BenchSample,
     RequestPlan,
     RequestResult,

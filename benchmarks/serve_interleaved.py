@@ -45,8 +45,7 @@ from itertools import permutations
 from typing import Any
 
 from benchmarks import write_result
-from benchmarks.standing_by import processes, stopped
-from cluster.bench_serve import (
+from benchmarks.serve import (
     _scrape_metrics,
     _vocab_size,
     http_client,
@@ -54,7 +53,8 @@ from cluster.bench_serve import (
     local_app,
     parse_engine_ttft,
 )
-from cluster.bench_stats import BenchSample, cpu_shares, cpu_times, make_samples, paired_difference
+from benchmarks.standing_by import processes, stopped
+from benchmarks.stats import BenchSample, cpu_shares, cpu_times, make_samples, paired_difference
 from cluster.local_ray import _descendants
 from worker.heap import frozen_heap
 

@@ -19,7 +19,7 @@ import statistics
 import time
 from typing import Any
 
-from cluster.bench_serve import http_client, local_app
+from benchmarks.serve import http_client, local_app
 from cluster.config import ClusterConfig
 
 HISTOGRAMS = {

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from cluster.bench_serve import (
+from benchmarks.serve import (
     NO_PLAN,
     http_client,
     http_request,
@@ -25,7 +25,7 @@ from cluster.bench_serve import (
     local_app,
     request_plans,
 )
-from cluster.bench_stats import BenchSample, RequestPlan, make_samples
+from benchmarks.stats import BenchSample, RequestPlan, make_samples
 from cluster.config import cores_text
 
 

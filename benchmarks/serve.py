@@ -14,7 +14,7 @@ Reliability options: `--cancel-fraction` makes some clients leave early (before 
 byte or after a few chunks) and `--stop-fraction` gives some requests stop strings; every
 request ends in one outcome (completed, stopped, cancelled, rejected, error, lost), where
 "lost" means it neither completed nor got an error and must stay 0. `--soak` (launched
-server only; cluster/bench_soak.py) warms up, runs the load, then checks that every worker replica is idle with
+server only; benchmarks/soak.py) warms up, runs the load, then checks that every worker replica is idle with
 every KV page free and how much every replica's memory (RSS) grew; `--overload-requests`
 then sends one burst past the waiting limit (429 + Retry-After) and checks the recovery.
 """
@@ -25,8 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,8 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from cluster import timeline
-from cluster.bench_stats import (
+from benchmarks.stats import (
     BenchSample,
     Measured,
     RequestPlan,
@@ -46,6 +43,7 @@ from cluster.bench_stats import (
     make_samples,
     opening_lines,
     paired_lines,
+    parse_goodput,
     print_report,
     round_lines,
     step_summary,
@@ -94,18 +92,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--skip-engine", action="store_true", help="do not run the in-process engine baseline"
     )
     parser.add_argument(
-        "--engine-beside-app",
-        action="store_true",
-        help="launched server: also run the in-process load while the app stands idle, which "
-        "splits what Serve adds into Ray and Serve standing by and the requests' way through it",
-    )
-    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
         help="cut the prompts into this many rounds and run the sides round by round, in turns "
         "(ABBA: the app first, then the engine first, ...), each round on a freshly launched app, "
         "so the machine's drift during the run falls on both sides alike",
+    )
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="METRIC:MS",
+        help="SLOs in ms (ttft, tpot, e2e), e.g. ttft:200 tpot:50: goodput counts the requests "
+        "per second that met every one",
     )
     parser.add_argument("--result-json", help="write the summaries to this file")
     parser.add_argument(
@@ -133,7 +133,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-BESIDE_APP = "in-process, app idle"  # the same load, while the launched app stands by
 ALONE = "in-process engine"  # the same load, no app (with --base-url: beside that server)
 
 
@@ -147,10 +146,6 @@ def _positive(text: str) -> float:
 def run(args: argparse.Namespace) -> int:
     from cluster.app import load_config
 
-    if args.engine_beside_app and (args.base_url or args.skip_engine or args.soak):
-        raise SystemExit(
-            "--engine-beside-app needs the launched app and the in-process run (no --base-url, --skip-engine or --soak)"
-        )
     if not 1 <= args.rounds <= args.num_prompts or (args.rounds > 1 and args.soak):
         raise SystemExit("--rounds: 1 to --num-prompts, and 1 with --soak")
     config = load_config(args.config)
@@ -171,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     arrivals = make_arrivals(args.num_prompts, args.request_rate, args.burstiness, args.seed)
     plans = request_plans(args, samples)
     if args.soak:
-        from cluster.bench_soak import soak_launched
+        from benchmarks.soak import soak_launched
 
         report = soak_launched(config, args, samples, plans, arrivals, vocab)
         _write(args, report)
@@ -179,18 +174,14 @@ def run(args: argparse.Namespace) -> int:
     label = f"serve ({config.worker_replicas} worker replica(s), batch window {config.router.batch_window_ms} ms)"
     sides: dict[str, Measured] = {}
     rounds: list[dict[str, dict[str, Any]]] = []
-    # the launched apps' timeline: one directory over every round
-    with contextlib.nullcontext() if args.base_url else _timeline_recorded():
-        for number, part in enumerate(_rounds(samples, plans, arrivals, args.rounds)):
-            measured = _round(config, args, label, *part, engine_first=number % 2 == 1)
-            # as the report lists them
-            order = [name for name in (label, BESIDE_APP, ALONE) if name in measured]
-            rounds.append({name: measured[name].summary() for name in order})
-            for name in order:
-                sides[name] = sides[name] + measured[name] if name in sides else measured[name]
-        summaries = {name: sides[name].summary() for name in order}
-        if (recorded := timeline.recording_dir()) is not None:
-            summaries[label].update(_path_summary(recorded))
+    goodput = parse_goodput(args.goodput)
+    for number, part in enumerate(_rounds(samples, plans, arrivals, args.rounds)):
+        measured = _round(config, args, label, *part, engine_first=number % 2 == 1)
+        order = [name for name in (label, ALONE) if name in measured]  # as the report lists them
+        rounds.append({name: measured[name].summary(goodput) for name in order})
+        for name in order:
+            sides[name] = sides[name] + measured[name] if name in sides else measured[name]
+    summaries = {name: sides[name].summary(goodput) for name in order}
     print_report(summaries, vars(args))
     closed_loop = args.request_rate == float("inf")  # every round opens with a burst
     opening = opening_lines(rounds, args.max_concurrency) if closed_loop else []
@@ -224,8 +215,8 @@ def _round(
     engine_first: bool,
 ) -> dict[str, Measured]:
     """One round of the comparison: the load through Serve (on a freshly launched app, or
-    `--base-url`'s server), with `--engine-beside-app` the in-process load while the app
-    stands idle, and the in-process engine alone, before the app when `engine_first`."""
+    `--base-url`'s server) and the in-process engine alone, before the app when
+    `engine_first`."""
     measured: dict[str, Measured] = {}
 
     def alone() -> None:
@@ -254,17 +245,6 @@ def _round(
             measured[label] = asyncio.run(
                 http_load(base_url, key, config.model_name, samples, plans, arrivals, args)
             )
-            # the same machine, every process of the app up, no requests through it
-            if args.engine_beside_app:
-                measured[BESIDE_APP] = asyncio.run(
-                    _engine_load(
-                        config.engine,
-                        samples,
-                        arrivals,
-                        args.max_concurrency,
-                        config.worker_cpu_threads,
-                    )
-                )
     if not engine_first:
         alone()
     return measured
@@ -307,38 +287,21 @@ def local_app(config: Any) -> Iterator[str]:
 
     set_serve_env()
     set_own_ray_env()  # as `kvray serve` does
-    with _timeline_recorded():
-        # "local": a fresh Ray instance, never another process's cluster on this machine
-        ray.init(
-            address="local",
-            runtime_env=cluster_runtime_env(config),
-            include_dashboard=False,
-            log_to_driver=False,
-        )
-        try:
-            serve.start(http_options={"host": config.host, "port": config.port})
-            lower_control_plane()  # as `kvray serve` does
-            serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
-            yield f"http://{config.host}:{config.port}"
-        finally:
-            serve.shutdown()
-            ray.shutdown()
-
-
-@contextlib.contextmanager
-def _timeline_recorded() -> Iterator[None]:
-    """The local app's processes record a timeline (`_path_per_request` reads it): into
-    KVRAY_TIMELINE_DIR when set, else into a temporary directory, removed afterwards."""
-    if timeline.enabled():
-        yield
-        return
-    directory = tempfile.mkdtemp(prefix="kvray-timeline-")
-    timeline.enable(directory)
+    # "local": a fresh Ray instance, never another process's cluster on this machine
+    ray.init(
+        address="local",
+        runtime_env=cluster_runtime_env(config),
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     try:
-        yield
+        serve.start(http_options={"host": config.host, "port": config.port})
+        lower_control_plane()  # as `kvray serve` does
+        serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
+        yield f"http://{config.host}:{config.port}"
     finally:
-        timeline.disable()
-        shutil.rmtree(directory, ignore_errors=True)
+        serve.shutdown()
+        ray.shutdown()
 
 
 def http_client(
@@ -374,12 +337,8 @@ async def http_run(
     warm_up: bool = True,
 ) -> dict[str, Any]:
     """Send every sample with its plan over HTTP; the latency summary and the outcomes."""
-    summary = (
-        await http_load(base_url, api_key, model, samples, plans, arrivals, args, warm_up)
-    ).summary()
-    if (recorded := timeline.recording_dir()) is not None:
-        summary.update(_path_summary(recorded))
-    return summary
+    measured = await http_load(base_url, api_key, model, samples, plans, arrivals, args, warm_up)
+    return measured.summary()
 
 
 async def http_load(
@@ -392,8 +351,7 @@ async def http_load(
     args: argparse.Namespace,
     warm_up: bool = True,
 ) -> Measured:
-    """`http_run`'s load, not yet summarized. Where this process records a timeline, the
-    requests' client times go into it, and the replicas have written theirs on return."""
+    """`http_run`'s load, not yet summarized."""
     concurrency = args.max_concurrency
     plan_of = {id(s): p for s, p in zip(samples, plans, strict=True)}
     async with http_client(base_url, concurrency, args.request_timeout, api_key) as client:
@@ -410,8 +368,6 @@ async def http_load(
         measured = await _drive(samples, arrivals, concurrency, one)
         after = await _scrape_metrics(client)
     measured.plans = list(plans)
-    if (recorded := timeline.recording_dir()) is not None:
-        await _write_client_times(recorded, measured.results)
     parsers = (
         ("engine_step_ms", parse_engine_steps),
         ("ingress_ttft_mean_ms", parse_ingress_ttft),
@@ -476,37 +432,6 @@ def parse_engine_queue(text: str) -> tuple[float, int] | None:
     step is queued), as `parse_engine_ttft`."""
     name = "kvray:request_queue_time_seconds"
     return _sum_series(text, f"{name}_sum", f"{name}_count")
-
-
-async def _write_client_times(directory: str, results: list[RequestResult]) -> None:
-    """This client's (response id, sent, first token) times into the run's timeline, then a
-    wait for the replicas to write what they recorded (while they still run)."""
-    times = [
-        (f"{r.response_id}-0-0", r.sent_at, r.sent_at + r.ttft)
-        for r in results
-        if r.ttft is not None and r.response_id
-    ]
-    if times:
-        timeline.write_client(directory, times)
-        await asyncio.sleep(2 * timeline.FLUSH_S)
-
-
-def _path_summary(directory: str) -> dict[str, Any]:
-    """What Serve added to each request's TTFT, from the run's timeline (cluster/timeline.py)
-    joined with this client's times: `path_ms`, the client's TTFT less the engine's, per
-    request; `http_front_ms`, the part outside the ingress; `ingress_path_ms`, the part
-    between the ingress and the engine. Paired by request, so unlike the two sides' TTFT
-    difference it does not move with the machine's speed between them. Empty when the
-    server records no timeline (a `--base-url` server started without KVRAY_TIMELINE_DIR)."""
-    summary = timeline.summarize(timeline.read_timelines(directory))
-    if "path" not in summary:
-        return {}
-    return {
-        "path_ms": summary["path"],
-        "http_front_ms": summary["http_front"],
-        "ingress_path_ms": summary["ingress_path"],
-        "path_requests": summary["complete"],
-    }
 
 
 async def _scrape_metrics(client: Any) -> str:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from cluster.bench_offline import CpuWatch, add_arguments, engine_options, make_workload, run
+from benchmarks.offline import CpuWatch, add_arguments, engine_options, make_workload, run
 from worker.model.config import ModelConfig
 from worker.model.loader import weight_files
 from worker.model.random_model import (

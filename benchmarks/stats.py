@@ -46,7 +46,7 @@ class RequestResult:
     outcome: Outcome = "completed"
     status: int = 200
     retry_after: str | None = None
-    response_id: str | None = None  # the response's `id`, which the server's timeline knows
+    response_id: str | None = None  # the response's `id`
     sent_at: float = 0.0  # time.perf_counter() when it was sent
 
     @property
@@ -201,16 +201,45 @@ def step_summary(steps: list[Any]) -> dict[str, Any]:
     }
 
 
-def summarize(results: list[RequestResult], duration_s: float) -> dict[str, Any]:
+GOODPUT_METRICS = ("ttft", "tpot", "e2e")
+
+
+def parse_goodput(pairs: list[str]) -> dict[str, float]:
+    """`--goodput ttft:200 tpot:50` as {"ttft": 0.2, "tpot": 0.05} (seconds)."""
+    slos: dict[str, float] = {}
+    for pair in pairs:
+        metric, _, ms = pair.partition(":")
+        if metric not in GOODPUT_METRICS or not ms:
+            raise SystemExit(
+                f"--goodput: METRIC:MS with METRIC one of {GOODPUT_METRICS}, not {pair!r}"
+            )
+        slos[metric] = float(ms) / 1e3
+    return slos
+
+
+def _tpot(r: RequestResult) -> float | None:
+    if r.ttft is None or r.output_tokens < 2:
+        return None
+    return (r.e2e - r.ttft) / (r.output_tokens - 1)
+
+
+def _meets(r: RequestResult, slos: dict[str, float]) -> bool:
+    values = {"ttft": r.ttft, "tpot": _tpot(r), "e2e": r.e2e}
+    return all((v := values[m]) is None or v <= limit for m, limit in slos.items())
+
+
+def summarize(
+    results: list[RequestResult], duration_s: float, slos: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """Throughput and latency figures of one load; with `slos` (`parse_goodput`), goodput:
+    the completed requests per second that met every SLO (as `vllm bench serve` counts it)."""
     ok = [r for r in results if r.ok]
     output = sum(r.output_tokens for r in ok)
     prompt = sum(r.prompt_tokens for r in ok)
-    tpots = [
-        (r.e2e - r.ttft) / (r.output_tokens - 1)
-        for r in ok
-        if r.ttft is not None and r.output_tokens > 1
-    ]
+    tpots = [t for r in ok if (t := _tpot(r)) is not None]
+    goodput = {"request_goodput": sum(_meets(r, slos) for r in ok) / duration_s} if slos else {}
     return {
+        **goodput,
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:5],
@@ -258,8 +287,8 @@ class Measured:
             self.extra | other.extra,
         )
 
-    def summary(self) -> dict[str, Any]:
-        summary = summarize(self.results, self.seconds)
+    def summary(self, slos: dict[str, float] | None = None) -> dict[str, Any]:
+        summary = summarize(self.results, self.seconds, slos)
         if self.jiffies is not None:
             summary.update(cpu_shares([0] * len(self.jiffies), self.jiffies))
         for key, (seconds, count) in self.sums.items():
@@ -285,10 +314,6 @@ def _optional_cell(key: str) -> Callable[[dict[str, Any]], str]:
 
 def _busy_stolen_cell(key: str) -> Callable[[dict[str, Any]], str]:
     return lambda s: f"{s[key]:.1f} / {s['cpu_steal_pct']:.2f}" if key in s else "-"
-
-
-def _mean_p50_cell(key: str) -> Callable[[dict[str, Any]], str]:
-    return lambda s: f"{s[key]['mean']:.2f} / {s[key]['p50']:.2f}" if key in s else "-"
 
 
 def cpu_times() -> list[int] | None:
@@ -348,10 +373,7 @@ def print_report(summaries: dict[str, dict[str, Any]], args: dict[str, Any]) -> 
         ("ingress_ttft_mean_ms", "ingress TTFT mean (ms)", _optional_cell),
         ("engine_ttft_mean_ms", "engine TTFT mean (ms)", _optional_cell),
         ("engine_queue_mean_ms", "engine queue mean (ms)", _optional_cell),
-        # per request, from the server's timeline: what Serve added to its TTFT, and its parts
-        ("path_ms", "Serve path mean/p50 (ms)", _mean_p50_cell),
-        ("http_front_ms", " HTTP front mean/p50", _mean_p50_cell),
-        ("ingress_path_ms", " ingress<->engine mean/p50", _mean_p50_cell),
+        ("request_goodput", "goodput (requests/s)", _optional_cell),
         # this machine's CPU during the load (/proc/stat): all of it busy, and stolen by the host
         ("cpu_busy_pct", "CPU busy / stolen (%)", _busy_stolen_cell),
     )
@@ -368,42 +390,20 @@ def print_report(summaries: dict[str, dict[str, Any]], args: dict[str, Any]) -> 
 
 
 def comparisons(summaries: dict[str, dict[str, Any]]) -> list[str]:
-    """The differences the report ends with. `summaries` in the order `kvray bench serve` runs
-    them: the Serve side, then, optionally, the in-process load while the app stood idle, then
-    the in-process engine alone (the reference)."""
+    """The differences the report ends with: the Serve side (first) less the in-process
+    engine (last, the reference)."""
     names = list(summaries)
     if len(names) < 2:
         return []
-    serve, *engines = (summaries[n] for n in names)
-    alone = engines[-1]
-
-    def diff(x: dict[str, Any], y: dict[str, Any]) -> str:
-        return (
-            f"TTFT p50 {x['ttft_ms']['p50'] - y['ttft_ms']['p50']:+.2f} ms, "
-            f"ITL p50 {x['itl_ms']['p50'] - y['itl_ms']['p50']:+.2f} ms"
-        )
-
-    lines = ["", f"serve - engine: {diff(serve, alone)}"]
-    if len(engines) == 2:  # the app standing by, then the requests' way through it
-        idle = engines[0]
-        lines.append(
-            f" Ray and Serve standing by (engine beside the idle app - engine): {diff(idle, alone)}"
-        )
-        lines.append(
-            f" requests through Serve (serve - engine beside the idle app): {diff(serve, idle)}"
-        )
-    if "path_ms" in serve:
-        path = serve["path_ms"]
-        lines.append(
-            f"added to each request's TTFT by Serve (client TTFT less engine TTFT): "
-            f"p50 {path['p50']:.2f} ms, p90 {path['p90']:.2f} ms"
-        )
-    short = ["serve", *(["engine beside the idle app"] if len(engines) == 2 else []), "engine"]
-    ratios = (s["itl_ms"]["p99"] / s["itl_ms"]["p50"] for s in (serve, *engines))
-    lines.append(
-        "ITL p99 / p50: " + ", ".join(f"{n} {r:.2f}" for n, r in zip(short, ratios, strict=True))
-    )
-    return lines
+    serve, alone = summaries[names[0]], summaries[names[-1]]
+    ttft = serve["ttft_ms"]["p50"] - alone["ttft_ms"]["p50"]
+    itl = serve["itl_ms"]["p50"] - alone["itl_ms"]["p50"]
+    ratios = (s["itl_ms"]["p99"] / s["itl_ms"]["p50"] for s in (serve, alone))
+    return [
+        "",
+        f"serve - engine: TTFT p50 {ttft:+.2f} ms, ITL p50 {itl:+.2f} ms",
+        "ITL p99 / p50: serve {:.2f}, engine {:.2f}".format(*ratios),
+    ]
 
 
 def round_lines(rounds: list[dict[str, dict[str, Any]]]) -> list[str]:
@@ -430,12 +430,8 @@ def round_lines(rounds: list[dict[str, dict[str, Any]]]) -> list[str]:
 
 
 def _compared(num_sides: int) -> list[tuple[str, int, int]]:
-    """`comparisons`' differences as (title, minuend, subtrahend) indices of the sides, in
-    report order: Serve, [the engine beside the idle app,] the engine alone."""
-    pairs = [("serve - engine", 0, -1)]
-    if num_sides == 3:
-        pairs += [(" standing by", 1, -1), (" through Serve", 0, 1)]
-    return pairs
+    """`comparisons`' difference as (title, minuend, subtrahend) indices of the sides."""
+    return [("serve - engine", 0, -1)] if num_sides >= 2 else []
 
 
 def opening_lines(rounds: list[dict[str, dict[str, Any]]], opening: int) -> list[str]:
@@ -491,32 +487,6 @@ def paired_difference(
         "high": float(high),
         "pairs": len(diffs),
     }
-
-
-def pooled_difference(
-    runs: list[tuple[list[float], list[float]]], paired: bool, seed: int = 0
-) -> dict[str, float]:
-    """Over runs of one design, each a list of requests' x and y (the same prompts, in order):
-    the pooled p50 of x less the pooled p50 of y, or with `paired` the pooled median of x[i] -
-    y[i], and a 95 % bootstrap interval (2,000 resamples) that redraws requests within each run,
-    so every resample keeps each run's share of the pool (its VM, its drift)."""
-    rng = np.random.default_rng(seed)
-    xs, ys = [], []
-    for x, y in runs:
-        pick = rng.integers(0, len(x), size=(2000, len(x)))  # pairs drawn together
-        xs.append(np.asarray(x)[pick])
-        ys.append(np.asarray(y)[pick])
-    x_all, y_all = np.concatenate(xs, axis=1), np.concatenate(ys, axis=1)
-    x_pool = np.concatenate([np.asarray(x) for x, _ in runs])
-    y_pool = np.concatenate([np.asarray(y) for _, y in runs])
-    if paired:
-        estimate = np.median(x_pool - y_pool)
-        resampled = np.median(x_all - y_all, axis=1)
-    else:
-        estimate = np.median(x_pool) - np.median(y_pool)
-        resampled = np.median(x_all, axis=1) - np.median(y_all, axis=1)
-    low, high = np.percentile(resampled, [2.5, 97.5])
-    return {"median": float(estimate), "low": float(low), "high": float(high), "pairs": len(x_pool)}
 
 
 def paired_lines(summaries: dict[str, dict[str, Any]]) -> list[str]:

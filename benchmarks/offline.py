@@ -16,7 +16,7 @@ Sorting by output length uses knowledge a real server never has, so the ratio er
 favour. With greedy decoding the script also reports how many requests produced the same
 tokens in both, a check that both did the same work.
 
-Runs as `kvray bench offline ...` or `python -m cluster.bench_offline ...`.
+Runs as `kvray bench offline ...` or `python -m benchmarks.offline ...`.
 """
 
 from __future__ import annotations
@@ -544,7 +544,7 @@ def _sync(device: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(
-        prog="python -m cluster.bench_offline", description=__doc__.splitlines()[0]
+        prog="python -m benchmarks.offline", description=__doc__.splitlines()[0]
     )
     add_arguments(parser)
     run(parser.parse_args(argv))

@@ -1,4 +1,4 @@
-"""The step summary that explains an ITL tail (benchmarks/itl_tail.py)."""
+"""`kvray bench serve`: its statistics, its report and its rounds (benchmarks/serve.py, stats.py)."""
 
 from __future__ import annotations
 
@@ -6,17 +6,16 @@ import argparse
 import json
 import time
 
-import numpy as np
 import pytest
 
-from cluster import bench_serve, timeline
-from cluster.bench_serve import (
+from benchmarks import serve as bench_serve
+from benchmarks.serve import (
     parse_engine_queue,
     parse_engine_steps,
     parse_engine_ttft,
     parse_ingress_ttft,
 )
-from cluster.bench_stats import (
+from benchmarks.stats import (
     Measured,
     RequestPlan,
     RequestResult,
@@ -26,12 +25,11 @@ from cluster.bench_stats import (
     opening_lines,
     paired_difference,
     paired_lines,
-    pooled_difference,
+    parse_goodput,
     round_lines,
     step_summary,
 )
 from cluster.metrics import Metrics
-from cluster.timeline import read_timelines, summarize, write_client
 from tests.factories.tiny_models import random_prompts
 from worker.config import EngineConfig
 from worker.engine import Engine, EngineRequest, StepRecord
@@ -121,115 +119,16 @@ def test_the_ingress_and_engine_time_to_first_token_and_queue_time_are_read_back
     assert parse_ingress_ttft(metrics.render([]).decode()) == (pytest.approx(1.3), 2)
 
 
-def test_the_path_timeline_joins_each_requests_points_across_processes(tmp_path) -> None:
-    ingress = [
-        "arrived 1.000",
-        "dispatched 1.001",
-        "routed 1.002",
-        "sent 1.003",
-        "first_read 1.207",
-        "first_sent 1.208",
-        "engine_ttft 0.2",
-        "engine_queue 0.03",
-    ]
-    worker = ["received 1.004", "queued 1.005", "first_written 1.2062"]
-    for pid, lines in (("100", ingress), ("200", worker)):
-        (tmp_path / f"{pid}.txt").write_text(
-            "".join(f"r-1 {line}\n" for line in lines) + "r-2 arrived 3.0\n"
-        )
-    timelines = read_timelines(tmp_path)
-    assert timelines["r-1"]["published"] == pytest.approx(1.205)  # queued + the engine's TTFT
-    summary = summarize(timelines)
-    assert (summary["requests"], summary["complete"]) == (2, 1)  # r-2 passed one point only
-    hops = {(h["from"], h["to"]): h["p50"] for h in summary["hops"]}
-    assert hops[("queued", "published")] == pytest.approx(200.0)
-    assert hops[("published", "first_written")] == pytest.approx(1.2)
-    assert summary["to_engine"]["mean"] == pytest.approx(5.0)
-    assert summary["from_engine"]["mean"] == pytest.approx(3.0)
-    assert summary["ingress_path"]["p50"] == pytest.approx(8.0)
-    # queued -> its first step scheduled
-    assert summary["engine_queue"]["p50"] == pytest.approx(30.0)
-
-
-def test_a_clients_times_join_the_timeline_and_give_each_requests_whole_serve_path(
-    tmp_path,
-) -> None:
-    ingress = [
-        "arrived 1.000",
-        "dispatched 1.001",
-        "routed 1.002",
-        "sent 1.003",
-        "first_read 1.207",
-        "first_sent 1.208",
-        "engine_ttft 0.2",
-    ]
-    worker = ["received 1.004", "queued 1.005", "first_written 1.2062"]
-    for pid, lines in (("100", ingress), ("200", worker)):
-        (tmp_path / f"{pid}.txt").write_text(
-            "".join(f"cmpl-a-0-0 {line}\n" for line in lines) + "warm-0-0 arrived 0.5\n"
-        )
-    write_client(tmp_path, [("cmpl-a-0-0", 0.998, 1.2115)])  # 2 ms to the ingress, 3.5 ms back
-    summary = summarize(read_timelines(tmp_path))
-    assert (summary["requests"], summary["complete"]) == (2, 1)  # the warm-up has no client times
-    hops = {(h["from"], h["to"]): h["p50"] for h in summary["hops"]}
-    assert hops[("client_sent", "arrived")] == pytest.approx(2.0)
-    assert hops[("first_sent", "client_first")] == pytest.approx(3.5)
-    assert summary["ingress_path"]["p50"] == pytest.approx(8.0)
-    assert summary["http_front"]["p50"] == pytest.approx(5.5)
-    # the client's TTFT (213.5 ms) less the engine's (200 ms): the front and the ingress's part
-    assert summary["path"]["p50"] == pytest.approx(13.5)
-
-
-def test_a_timeline_directory_no_one_made_yet_is_made_by_whoever_writes_first(
-    tmp_path, monkeypatch
-) -> None:
-    """`KVRAY_TIMELINE_DIR=/new/dir kvray bench serve`: the replicas and the client make it
-    (before, a replica's flusher thread died on the missing directory and kept every row in
-    memory, and the client's write failed the benchmark at its end)."""
-    directory = tmp_path / "new" / "run"
-    monkeypatch.setattr(timeline, "_rows", [])
-    timeline.configure(str(directory))
-    try:
-        timeline.mark("cmpl-a-0-0", "arrived", 1.0)
-        timeline.flush()
-    finally:
-        timeline.configure(None)
-    write_client(tmp_path / "other", [("cmpl-a-0-0", 0.998, 1.2)])
-    assert read_timelines(directory) == {"cmpl-a-0-0": {"arrived": 1.0}}
-    assert read_timelines(tmp_path / "other")["cmpl-a-0-0"]["client_first"] == 1.2
-
-
-def test_the_report_splits_what_serve_adds_into_the_app_standing_by_and_the_requests_way() -> None:
+def test_the_report_ends_with_what_serve_adds_over_the_in_process_engine() -> None:
     def side(ttft_p50: float, itl_p50: float, itl_p99: float) -> dict:
         return {"ttft_ms": {"p50": ttft_p50}, "itl_ms": {"p50": itl_p50, "p99": itl_p99}}
 
-    serve = side(400.0, 90.0, 171.0) | {"path_ms": {"mean": 6.9, "p50": 6.0, "p90": 11.6}}
-    summaries = {
-        "serve": serve,
-        "in-process, app idle": side(390.0, 85.0, 153.0),
-        "in-process engine": side(360.0, 80.0, 136.0),
-    }
-    lines = comparisons(summaries)
-    assert "serve - engine: TTFT p50 +40.00 ms, ITL p50 +10.00 ms" in lines
-    assert any(
-        line.startswith(" Ray and Serve standing by")
-        and line.endswith("TTFT p50 +30.00 ms, ITL p50 +5.00 ms")
-        for line in lines
-    )
-    assert any(
-        line.startswith(" requests through Serve")
-        and line.endswith("TTFT p50 +10.00 ms, ITL p50 +5.00 ms")
-        for line in lines
-    )
-    assert "p50 6.00 ms, p90 11.60 ms" in lines[-2]
-    assert lines[-1] == "ITL p99 / p50: serve 1.90, engine beside the idle app 1.80, engine 1.70"
-    # the usual pair: no split; the Serve side alone: nothing to compare
-    two = comparisons({"serve": serve, "in-process engine": summaries["in-process engine"]})
-    assert (
-        not any("standing by" in line for line in two)
-        and two[-1] == "ITL p99 / p50: serve 1.90, engine 1.70"
-    )
-    assert comparisons({"serve": serve}) == []
+    lines = comparisons({"serve": side(400.0, 90.0, 171.0), "engine": side(360.0, 80.0, 136.0)})
+    assert lines[1:] == [
+        "serve - engine: TTFT p50 +40.00 ms, ITL p50 +10.00 ms",
+        "ITL p99 / p50: serve 1.90, engine 1.70",
+    ]
+    assert comparisons({"serve": side(400.0, 90.0, 171.0)}) == []  # nothing to compare
 
 
 def test_each_side_reports_how_busy_the_machine_was_and_how_much_the_host_stole() -> None:
@@ -289,24 +188,20 @@ def test_the_report_lists_each_rounds_difference_and_their_median() -> None:
     rounds = [
         {
             "serve": side(310.0),
-            "in-process, app idle": side(300.0),
             "in-process engine": side(296.0),
         },
         {
             "serve": side(290.0),
-            "in-process, app idle": side(295.0),
             "in-process engine": side(280.0),
         },
         {
             "serve": side(330.0),
-            "in-process, app idle": side(320.0),
             "in-process engine": side(329.0),
         },
     ]
     lines = round_lines(rounds)
     assert lines[0] == "serve - engine, TTFT p50 by round (ms): +14.0, +10.0, +1.0; median +10.0"
-    assert lines[1] == " standing by, TTFT p50 by round (ms): +4.0, +15.0, -9.0; median +4.0"
-    assert lines[2] == " through Serve, TTFT p50 by round (ms): +10.0, -5.0, +10.0; median +10.0"
+    assert len(lines) == 1
     assert round_lines(rounds[:1]) == []  # one round: the pooled comparison says it all
 
 
@@ -392,19 +287,6 @@ def test_the_difference_paired_by_request_ignores_what_the_prompts_lengths_sprea
     assert lines == [
         "serve - engine, TTFT paired by request: median +4.0 ms (95 % interval +4.0 to +4.0, 39 pairs)"
     ]
-    three = paired_lines(
-        {
-            "serve": side(serve),
-            "in-process, app idle": side([t + 1.0 for t in engine]),
-            "in-process engine": side(engine),
-        }
-    )
-    assert [line.split(",")[0] for line in three] == [
-        "serve - engine",
-        " standing by",
-        " through Serve",
-    ]
-    assert "median +1.0 ms" in three[1] and "median +3.0 ms" in three[2]
     assert Measured([_result(0.25)], 1.0).summary()["ttft_per_request_ms"] == [250.0]
 
 
@@ -439,24 +321,15 @@ def test_bench_serve_takes_only_rates_above_zero(capsys: pytest.CaptureFixture[s
     assert "must be above 0" in capsys.readouterr().err
 
 
-def test_pooled_difference_over_runs():
-    rng = np.random.default_rng(3)
-    shifted, noisy = [], []
-    for offset, n in ((0.0, 48), (40.0, 30)):  # two VMs: one 40 ms slower, fewer requests
-        y = offset + rng.normal(60.0, 5.0, n)
-        shifted.append((list(y + 4.0), list(y)))  # x: every request of y, 4 ms later
-        noisy.append((list(y + 4.0 + rng.normal(0.0, 2.0, n)), list(y)))
-    exact = pooled_difference(shifted, paired=True)
-    assert exact["pairs"] == 78
-    assert exact["median"] == exact["low"] == exact["high"] == pytest.approx(4.0)
-    paired = pooled_difference(noisy, paired=True)
-    assert paired["low"] < paired["median"] < paired["high"]
-    assert paired["low"] > 3.0 and paired["high"] < 5.0
-    between = pooled_difference(noisy, paired=False)
-    x_pool = np.concatenate([x for x, _ in noisy])
-    y_pool = np.concatenate([y for _, y in noisy])
-    assert between["median"] == pytest.approx(np.median(x_pool) - np.median(y_pool))
-    assert between["low"] < between["median"] < between["high"]
-    # unpaired, each side's own spread shows: a wider interval than the paired one
-    assert between["high"] - between["low"] > paired["high"] - paired["low"]
-    assert pooled_difference(noisy, paired=False) == between  # the same seed, the same interval
+def test_goodput_counts_the_requests_per_second_that_met_every_slo() -> None:
+    fast = RequestResult(prompt_tokens=8, output_tokens=5, ttft=0.1, e2e=0.3)  # TPOT 50 ms
+    slow_first = RequestResult(prompt_tokens=8, output_tokens=5, ttft=0.5, e2e=0.7)
+    slow_tokens = RequestResult(prompt_tokens=8, output_tokens=5, ttft=0.1, e2e=0.9)  # 200 ms
+    slos = parse_goodput(["ttft:200", "tpot:100"])
+    assert slos == {"ttft": pytest.approx(0.2), "tpot": pytest.approx(0.1)}
+    summary = Measured([fast, slow_first, slow_tokens], 2.0).summary(slos)
+    assert summary["request_goodput"] == pytest.approx(0.5)  # one request of three, over 2 s
+    assert summary["request_throughput"] == pytest.approx(1.5)
+    assert "request_goodput" not in Measured([fast], 1.0).summary()
+    with pytest.raises(SystemExit):
+        parse_goodput(["itl:10"])
