@@ -22,14 +22,10 @@ Runs as `kvray bench offline ...` or `python -m benchmarks.offline ...`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import logging
 import os
-import platform
-import socket
-import subprocess
 import time
 import types
 import typing
@@ -39,7 +35,7 @@ from typing import Any
 
 import torch
 
-from cluster.config import usable_cores
+from benchmarks.common import environment
 from worker.config import EngineConfig
 from worker.engine import StepRecord
 from worker.llm import LLM
@@ -122,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="transformers group size (default: the engine's max_running)",
     )
-    parser.add_argument("--json", help="write the full result to this file")
+    parser.add_argument("--result-json", help="write the full result to this file")
     engine = parser.add_argument_group("engine options (EngineConfig; unset = its default)")
     for name, info in EngineConfig.model_fields.items():
         if name != "model":
@@ -190,7 +186,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _release_memory()  # before transformers loads: the engine's KV cache holds most of a GPU
     result: dict[str, Any] = {
         "benchmark": "offline",
-        **environment(cfg.device),
+        **environment(),
+        "torch_threads": torch.get_num_threads(),
         "params": {k: v for k, v in vars(args).items() if k != "func"},
         "engine_config": {**cfg.model_dump(), "num_pages": num_pages},
         "model": _model_info(path, args),
@@ -218,9 +215,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["ratio_vs_hf"] = kvray["output_tok_s"] / hf["output_tok_s"]
     result["load_avg_after"] = list(os.getloadavg())
     _print_summary(result)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if args.result_json:
+        Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.result_json).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
@@ -436,54 +433,6 @@ def _cpu_ticks() -> tuple[int, int] | None:
         return None
     idle = cpu[3] + cpu[4]  # idle + iowait
     return sum(cpu[:8]) - idle, int(me[11]) + int(me[12])  # user..steal; utime + stime
-
-
-def environment(device: str) -> dict[str, Any]:
-    """Date, machine, processor, accelerator and versions, for a result file."""
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "hostname": socket.gethostname(),
-        "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "usable_cores": usable_cores(),
-        "torch_threads": torch.get_num_threads(),
-        "gpu": torch.cuda.get_device_name(torch.device(device))
-        if device.startswith("cuda")
-        else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        **_git_state(),
-    }
-
-
-def _cpu_model() -> str:
-    """/proc/cpuinfo's model name, with family/model numbers (VMs often show a generic name)."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        return platform.processor() or "unknown"
-    name = fields.get("model name", "unknown")
-    return f"{name} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
-
-
-def _git_state() -> dict[str, Any]:
-    """The checkout's commit, and whether the tree had uncommitted changes (None: not a git checkout)."""
-
-    def git(*cmd: str) -> str | None:
-        try:
-            out = subprocess.run(
-                ["git", *cmd], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
-            )
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
-    return {"git_commit": commit, "git_dirty": bool(status) if status is not None else None}
 
 
 def _model_info(path: Path, args: argparse.Namespace) -> dict[str, Any]:

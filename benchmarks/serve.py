@@ -8,15 +8,15 @@ run prints throughput and TTFT / TPOT / ITL / E2E mean, p50, p99.
 
 The same requests, on the same arrival schedule, then go straight into an in-process
 Engine built from the same EngineConfig. The difference between the two runs is what the
-ingress, the router and Serve add.
+ingress, the router and Serve add. `--goodput ttft:MS tpot:MS e2e:MS` also counts the
+requests per second that met every SLO; `--rounds N` alternates the two sides (ABBA) on
+fresh apps so the machine's drift falls on both.
 
 Reliability options: `--cancel-fraction` makes some clients leave early (before the first
 byte or after a few chunks) and `--stop-fraction` gives some requests stop strings; every
 request ends in one outcome (completed, stopped, cancelled, rejected, error, lost), where
-"lost" means it neither completed nor got an error and must stay 0. `--soak` (launched
-server only; benchmarks/soak.py) warms up, runs the load, then checks that every worker replica is idle with
-every KV page free and how much every replica's memory (RSS) grew; `--overload-requests`
-then sends one burst past the waiting limit (429 + Retry-After) and checks the recovery.
+"lost" means it neither completed nor got an error and must stay 0 (`kvray bench soak`
+adds leak checks).
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ import contextlib
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from benchmarks.common import write_result
 from benchmarks.stats import (
     BenchSample,
     Measured,
@@ -51,6 +52,17 @@ from benchmarks.stats import (
 from worker.heap import frozen_heap
 
 NO_PLAN = RequestPlan()
+
+
+@dataclass(frozen=True)
+class Load:
+    """A run's server config and its requests: samples, their plans and arrival times."""
+
+    config: Any
+    vocab: int
+    samples: list[BenchSample]
+    plans: list[RequestPlan]
+    arrivals: np.ndarray
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,17 +132,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="a request still open then is lost"
     )
-    parser.add_argument(
-        "--soak",
-        action="store_true",
-        help="launched server: check idle replicas, free pages and RSS growth after the run",
-    )
-    parser.add_argument(
-        "--warmup-prompts", type=int, default=100, help="soak: requests before RSS is measured"
-    )
-    parser.add_argument(
-        "--overload-requests", type=int, default=0, help="soak: then a burst this large at once"
-    )
 
 
 ALONE = "in-process engine"  # the same load, no app (with --base-url: beside that server)
@@ -143,11 +144,10 @@ def _positive(text: str) -> float:
     return value
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare(args: argparse.Namespace) -> Load:
+    """The config of the server and the load the arguments describe."""
     from cluster.app import load_config
 
-    if not 1 <= args.rounds <= args.num_prompts or (args.rounds > 1 and args.soak):
-        raise SystemExit("--rounds: 1 to --num-prompts, and 1 with --soak")
     config = load_config(args.config)
     if args.model:
         config = config.model_copy(
@@ -164,13 +164,14 @@ def run(args: argparse.Namespace) -> int:
         args.seed,
     )
     arrivals = make_arrivals(args.num_prompts, args.request_rate, args.burstiness, args.seed)
-    plans = request_plans(args, samples)
-    if args.soak:
-        from benchmarks.soak import soak_launched
+    return Load(config, vocab, samples, request_plans(args, samples), arrivals)
 
-        report = soak_launched(config, args, samples, plans, arrivals, vocab)
-        _write(args, report)
-        return 0 if report["passed"] else 1
+
+def run(args: argparse.Namespace) -> int:
+    if not 1 <= args.rounds <= args.num_prompts:
+        raise SystemExit("--rounds: 1 to --num-prompts")
+    load = prepare(args)
+    config, samples, plans, arrivals = load.config, load.samples, load.plans, load.arrivals
     label = f"serve ({config.worker_replicas} worker replica(s), batch window {config.router.batch_window_ms} ms)"
     sides: dict[str, Measured] = {}
     rounds: list[dict[str, dict[str, Any]]] = []
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     data: dict[str, Any] = {"args": vars(args), "config": used, "results": summaries}
     if len(rounds) > 1:
         data["rounds"] = rounds
-    _write(args, data)
+    write_result(args.result_json, "serve", data)
     return 0
 
 
@@ -259,11 +260,6 @@ def request_plans(args: argparse.Namespace, samples: list[BenchSample]) -> list[
         tuple(args.stop),
         args.seed,
     )
-
-
-def _write(args: argparse.Namespace, data: dict[str, Any]) -> None:
-    if args.result_json:
-        Path(args.result_json).write_text(json.dumps(data, indent=2, default=str))
 
 
 def _vocab_size(model: str) -> int:

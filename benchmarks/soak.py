@@ -1,6 +1,6 @@
-"""`kvray bench serve --soak`: leak checks on a launched server, and the overload burst.
+"""`kvray bench soak`: leak checks on a launched server, and the overload burst.
 
-Warm up, snapshot every replica (free KV pages, requests in the engine, process memory),
+`kvray bench serve`'s load (the same options) with its checks around it: warm up, snapshot every replica (free KV pages, requests in the engine, process memory),
 run the load with its cancellations and stop strings, snapshot again; optionally send a
 burst past the waiting limit (429 + Retry-After) and check that the server recovers.
 `scripts/soak` runs it; docs/reliability.md records the figures.
@@ -11,22 +11,35 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import time
 from typing import Any
 
 import numpy as np
 
-from benchmarks.serve import (
-    NO_PLAN,
-    http_client,
-    http_request,
-    http_run,
-    local_app,
-    request_plans,
-)
+from benchmarks import serve
+from benchmarks.common import write_result
+from benchmarks.serve import NO_PLAN, http_client, http_request, http_run, local_app, request_plans
 from benchmarks.stats import BenchSample, RequestPlan, make_samples
-from cluster.config import cores_text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    serve.add_arguments(parser)
+    parser.add_argument(
+        "--warmup-prompts", type=int, default=100, help="requests before RSS is measured"
+    )
+    parser.add_argument(
+        "--overload-requests", type=int, default=0, help="then a burst this large at once"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit status 0 when the soak passed (`soak_passed`), 1 otherwise."""
+    if args.base_url:
+        raise SystemExit("kvray bench soak launches its own server: no --base-url")
+    load = serve.prepare(args)
+    report = soak_launched(load.config, args, load.samples, load.plans, load.arrivals, load.vocab)
+    write_result(args.result_json, "soak", report)
+    return 0 if report["passed"] else 1
 
 
 def soak_launched(
@@ -40,8 +53,6 @@ def soak_launched(
     """Warm up, snapshot the replicas, run the load, snapshot again (and the overload burst)."""
     model, key = config.model_name, config.api_keys[0] if config.api_keys else "unused"
     report: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"),
-        "hardware": f"{platform.processor() or platform.machine()}, {cores_text()}, CPU",
         "args": vars(args),
         "config": config.model_dump(mode="json"),
     }

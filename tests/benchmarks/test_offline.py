@@ -46,7 +46,7 @@ def tiny_result(tmp_path_factory):
         "--warmup-requests",
         "2",
         "--compare-hf",
-        "--json",
+        "--result-json",
         str(tmp / "out.json"),
         "--max-running",
         "4",
@@ -83,8 +83,9 @@ def test_run_writes_json_with_machine_and_params(tiny_result):
     result, path = tiny_result
     saved = json.loads(path.read_text())
     assert saved["kvray"]["output_tokens"] == result["kvray"]["output_tokens"]
-    for key in ("date", "hostname", "cpu", "torch", "engine_config", "load_avg_before"):
+    for key in ("date", "hostname", "hardware", "git_commit", "torch", "engine_config"):
         assert saved[key], key
+    assert saved["hardware"]["cpu"] and saved["hardware"]["cpu_count"] >= 1
     assert saved["params"]["random_shape"] == "tiny" and saved["model"]["random_shape"] == "tiny"
     assert "token_ids" not in saved["kvray"] and "token_ids" not in saved["hf"]
     assert saved["kvray"]["others_cpu_cores"] >= 0 and saved["hf"]["others_cpu_cores"] >= 0
