@@ -361,7 +361,7 @@ async def http_load(
                 *(http_request(client, model, s) for s in warm_up_samples(samples))
             )
         before = await _scrape_metrics(client)
-        measured = await _drive(samples, arrivals, concurrency, one)
+        measured = await drive(samples, arrivals, concurrency, one)
         after = await _scrape_metrics(client)
     measured.plans = list(plans)
     parsers = (
@@ -544,7 +544,7 @@ async def _read_events(
 # -- the in-process engine -------------------------------------------------------------------
 
 
-async def _engine_run(
+async def engine_run(
     engine_config: Any,
     samples: list[BenchSample],
     arrivals: np.ndarray,
@@ -569,7 +569,7 @@ async def _engine_load(
     cpu_threads: int | None = None,
     step_log: bool = False,
 ) -> Measured:
-    """`_engine_run`'s load, not yet summarized."""
+    """`engine_run`'s load, not yet summarized."""
     from cluster.deployment import set_cpu_threads
     from worker.engine import Engine, EngineRequest
     from worker.sampling import SamplingParams
@@ -607,7 +607,7 @@ async def _engine_load(
         before = engine.stats()
         engine_ttfts.clear()
         engine_queues.clear()
-        measured = await _drive(samples, arrivals, concurrency, one)
+        measured = await drive(samples, arrivals, concurrency, one)
         after = engine.stats()
         if engine_ttfts:
             measured.sums["engine_ttft_mean_ms"] = (sum(engine_ttfts), len(engine_ttfts))
@@ -628,7 +628,7 @@ async def _engine_load(
 # -- the load ------------------------------------------------------------------------------------
 
 
-async def _drive(
+async def drive(
     samples: list[BenchSample], arrivals: np.ndarray, concurrency: int, one: Any
 ) -> Measured:
     """Send every sample at its arrival time (at most `concurrency` in flight), with this

@@ -1,34 +1,33 @@
-"""The whole cluster, measured (#8): Ray Serve with 1 and 2 worker replicas, the in-process
-engine on the same device, and prefix affinity on vs off.
+"""`kvray bench cluster`: the whole cluster, scenario by scenario, over `kvray bench serve`'s
+client: 1 -> N worker replicas, router policies side by side, and the in-process engine.
 
-One run, one model, in this order (each phase prints its table as it ends):
-1. 1 worker replica: a latency load (Poisson arrivals) and a saturation load (everything at
-   once), streamed as `vllm bench serve` does, then the saturation load without streaming.
-2. 2 worker replicas (one per GPU): the saturation loads at twice the size (prompts and
-   concurrency per replica stay the same: with a fixed load, two replicas would each run
-   one wave and then drain, while one replica keeps its batch full from its queue); one
-   `openai` client stream.
-3. (--phases affinity) 2 replicas with a KV cache too small to hold every shared system prompt on
-   each replica: many requests sharing a few long system prompts, prefix affinity on, then
-   off (a fresh set of system prompts, so the first phase's cache does not help the second).
-4. Serve stopped; the latency and saturation loads against an in-process Engine built from
-   the same EngineConfig on the same device. Serve - engine is what ingress, router and
-   Serve add.
-Per-process CPU use of the Serve proxy, ingress and worker replicas is recorded for each
-load (it shows where a host-bound run spends its time).
+The server is `-c`'s ClusterConfig (default: the demo model) with `--model` over it; each
+scenario overrides only what it varies (`--scenarios`, in this order):
+- scaling: 1 worker replica, a latency load (Poisson arrivals at `--lat-rate`) and a
+  saturation load (everything at once), streamed as `vllm bench serve` does, then the
+  saturation load without streaming; then N replicas (`--replicas`, one GPU each) with the
+  saturation loads N times the size (per replica the load stays the same).
+- affinity: N replicas whose KV cache cannot hold every shared system prompt on each, many
+  requests sharing a few long system prompts, `router.prefix_affinity` on, then off (fresh
+  system prompts, so the first run's cache does not help the second): prefix hit rate and
+  throughput side by side.
+- engine: Serve stopped, the latency and saturation loads against an in-process Engine of
+  the same EngineConfig on the same device; the 1-replica latency load less this one is
+  what the ingress, the router and Serve add to TTFT.
+Per-process CPU use of the Serve proxy, ingress and worker replicas is recorded per load.
+A saturation load needs a server that queues it: set `engine.max_waiting` and the limits'
+timeouts in the YAML to match `--sat-prompts`.
 
-    python benchmarks/serve_cluster.py --model DIR|demo [--load-format random] --out r.json
+    kvray bench cluster -c cluster.yaml --model DIR --replicas 2 --result-json r.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import multiprocessing
 import os
-import platform
 import socket
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -38,7 +37,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.serve import _drive, _engine_run, http_client, http_request, http_run
+from benchmarks.common import write_result
+from benchmarks.serve import drive, engine_run, http_client, http_request, http_run
 from benchmarks.stats import (
     BenchSample,
     RequestPlan,
@@ -48,40 +48,22 @@ from benchmarks.stats import (
     summarize,
     tally,
 )
-from cluster.config import ClusterConfig, usable_cores
+from cluster.config import ClusterConfig
 from cluster.local_ray import lower_control_plane, ray_session
 
 APP = "kvray"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", required=True, help="model directory or 'demo'")
-    p.add_argument("--name", default=None, help="label of the model in the results")
-    p.add_argument("--load-format", default="safetensors", choices=["safetensors", "random"])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", help="ClusterConfig YAML (default: the demo model)")
+    p.add_argument("--model", help="model directory or 'demo' (overrides the config)")
+    p.add_argument("--load-format", choices=["safetensors", "random"], help="overrides the config")
     p.add_argument("--tokenizer-from", help="copy tokenizer files from this model dir (or 'demo')")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-running", type=int, default=256)
-    p.add_argument("--token-budget", type=int, default=2048)
     p.add_argument(
-        "--prefill-budget",
-        type=int,
-        default=None,
-        help="EngineConfig.prefill_budget: prompt tokens per step while requests decode",
+        "--scenarios",
+        default="scaling,engine",
+        help="comma-separated: scaling (1 and N replicas), affinity, engine (in-process)",
     )
-    p.add_argument(
-        "--prefill-slowdown",
-        type=float,
-        default=None,
-        help="EngineConfig.prefill_slowdown: prompt tokens next to decodes keep a step within this x a decode-only step",
-    )
-    p.add_argument("--ingress-replicas", type=int, default=4)
-    p.add_argument("--batch-window-ms", type=float, default=2.0)
-    p.add_argument("--http-proxy", choices=["serve", "haproxy"], default="serve",
-                   help="HTTP in front of the ingress replicas (ClusterConfig.http_proxy)")  # fmt: skip
-    p.add_argument("--max-batch-requests", type=int, default=8)
-    p.add_argument("--submit-socket", choices=["on", "off"], default="on",
-                   help="ClusterConfig.submit_socket: submits over links to the workers' frame sockets, or Serve calls")  # fmt: skip
     p.add_argument("--replicas", type=int, default=2, help="the scaled-out replica count")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
@@ -89,24 +71,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sat-prompts",
         type=int,
         default=512,
-        help="saturation load per worker replica: N replicas get N times the prompts and the concurrency, so each replica is as loaded as the one in the 1-replica run",
+        help="saturation load per worker replica: N replicas get N times the prompts and the "
+        "concurrency, so each replica is as loaded as the one in the 1-replica run",
     )
     p.add_argument("--sat-concurrency", type=int, default=512, help="per worker replica")
     p.add_argument(
         "--client-procs",
         type=int,
         default=4,
-        help="processes of the streaming saturation client (one Python process parses about 6k SSE events/s)",
+        help="processes of the streaming saturation client (one parses about 6k SSE events/s)",
     )
     p.add_argument("--lat-prompts", type=int, default=160)
     p.add_argument("--lat-rate", type=float, default=8.0)
     p.add_argument("--lat-output-len", type=int, default=128)
     p.add_argument("--lat-concurrency", type=int, default=64)
-    p.add_argument(
-        "--phases",
-        default="scaling,engine",
-        help="comma-separated: scaling (1 and N replicas), affinity, engine (in-process)",
-    )
     p.add_argument("--prefix-groups", type=int, default=24, help="distinct system prompts")
     p.add_argument("--prefix-len", type=int, default=2048)
     p.add_argument("--prefix-prompts", type=int, default=768)
@@ -117,30 +95,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--prefix-cache-tokens",
         type=int,
         default=49152,
-        help="KV capacity per replica in phase 3 (tokens); at most groups x prefix-len, so without affinity a replica cannot keep every shared prompt",
+        help="KV capacity per replica in the affinity scenario (tokens); below groups x "
+        "prefix-len, so without affinity a replica cannot keep every shared prompt",
     )
     p.add_argument(
         "--affinity-gpus-per-replica",
         type=float,
         default=1.0,
-        help="phase 3 on one GPU: 0.5 puts both replicas on it (hit rates still compare)",
+        help="affinity on one GPU: 0.5 puts both replicas on it (hit rates still compare)",
     )
     p.add_argument("--skip-nonstream", action="store_true")
-    p.add_argument(
-        "--skip-openai-stream",
-        action="store_true",
-        help="no `openai` client stream after the loads (a machine without the openai package)",
-    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ray-num-cpus", type=int, help="CPUs Ray may hand out (default: all)")
     p.add_argument(
         "--ray-nodes",
         type=int,
         default=1,
-        help="Ray nodes on this machine, each with its share of the GPUs and its own Serve HTTP proxy (one proxy caps streamed throughput)",
+        help="Ray nodes on this machine, each with its share of the GPUs and its own Serve "
+        "HTTP proxy (one proxy caps streamed throughput)",
     )
-    p.add_argument("--out", required=True)
-    return p.parse_args(argv)
+    p.add_argument("--result-json", help="write the results to this file")
 
 
 # -- processes ----------------------------------------------------------------------------------
@@ -208,7 +182,7 @@ def _client_part(
                 return await http_request(client, model, sample, RequestPlan(), 900.0)
 
             start = time.time()
-            results = (await _drive(samples, np.zeros(len(samples)), concurrency, one)).results
+            results = (await drive(samples, np.zeros(len(samples)), concurrency, one)).results
             return start, time.time(), results
 
     return asyncio.run(run())
@@ -268,7 +242,7 @@ async def _nonstream_run(
             result.output_tokens = json.loads(payload)["usage"]["completion_tokens"]
             return result
 
-        return (await _drive(samples, np.zeros(len(samples)), concurrency, one)).summary()
+        return (await drive(samples, np.zeros(len(samples)), concurrency, one)).summary()
 
 
 def _prefix_samples(args: argparse.Namespace, vocab: int, seed: int) -> list[BenchSample]:
@@ -322,18 +296,6 @@ def _worker_stats() -> list[dict[str, Any]]:
     return sorted((s for s in stats if isinstance(s, dict)), key=lambda s: s["replica_id"])
 
 
-def _openai_stream(base_url: str, model: str) -> dict[str, Any]:
-    import openai
-
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
-    start = time.perf_counter()
-    stream = client.completions.create(
-        model=model, prompt="The capital of France is", max_tokens=32, stream=True, temperature=0
-    )
-    chunks = [c.choices[0].text for c in stream if c.choices]
-    return {"chunks": len(chunks), "text": "".join(chunks), "seconds": time.perf_counter() - start}
-
-
 def _hit_rate(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, Any]:
     hits = [a["prefix_hits"] - b["prefix_hits"] for a, b in zip(after, before, strict=True)]
     queries = [
@@ -372,43 +334,24 @@ def _show(title: str, summary: dict[str, Any]) -> None:
         print(f"    error: {error}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    import torch
+def run(args: argparse.Namespace) -> int:
     from ray import serve
 
-    from cluster.app import cluster_runtime_env, set_serve_env
-    from worker.config import EngineConfig
+    from cluster.app import cluster_runtime_env, load_config, set_serve_env
     from worker.model.demo import resolve_model_path
     from worker.tokenizer import Tokenizer
 
-    model_dir = resolve_model_path(args.model)
+    config = load_config(args.config)
+    engine_update = {
+        k: v for k, v in (("model", args.model), ("load_format", args.load_format)) if v
+    }
+    engine = config.engine.model_copy(update=engine_update)
+    model_dir = resolve_model_path(engine.model)
     if args.tokenizer_from:
         _copy_tokenizer(resolve_model_path(args.tokenizer_from), model_dir)
-    name = args.name or ("demo" if args.model == "demo" else model_dir.name)
+    name = config.model_name
     vocab = Tokenizer.from_dir(model_dir).vocab_size
-    engine = EngineConfig(
-        model=str(model_dir),
-        load_format=args.load_format,
-        device=args.device,
-        max_running=args.max_running,
-        max_waiting=4096,
-        token_budget=args.token_budget,
-        prefill_budget=args.prefill_budget,
-        prefill_slowdown=args.prefill_slowdown,
-    )
-    base = {
-        "engine": engine.model_dump(),
-        "served_model_name": name,
-        "ingress_replicas": args.ingress_replicas,
-        "router": {
-            "batch_window_ms": args.batch_window_ms,
-            "max_batch_requests": args.max_batch_requests,
-        },
-        "limits": {"accept_timeout_s": 600, "stall_timeout_s": 600},
-        "http_proxy": args.http_proxy,
-        "submit_socket": args.submit_socket == "on",
-    }
+    base = {**config.model_dump(mode="json"), "engine": engine.model_dump(mode="json")}
     lat_samples = make_samples(
         args.lat_prompts, args.input_len, args.lat_output_len, 0.5, 0, vocab, args.seed
     )
@@ -435,26 +378,16 @@ def main(argv: list[str] | None = None) -> int:
         vocab,
         args.seed + 8,
     )
-    results: dict[str, Any] = {
-        "date": dt.date.today().isoformat(),
-        "host": platform.node(),
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "cpu_count": os.cpu_count(),
-        "usable_cores": usable_cores(),
-        "model": name,
-        "load_format": args.load_format,
-        "args": vars(args),
-        "engine": engine.model_dump(),
-    }
-    out = Path(args.out)
+    used = {k: v for k, v in base.items() if k != "api_keys"}
+    results: dict[str, Any] = {"model": name, "args": vars(args), "config": used}
 
     def save() -> None:
-        out.write_text(json.dumps(results, indent=2, default=str))
+        write_result(args.result_json, "cluster", results)
 
-    phases = set(args.phases.split(","))
+    phases = set(args.scenarios.split(","))
     if phases & {"scaling", "affinity"}:
         set_serve_env()
-        with ray_session(nodes=args.ray_nodes, num_cpus=args.ray_num_cpus, runtime_env=cluster_runtime_env(ClusterConfig.model_validate(base)),
+        with ray_session(nodes=args.ray_nodes, num_cpus=args.ray_num_cpus, runtime_env=cluster_runtime_env(config),
                          include_dashboard=False, log_to_driver=False):  # fmt: skip
             try:
                 port = _free_port()
@@ -480,14 +413,14 @@ def main(argv: list[str] | None = None) -> int:
         _release_device()
         results["engine_inprocess"] = {
             "latency": asyncio.run(
-                _measured(_engine_run(engine, lat_samples, lat_arrivals, args.lat_concurrency))
+                _measured(engine_run(engine, lat_samples, lat_arrivals, args.lat_concurrency))
             ),
         }
         _show("in-process engine, latency", results["engine_inprocess"]["latency"])
         _release_device()
         results["engine_inprocess"]["saturation"] = asyncio.run(
             _measured(
-                _engine_run(
+                engine_run(
                     engine,
                     sat_samples[: args.sat_prompts],
                     sat_arrivals[: args.sat_prompts],
@@ -557,9 +490,6 @@ def _scale_to(
             _measured(_http_run(url, name, lat_samples, lat_arrivals, args.lat_concurrency))
         )
         _show("latency (stream)", results[key]["latency"])
-    if replicas == counts[-1] and not args.skip_openai_stream:
-        results[key]["openai_stream"] = _openai_stream(url, name)
-        print(f"  openai stream: {results[key]['openai_stream']}", flush=True)
     before = _worker_stats()
     results[key]["saturation"] = asyncio.run(
         _measured(_http_run_procs(pool, url, name, sat_samples, sat_concurrency))
@@ -669,7 +599,3 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
     ):
         if (src / fname).is_file() and not (dst / fname).is_file():
             (dst / fname).write_bytes((src / fname).read_bytes())
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
