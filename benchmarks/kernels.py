@@ -413,6 +413,28 @@ def load_flashinfer(mode: str) -> tuple[Any, str | None]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
+def warm_flashinfer() -> None:
+    """JIT-compile FlashInfer's paged decode kernels (tensor-core and CUDA-core paths) for
+    these shapes, so a later run only loads them (`scripts/gpu-check` runs this in the
+    background while the kvray kernels build and their tests run)."""
+    import flashinfer
+
+    batch, pages = 2, 4
+    k = torch.randn(batch * pages, PAGE, HKV, D, device=DEV, dtype=DTYPE)
+    q = torch.randn(batch, HQ, D, device=DEV, dtype=DTYPE)
+    indptr = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * pages
+    indices = torch.arange(batch * pages, device=DEV, dtype=torch.int32)
+    last = torch.full((batch,), PAGE, device=DEV, dtype=torch.int32)
+    workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=DEV)
+    for tc in (True, False):
+        t0 = time.time()
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tc)
+        w.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=DTYPE)
+        w.run(q, (k, torch.randn_like(k)))
+        torch.cuda.synchronize()
+        print(f"flashinfer tensor_cores={tc}: ready in {time.time() - t0:.1f}s", flush=True)
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"\n{'B':>4} {'L':>5} | {'kvray us':>9} {'TB/s':>5} {'%ceil':>5} | {'FI us':>8} {'x FI':>5} | {'SDPA us':>8} {'TB/s':>5}"
