@@ -47,7 +47,6 @@ from benchmarks.stats import (
     parse_goodput,
     print_report,
     round_lines,
-    step_summary,
 )
 from worker.heap import frozen_heap
 
@@ -305,12 +304,8 @@ def http_client(
 ) -> Any:
     """The load generator's HTTP session (aiohttp, which Ray Serve brings).
 
-    Not httpx: its connection pool costs CPU per request that grows with the connections
-    open. Measured on the 2-core development machine against a server that answers after
-    2 s: httpx 0.28 used 8.4 ms of CPU per request at 64 concurrent, 28.7 at 256 and 36 at
-    1,024, so one client process topped out near 27 requests/s; aiohttp used 0.3-0.4 ms at
-    every concurrency (442 requests/s at 1,024, server-bound). At saturation an httpx client
-    was the cap of the whole benchmark (2026-11-30, benchmarks/README.md)."""
+    Not httpx: its connection pool's CPU per request grows with the connections open, and at
+    saturation an httpx client capped the whole benchmark (docs/performance.md)."""
     import aiohttp
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else None
@@ -550,14 +545,10 @@ async def engine_run(
     arrivals: np.ndarray,
     concurrency: int,
     cpu_threads: int | None = None,
-    step_log: bool = False,
 ) -> dict[str, Any]:
     """The same load against an engine in this process; `cpu_threads` as a worker replica's
-    (`ClusterConfig.worker_cpu_threads`), so both sides compute with the same torch threads.
-    `step_log`: the summary's "steps" say how long the load's steps took (`step_summary`)."""
-    measured = await _engine_load(
-        engine_config, samples, arrivals, concurrency, cpu_threads, step_log
-    )
+    (`ClusterConfig.worker_cpu_threads`), so both sides compute with the same torch threads."""
+    measured = await _engine_load(engine_config, samples, arrivals, concurrency, cpu_threads)
     return measured.summary()
 
 
@@ -567,7 +558,6 @@ async def _engine_load(
     arrivals: np.ndarray,
     concurrency: int,
     cpu_threads: int | None = None,
-    step_log: bool = False,
 ) -> Measured:
     """`engine_run`'s load, not yet summarized."""
     from cluster.deployment import set_cpu_threads
@@ -602,8 +592,6 @@ async def _engine_load(
 
     try:
         await asyncio.gather(*(one(s) for s in warm_up_samples(samples)))
-        if step_log:
-            engine.step_log = []
         before = engine.stats()
         engine_ttfts.clear()
         engine_queues.clear()
@@ -616,8 +604,6 @@ async def _engine_load(
             after.step_seconds_total - before.step_seconds_total,
             after.num_steps - before.num_steps,
         )
-        if engine.step_log is not None:
-            measured.extra["steps"] = step_summary(list(engine.step_log))
         if engine.scheduler.pacer is not None:  # what EngineConfig.prefill_slowdown learnt
             measured.extra["pacer"] = engine.scheduler.pacer.describe()
         return measured

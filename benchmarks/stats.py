@@ -145,62 +145,6 @@ def _stats_ms(values: list[float]) -> dict[str, float]:
     }
 
 
-def step_summary(steps: list[Any]) -> dict[str, Any]:
-    """Where inter-token gaps come from: an engine's resolved steps (`Engine.step_log`:
-    `seconds`, `num_decodes`, `num_prompt_tokens`, `overlapped`, `launch_seconds`,
-    `schedule_seconds`), decode-only vs carrying prompt tokens (by prompt tokens), how many
-    of each took over twice the decode-only median, and the host time that chose and
-    launched them."""
-    decode = [s.seconds for s in steps if s.num_prompt_tokens == 0]
-    floor = 2.0 * float(np.median(decode)) if decode else float("inf")
-
-    def kind(chosen: list[Any]) -> dict[str, Any]:
-        secs = [s.seconds for s in chosen]
-        return {
-            "steps": len(chosen),
-            **_stats_ms(secs),
-            "over_2x_decode_p50": sum(x > floor for x in secs),
-            "launch_ms": _stats_ms([s.launch_seconds for s in chosen]),
-            "schedule_ms": _stats_ms([s.schedule_seconds for s in chosen]),
-        }
-
-    mixed = [s for s in steps if s.num_prompt_tokens > 0]
-    bins = ((1, 64), (65, 256), (257, 512), (513, 1024), (1025, 1 << 30))
-    # the slow decode-only steps' neighbours: a step's record also holds host work that
-    # queues the next step (overlapped) or that waited for the previous one
-    slow = [i for i, s in enumerate(steps) if s.num_prompt_tokens == 0 and s.seconds > floor]
-    return {
-        "steps": len(steps),
-        "decode_only": kind([s for s in steps if s.num_prompt_tokens == 0]),
-        "with_prompt": kind(mixed),
-        "with_prompt_by_tokens": {
-            f"{lo}-{hi}" if hi < 1 << 30 else f">{lo - 1}": kind(
-                [s for s in mixed if lo <= s.num_prompt_tokens <= hi]
-            )
-            for lo, hi in bins
-            if any(lo <= s.num_prompt_tokens <= hi for s in mixed)
-        },
-        "slow_decode_only": {
-            "steps": len(slow),
-            "overlapped": sum(steps[i].overlapped for i in slow),
-            "after_prompt_step": sum(i > 0 and steps[i - 1].num_prompt_tokens > 0 for i in slow),
-            "before_prompt_step": sum(
-                i + 1 < len(steps) and steps[i + 1].num_prompt_tokens > 0 for i in slow
-            ),
-            "decodes_p50": float(np.median([steps[i].num_decodes for i in slow]))
-            if slow
-            else float("nan"),
-            # the launch of the step after each: with overlap it runs inside the slow step's call
-            "next_launch_ms": _stats_ms(
-                [steps[i + 1].launch_seconds for i in slow if i + 1 < len(steps)]
-            ),
-            "next_schedule_ms": _stats_ms(
-                [steps[i + 1].schedule_seconds for i in slow if i + 1 < len(steps)]
-            ),
-        },
-    }
-
-
 GOODPUT_METRICS = ("ttft", "tpot", "e2e")
 
 
