@@ -346,12 +346,13 @@ def run(args: argparse.Namespace) -> int:
         k: v for k, v in (("model", args.model), ("load_format", args.load_format)) if v
     }
     engine = config.engine.model_copy(update=engine_update)
+    config = config.model_copy(update={"engine": engine})
     model_dir = resolve_model_path(engine.model)
     if args.tokenizer_from:
         _copy_tokenizer(resolve_model_path(args.tokenizer_from), model_dir)
     name = config.model_name
     vocab = Tokenizer.from_dir(model_dir).vocab_size
-    base = {**config.model_dump(mode="json"), "engine": engine.model_dump(mode="json")}
+    base = config.model_dump(mode="json")
     lat_samples = make_samples(
         args.lat_prompts, args.input_len, args.lat_output_len, 0.5, 0, vocab, args.seed
     )
