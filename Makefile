@@ -41,7 +41,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 gpu-check:
-	bash scripts/device/gpu-check
+	bash scripts/gpu-check
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,12 +1,12 @@
-"""Kernel benchmark (GPU): kvray paged decode vs FlashInfer and torch SDPA, plus the KV write
+"""`kvray bench kernels` (GPU): kvray paged decode vs FlashInfer and torch SDPA, plus the KV write
 and prefill, on Llama-3-8B attention shapes (32 q / 8 kv heads, head_dim 128, bf16, page 16).
 
 Every figure is the median per-call time over CUDA-graph replays (each graph holds many
 calls, cycling over several page sets so that small cases do not run out of L2), and is
-reported against the copy ceiling: bytes moved / 4.19 TB/s (GPU.md's measured H200
-device-to-device copy). Writes JSON (--out) and prints a table last.
+reported against the copy ceiling: bytes moved / 4.19 TB/s (the measured H200
+device-to-device copy). Writes JSON (--result-json) and prints a table last.
 
-    python benchmarks/kernels.py --out kernels.json [--flashinfer off] [--quick] [--only prefill]
+    kvray bench kernels --result-json kernels.json [--flashinfer off] [--quick] [--only prefill]
 """
 
 from __future__ import annotations
@@ -15,20 +15,17 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from worker.attention import cuda_ops  # noqa: E402
+from benchmarks.common import COPY_TBPS, write_result
+from worker.attention import cuda_ops
 
-CEILING_TBPS = 4.19
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 CASES = [(1, 1024), (1, 4096), (8, 1024), (8, 4096), (32, 1024), (32, 4096)]
@@ -263,9 +260,9 @@ def bench_decode(args: argparse.Namespace, fi: Any) -> list[dict[str, Any]]:
             "kv_bytes": case.kv_bytes,
             "page_sets": case.n_sets,
         }
-        row["floor_us"] = case.kv_bytes / (CEILING_TBPS * 1e12) * 1e6
+        row["floor_us"] = case.kv_bytes / (COPY_TBPS * 1e12) * 1e6
         row.update(bench_case(case, fi, workspace, sweep=args.sweep))
-        row["kvray_fraction_of_ceiling"] = row["kvray_tbps"] / CEILING_TBPS
+        row["kvray_fraction_of_ceiling"] = row["kvray_tbps"] / COPY_TBPS
         if "fi_best_us" in row:
             row["speedup_vs_flashinfer"] = row["fi_best_us"] / row["kvray_us"]
         rows.append(row)
@@ -416,6 +413,28 @@ def load_flashinfer(mode: str) -> tuple[Any, str | None]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
+def warm_flashinfer() -> None:
+    """JIT-compile FlashInfer's paged decode kernels (tensor-core and CUDA-core paths) for
+    these shapes, so a later run only loads them (`scripts/gpu-check` runs this in the
+    background while the kvray kernels build and their tests run)."""
+    import flashinfer
+
+    batch, pages = 2, 4
+    k = torch.randn(batch * pages, PAGE, HKV, D, device=DEV, dtype=DTYPE)
+    q = torch.randn(batch, HQ, D, device=DEV, dtype=DTYPE)
+    indptr = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * pages
+    indices = torch.arange(batch * pages, device=DEV, dtype=torch.int32)
+    last = torch.full((batch,), PAGE, device=DEV, dtype=torch.int32)
+    workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=DEV)
+    for tc in (True, False):
+        t0 = time.time()
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tc)
+        w.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=DTYPE)
+        w.run(q, (k, torch.randn_like(k)))
+        torch.cuda.synchronize()
+        print(f"flashinfer tensor_cores={tc}: ready in {time.time() - t0:.1f}s", flush=True)
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"\n{'B':>4} {'L':>5} | {'kvray us':>9} {'TB/s':>5} {'%ceil':>5} | {'FI us':>8} {'x FI':>5} | {'SDPA us':>8} {'TB/s':>5}"
@@ -439,31 +458,31 @@ def print_prefill_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("kernels.json"))
-    ap.add_argument("--flashinfer", choices=("auto", "off", "require"), default="auto")
-    ap.add_argument(
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--result-json", help="write the rows to this file")
+    parser.add_argument("--flashinfer", choices=("auto", "off", "require"), default="auto")
+    parser.add_argument(
         "--sweep", action="store_true", help="also time every tiling variant and split count"
     )
-    ap.add_argument("--quick", action="store_true", help="three decode cases only")
-    ap.add_argument(
+    parser.add_argument("--quick", action="store_true", help="three decode cases only")
+    parser.add_argument(
         "--only", choices=("decode", "store_kv", "prefill"), help="run one of the benchmarks"
     )
-    ap.add_argument("--date", default=time.strftime("%Y-%m-%d"))
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit status 1 when one of the benchmarks failed (its error is in the result)."""
+    if not torch.cuda.is_available():
+        raise SystemExit("kvray bench kernels needs a CUDA GPU")
     torch.manual_seed(0)
     t0 = time.time()
     cuda_ops.load()
     fi, fi_err = load_flashinfer(args.flashinfer)
     result: dict[str, Any] = {
-        "date": args.date,
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "flashinfer": getattr(fi, "__version__", None),
         "flashinfer_error": fi_err,
-        "ceiling_tbps": CEILING_TBPS,
+        "ceiling_tbps": COPY_TBPS,
         "split_cap": SPLIT_CAP,
         "shape": {
             "q_heads": HQ,
@@ -472,18 +491,15 @@ def main() -> None:
             "page_size": PAGE,
             "dtype": "bfloat16",
         },
-        "method": "median per-call time over CUDA graph replays (median of ROUNDS interleaved rounds); "
-        "KV bytes / time; page sets rotated so each graph reads >= 512 MB",
+        "method": "median per-call time over CUDA graph replays (median of ROUNDS interleaved "
+        "rounds); KV bytes / time; page sets rotated so each graph reads >= 512 MB",
         "decode_blocks_per_sm": {
             str(v): cuda_ops.decode_blocks_per_sm(D, DTYPE, v)
             for v in range(cuda_ops.decode_variants())
         },
         "prefill_kernel_info": prefill_kernel_info(),
     }
-
-    def save() -> None:
-        args.out.write_text(json.dumps(result, indent=1))
-
+    failed = False
     for name, fn in (
         ("decode", lambda: bench_decode(args, fi)),
         ("store_kv", bench_store_kv),
@@ -494,17 +510,15 @@ def main() -> None:
         try:
             result[name] = fn()
         except Exception as exc:
+            failed = True
             result[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:1000]
             print(f"{name} failed: {exc}", flush=True)
         torch.cuda.empty_cache()
-        save()
+        write_result(args.result_json, "kernels", result)  # what is done so far
     result["wall_s"] = time.time() - t0
-    save()
+    write_result(args.result_json, "kernels", result)
     if "decode" in result:
         print_table(result["decode"])
     if "prefill" in result:
         print_prefill_table(result["prefill"])
-
-
-if __name__ == "__main__":
-    main()
+    return 1 if failed else 0

@@ -1,4 +1,4 @@
-"""`kvray` command line: serve | generate | prepare-demo | bench offline | bench serve.
+"""`kvray` command line: serve | generate | prepare-demo | bench <name>.
 
 Heavy imports (ray, torch, the engine) happen inside the subcommand that needs them, so
 `kvray --help` is instant and `kvray bench offline` loads only what it uses.
@@ -15,7 +15,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-BENCH_MODULES = {"offline": "cluster.bench_offline", "serve": "cluster.bench_serve"}
+BENCH_MODULES = {
+    name: f"benchmarks.{name}"
+    for name in ("offline", "serve", "kernels", "step", "cluster", "soak")
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
 
-    bench = sub.add_parser("bench", help="benchmarks: offline (engine) or serve (HTTP)")
+    bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(sorted(BENCH_MODULES)))
     bench.add_argument("target", choices=sorted(BENCH_MODULES))
     bench.add_argument(
         "args", nargs=argparse.REMAINDER, help="options of the benchmark (see its --help)"

@@ -1,0 +1,333 @@
+"""`kvray bench step`: one engine step on a GPU, ms per step beside its floor.
+
+Decode: for each model shape (random bf16 weights drawn on the device) and batch B, B
+requests of `--context` prompt tokens are prefilled, then `--steps` steady decode steps are
+timed, each `engine.step()` waiting for its sampled ids on the host. Four variants of one
+engine: CUDA graphs with overlapped scheduling (the default: the next step is queued before
+this one's ids are read), graphs without overlap, and eager with and without overlap; plus
+the GPU time alone (the bucket's graph replayed back to back, CUDA events). The floor is
+(weight bytes + KV bytes read) / 4.19 TB/s, the H200's copy bandwidth. Also the kernels one
+eager decode step launches (torch profiler; every one costs host time when a step runs
+eagerly), and the time to first token of one `--context`-token prompt against its FLOP
+floor at 790 TFLOP/s.
+
+Mixed: B requests decode while each timed step also prefills one whole P-token prompt, as
+the scheduler packs a chunk beside decodes; prompt CUDA graphs against eager, and the
+decode-only step of the same batch. B = 0 is a lone prompt step.
+
+`--profile`: the torch profiler's kernel table over 5 decode steps at the largest batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import BF16_TFLOPS, COPY_TBPS, environment, hardware_text, write_result
+from worker.config import EngineConfig
+from worker.engine import Engine, EngineRequest
+from worker.model.random_model import get_shape, hf_config
+from worker.sampling import SamplingParams
+
+VARIANTS = (  # (key, CUDA graphs, overlap)
+    ("graph_ms", True, True),
+    ("graph_no_overlap_ms", True, False),
+    ("eager_ms", False, True),
+    ("eager_no_overlap_ms", False, False),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shapes", nargs="+", default=["smollm2-135m", "llama3-8b"])
+    parser.add_argument("--only", choices=["decode", "mixed"], help="one kind of step")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64, 128])
+    parser.add_argument("--context", type=int, default=1024, help="tokens of context a request")
+    parser.add_argument("--steps", type=int, default=40, help="timed decode steps a row")
+    parser.add_argument("--mixed-batches", nargs="+", type=int, default=[0, 32, 64])
+    parser.add_argument("--prompts", nargs="+", type=int, default=[32, 128, 512, 1024])
+    parser.add_argument("--mixed-steps", type=int, default=10, help="timed mixed steps a row")
+    parser.add_argument("--profile", action="store_true", help="print the kernel table too")
+    parser.add_argument("--result-json", help="write the rows to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        raise SystemExit("kvray bench step needs a CUDA GPU")
+    print(f"kvray bench step: {hardware_text(environment())}", flush=True)
+    result: dict[str, Any] = {"context": args.context, "decode": [], "prefill": [], "mixed": []}
+    for shape in args.shapes:
+        if args.only in (None, "decode"):
+            _decode_shape(args, shape, result)
+        if args.only in (None, "mixed"):
+            result["mixed"] += _mixed_shape(args, shape)
+        torch.cuda.empty_cache()
+    write_result(args.result_json, "step", result)
+    return 0
+
+
+def make_engine(
+    shape: str, max_running: int, context: int, steps: int, extra_tokens: int = 0
+) -> Engine:
+    """An engine of random bf16 weights of `shape`, room for `max_running` requests of
+    `context` + `steps` tokens and `extra_tokens` more (other prompts beside the batch)."""
+    path = Path(tempfile.mkdtemp(prefix=f"kvray-{shape}-"))
+    (path / "config.json").write_text(json.dumps(hf_config(get_shape(shape), "bfloat16")))
+    pages = max_running * ((context + steps + 64) // 16 + 1) + extra_tokens // 16 + 16
+    config = EngineConfig(
+        model=str(path),
+        load_format="random",
+        dtype="bfloat16",
+        device="cuda",
+        max_running=max_running,
+        max_seq_len=max(context, extra_tokens) + steps + 128,
+        num_pages=pages,
+        token_budget=8192,
+    )
+    return Engine(config)
+
+
+def run_until_decoding(engine: Engine) -> None:
+    """Step until every submitted request has finished its prompt and decodes one token a step."""
+    engine.step()  # drains the inbox into the scheduler
+    while engine.scheduler.waiting or any(
+        r.num_pending > 1 or not r.output_ids for r in engine.scheduler.running
+    ):
+        engine.step()
+
+
+def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)  # fresh prompts per row: no prefix-cache hits
+    return [torch.randint(10, 30000, (length,), generator=g).tolist() for _ in range(count)]
+
+
+def _set(engine: Engine, graphs: Any, overlap: bool) -> None:
+    engine.executor.graphs = graphs
+    engine.config = engine.config.model_copy(update={"overlap": overlap})
+
+
+# -- decode ----------------------------------------------------------------------------------
+
+
+def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) -> None:
+    engine = make_engine(shape, max(args.batches), args.context, args.steps)
+    params = list(engine.executor.model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    kv_per_token = 2 * engine.model_config.num_layers * engine.model_config.kv_size * 2
+    graphs = engine.executor.graphs
+    kernels = _kernels_per_step(engine)
+    for number, batch in enumerate(args.batches):
+        row: dict[str, Any] = {"shape": shape, "batch": batch, "kernels_per_step": kernels}
+        for index, (key, with_graphs, overlap) in enumerate(VARIANTS):
+            _set(engine, graphs if with_graphs else None, overlap)
+            seed = 100 * number + index
+            replay = key == "graph_ms" and graphs is not None
+            row[key], gpu_ms = _time_decode(engine, batch, args.context, args.steps, seed, replay)
+            if gpu_ms is not None:
+                row["gpu_replay_ms"] = gpu_ms
+        kv_bytes = batch * (args.context + args.steps // 2) * kv_per_token
+        row["floor_ms"] = (weights + kv_bytes) / (COPY_TBPS * 1e12) * 1e3
+        row["of_floor"] = row["floor_ms"] / row["graph_ms"]
+        result["decode"].append(row)
+        print(
+            f"{shape:14s} B={batch:4d}  graph {row['graph_ms']:7.3f} ms (no overlap "
+            f"{row['graph_no_overlap_ms']:.3f}, GPU alone {row.get('gpu_replay_ms', 0):.3f})  "
+            f"eager {row['eager_ms']:7.3f} ms (no overlap {row['eager_no_overlap_ms']:.3f})  "
+            f"floor {row['floor_ms']:6.3f} ms ({100 * row['of_floor']:4.1f} %)  "
+            f"{kernels} kernels/step",
+            flush=True,
+        )
+    _set(engine, graphs, True)
+    ttft = _ttft_ms(engine, args.context)
+    flop_floor = 2 * sum(p.numel() for p in params) * args.context / (BF16_TFLOPS * 1e12) * 1e3
+    result["prefill"].append(
+        {"shape": shape, "tokens": args.context, "ttft_ms": ttft, "flop_floor_ms": flop_floor}
+    )
+    print(f"{shape:14s} TTFT {args.context} tokens: {ttft:.2f} ms (FLOP floor {flop_floor:.2f} ms)")
+    if args.profile:
+        _print_profile(engine, shape, max(args.batches), args.context)
+
+
+def _time_decode(
+    engine: Engine, batch: int, context: int, steps: int, seed: int, replay: bool
+) -> tuple[float, float | None]:
+    """ms per steady decode step of `batch` requests; with `replay`, also the GPU time alone."""
+    # Prompts finish prefill over several steps, and the first ones decode meanwhile: room for
+    # that skew, so no request ends in the timed window.
+    params = SamplingParams(temperature=0, max_tokens=steps + 48, ignore_eos=True)
+    requests = [
+        EngineRequest(f"d{seed}-{i}", p, params)
+        for i, p in enumerate(_prompts(batch, context, seed))
+    ]
+    stream = engine.submit(requests)
+    run_until_decoding(engine)
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    overlapped = engine.num_overlapped_steps
+    start = time.perf_counter()
+    for _ in range(steps - 4):
+        engine.step()
+    ms = (time.perf_counter() - start) / (steps - 4) * 1e3
+    overlapped = engine.num_overlapped_steps - overlapped
+    if engine.config.overlap and overlapped != steps - 4:  # the batch changed: not steady
+        print(f"  warning: B={batch}: {overlapped} of {steps - 4} timed steps overlapped")
+    gpu_ms = _replay_ms(engine, batch) if replay else None
+    stream.close()
+    while engine.has_work:
+        engine.step()
+    return ms, gpu_ms
+
+
+def _replay_ms(engine: Engine, batch: int, n: int = 30) -> float:
+    """GPU time of one decode step: the bucket's graph replayed back to back (same inputs)."""
+    runner = engine.executor.graphs
+    assert runner is not None
+    graph = runner.graphs[runner.bucket(batch) or 0]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / n
+
+
+def _kernels_per_step(engine: Engine) -> int:
+    """GPU kernels (copies and memsets left out) of one steady eager decode step at B=1."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine.executor.graphs
+    _set(engine, None, False)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    stream = engine.submit([EngineRequest("kernels", list(range(10, 42)), params)])
+    run_until_decoding(engine)
+    engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    stream.close()
+    while engine.has_work:
+        engine.step()
+    _set(engine, graphs, True)
+    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return sum(1 for n in names if not n.startswith(("Memcpy", "Memset")))
+
+
+def _ttft_ms(engine: Engine, context: int) -> float:
+    """Median of 4 (after one warm-up) lone `context`-token prompts, submit to first token."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompt = _prompts(1, context, 1)[0]
+    times = []
+    for i in range(5):
+        stream = engine.submit([EngineRequest(f"ttft-{i}", [p + i for p in prompt], params)])
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        while not stream.finished:
+            engine.step()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def _print_profile(engine: Engine, shape: str, batch: int, context: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    requests = [
+        EngineRequest(f"p{i}", p, params) for i, p in enumerate(_prompts(batch, context, 7))
+    ]
+    stream = engine.submit(requests)
+    run_until_decoding(engine)
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            engine.step()
+        torch.cuda.synchronize()
+    print(f"== {shape} B={batch}: GPU time by kernel over 5 decode steps")
+    table = prof.key_averages().table(
+        sort_by="self_cuda_time_total", row_limit=24, max_name_column_width=60
+    )
+    print(table)
+    stream.close()
+    while engine.has_work:
+        engine.step()
+
+
+# -- mixed -----------------------------------------------------------------------------------
+
+
+def _mixed_shape(args: argparse.Namespace, shape: str) -> list[dict[str, Any]]:
+    steps = args.mixed_steps
+    batches = args.mixed_batches
+    engine = make_engine(
+        shape, max(batches) + 4, args.context, 64 * steps, extra_tokens=4 * max(args.prompts)
+    )
+    runner = engine.executor.prompt_graphs
+    rows: list[dict[str, Any]] = []
+    for batch in batches:
+        params = SamplingParams(temperature=0, max_tokens=64 * steps, ignore_eos=True)
+        decodes = _prompts(batch, args.context, 1000 + batch)
+        requests = [EngineRequest(f"m{batch}-{i}", p, params) for i, p in enumerate(decodes)]
+        stream = engine.submit(requests) if batch else None
+        decode_ms = None
+        if batch:
+            engine.scheduler.token_budget = engine.config.token_budget
+            run_until_decoding(engine)
+            decode_ms = _timed_ms(engine, steps)
+        for prompt in args.prompts:
+            row: dict[str, Any] = {"shape": shape, "batch": batch, "prompt_tokens": prompt}
+            for key, graphs in (("graphs_ms", runner), ("eager_ms", None)):
+                if key == "graphs_ms" and runner is None:
+                    continue  # the engine captured no prompt graphs
+                engine.executor.prompt_graphs = graphs
+                row[key] = _mixed_ms(
+                    engine, batch, prompt, steps, seed=len(rows) * 2 + (graphs is None)
+                )
+            engine.executor.prompt_graphs = runner
+            line = f"{shape:14s} B={batch:3d} +{prompt:5d} prompt tokens: eager {row['eager_ms']:7.2f} ms"
+            if "graphs_ms" in row:
+                line += f"  prompt graphs {row['graphs_ms']:7.2f} ms"
+            if decode_ms is not None:
+                row["decode_ms"] = decode_ms
+                line += f"  (decode alone {decode_ms:6.2f} ms)"
+            rows.append(row)
+            print(line, flush=True)
+        if stream is not None:
+            stream.close()
+        while engine.has_work:
+            engine.step()
+    return rows
+
+
+def _timed_ms(engine: Engine, steps: int) -> float:
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def _mixed_ms(engine: Engine, batch: int, prompt: int, steps: int, seed: int) -> float:
+    """ms per step of `batch` decodes beside one whole `prompt`-token prompt (a new one each step)."""
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    chunks = _prompts(steps + 3, prompt, 5000 + seed)
+    engine.scheduler.token_budget = batch + prompt
+    stream = engine.submit([EngineRequest(f"c{seed}-{i}", p, one) for i, p in enumerate(chunks)])
+    ms = _timed_ms(engine, steps)
+    while not stream.finished:
+        engine.step()
+    return ms

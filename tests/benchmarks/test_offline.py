@@ -1,0 +1,255 @@
+"""`kvray bench offline` on a tiny random model, and the random-model writer it relies on."""
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from benchmarks.offline import CpuWatch, add_arguments, engine_options, make_workload, run
+from worker.model.config import ModelConfig
+from worker.model.loader import weight_files
+from worker.model.random_model import (
+    SHAPES,
+    ensure_random_model,
+    hf_config,
+    tensor_specs,
+    write_random_model,
+)
+
+N, IN_RANGE, OUT_RANGE = 5, (4, 40), (3, 20)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.fixture(scope="module")
+def tiny_result(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    args = _args(
+        "--random-shape",
+        "tiny",
+        "--random-dir",
+        str(tmp),
+        "--num-requests",
+        str(N),
+        "--input-len-range",
+        *map(str, IN_RANGE),
+        "--output-len-range",
+        *map(str, OUT_RANGE),
+        "--warmup-requests",
+        "2",
+        "--compare-hf",
+        "--result-json",
+        str(tmp / "out.json"),
+        "--max-running",
+        "4",
+        "--page-size",
+        "4",
+    )
+    return run(args), tmp / "out.json"
+
+
+def test_run_counts_every_requested_token(tiny_result):
+    result, _ = tiny_result
+    lens = make_workload(N, IN_RANGE, OUT_RANGE, SHAPES["tiny"].vocab_size, 0).output_lens
+    expected = sum(lens)
+    kv = result["kvray"]
+    assert kv["output_tokens"] == result["workload"]["output_tokens"] == expected
+    assert kv["seconds"] > 0 and kv["output_tok_s"] == pytest.approx(expected / kv["seconds"])
+    assert kv["steps"] >= max(lens)  # the longest request needs one step per output token
+    assert result["engine_config"]["max_running"] == 4 and result["engine_config"]["page_size"] == 4
+
+
+def test_run_compares_with_transformers_on_the_same_work(tiny_result):
+    result, _ = tiny_result
+    hf = result["hf"]
+    assert hf["output_tokens"] == result["kvray"]["output_tokens"]
+    assert hf["batch_size"] == 4 and hf["num_groups"] == 2  # the engine's max_running by default
+    assert hf["generated_tokens"] >= hf["output_tokens"]  # padding waste counted apart
+    assert 0 <= hf["same_tokens_as_kvray"] <= N
+    assert result["ratio_vs_hf"] == pytest.approx(
+        result["kvray"]["output_tok_s"] / hf["output_tok_s"]
+    )
+
+
+def test_run_writes_json_with_machine_and_params(tiny_result):
+    result, path = tiny_result
+    saved = json.loads(path.read_text())
+    assert saved["kvray"]["output_tokens"] == result["kvray"]["output_tokens"]
+    for key in ("date", "hostname", "hardware", "git_commit", "torch", "engine_config"):
+        assert saved[key], key
+    assert saved["hardware"]["cpu"] and saved["hardware"]["cpu_count"] >= 1
+    assert saved["params"]["random_shape"] == "tiny" and saved["model"]["random_shape"] == "tiny"
+    assert "token_ids" not in saved["kvray"] and "token_ids" not in saved["hf"]
+    assert saved["kvray"]["others_cpu_cores"] >= 0 and saved["hf"]["others_cpu_cores"] >= 0
+    profile = saved["kvray"]["step_profile"]
+    assert sum(row["steps"] for row in profile) == saved["kvray"]["steps"]
+    assert sum(row["seconds"] for row in profile) <= saved["kvray"]["seconds"]
+    assert {row["kind"] for row in profile} >= {"prompt"}
+
+
+def test_run_refuses_lengths_beyond_max_seq_len(tmp_path):
+    args = _args(
+        "--random-shape",
+        "tiny",
+        "--random-dir",
+        str(tmp_path),
+        "--num-requests",
+        "1",
+        "--input-len-range",
+        "60",
+        "60",
+        "--output-len-range",
+        "10",
+        "10",
+        "--max-seq-len",
+        "64",
+    )
+    with pytest.raises(ValueError, match="max_seq_len"):
+        run(args)
+
+
+def test_engine_options_come_from_engine_config_fields():
+    args = _args(
+        "--max-running",
+        "8",
+        "--no-cuda-graphs",
+        "--cache",
+        "contiguous",
+        "--num-pages",
+        "100",
+        "--dtype",
+        "float32",
+        "--no-overlap",
+    )
+    assert engine_options(args) == dict(
+        max_running=8,
+        cuda_graphs=False,
+        cache="contiguous",
+        num_pages=100,
+        dtype="float32",
+        overlap=False,
+    )
+    # an optional bool: a flag pair too
+    assert engine_options(_args("--overlap")) == dict(overlap=True)
+    assert engine_options(_args()) == {}
+    with pytest.raises(SystemExit):
+        _args("--cache", "ring")
+
+
+def test_workload_lengths_are_uniform_in_closed_ranges_and_seeded():
+    w = make_workload(400, (3, 6), (1, 4), vocab=50, seed=7)
+    assert {len(p) for p in w.prompts} == {3, 4, 5, 6}
+    assert set(w.output_lens) == {1, 2, 3, 4}
+    assert all(0 <= t < 50 for p in w.prompts for t in p)
+    assert make_workload(400, (3, 6), (1, 4), vocab=50, seed=7) == w
+    assert make_workload(400, (3, 6), (1, 4), vocab=50, seed=8) != w
+
+
+def test_random_model_is_an_hf_directory_with_every_tensor(tmp_path):
+    path = write_random_model(
+        tmp_path / "m", "tiny", dtype="bfloat16", seed=3, max_shard_bytes=100_000
+    )
+    files = weight_files(path)
+    assert len(files) > 1 and (path / "model.safetensors.index.json").is_file()
+    assert not (path / "tokenizer.json").exists()
+    tensors = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            tensors.update({k: h.get_tensor(k) for k in h.keys()})  # noqa: SIM118
+    assert {k: tuple(t.shape) for k, t in tensors.items()} == dict(tensor_specs(SHAPES["tiny"]))
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    q = tensors["model.layers.0.self_attn.q_proj.weight"].float()
+    assert 0.015 < q.std() < 0.025 and abs(q.mean()) < 0.005
+    assert torch.all(tensors["model.norm.weight"] == 1)
+    cfg = ModelConfig.from_dir(path)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.vocab_size) == (2, 64, 2, 512)
+    assert cfg.rope_scaling["rope_type"] == "llama3" and not cfg.tie_word_embeddings
+
+
+def test_random_model_is_seeded_and_cached(tmp_path):
+    a = write_random_model(tmp_path / "a", "tiny", seed=1)
+    b = write_random_model(tmp_path / "b", "tiny", seed=1)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    cached = ensure_random_model(tmp_path, "tiny", seed=1)
+    stamp = (cached / "model.safetensors").stat().st_mtime_ns
+    assert ensure_random_model(tmp_path, "tiny", seed=1) == cached
+    assert (cached / "model.safetensors").stat().st_mtime_ns == stamp
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_big_shapes_match_their_published_configs():
+    llama = ModelConfig.from_dict(hf_config(SHAPES["llama3-8b"], "bfloat16"))
+    assert (llama.num_layers, llama.hidden_size, llama.intermediate_size) == (32, 4096, 14336)
+    assert (llama.num_heads, llama.num_kv_heads, llama.head_dim, llama.vocab_size) == (
+        32,
+        8,
+        128,
+        128256,
+    )
+    assert llama.rope_theta == 500000.0 and llama.rope_scaling["rope_type"] == "llama3"
+    assert not llama.tie_word_embeddings
+    assert 8.02e9 < SHAPES["llama3-8b"].num_params < 8.04e9  # Llama-3.1-8B: 8.03B
+    smol = ModelConfig.from_dict(hf_config(SHAPES["smollm2-135m"], "bfloat16"))
+    assert (
+        smol.num_layers,
+        smol.hidden_size,
+        smol.num_heads,
+        smol.num_kv_heads,
+        smol.vocab_size,
+    ) == (30, 576, 9, 3, 49152)
+    assert smol.tie_word_embeddings and 134e6 < SHAPES["smollm2-135m"].num_params < 135e6
+
+
+def test_cpu_watch_counts_other_processes_not_this_one():
+    spin = "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass"
+    with CpuWatch() as watch:
+        child = subprocess.Popen([sys.executable, "-c", spin])
+        child.wait()
+    assert watch.seconds >= 0.6
+    # the spinning child is another process
+    assert watch.others_cores is not None and watch.others_cores >= 0.5
+
+
+def test_random_load_format_needs_only_a_config(tmp_path):
+    args = _args(
+        "--random-shape",
+        "tiny",
+        "--random-dir",
+        str(tmp_path),
+        "--load-format",
+        "random",
+        "--num-requests",
+        "3",
+        "--input-len-range",
+        "5",
+        "9",
+        "--output-len-range",
+        "2",
+        "6",
+        "--warmup-requests",
+        "0",
+    )
+    result = run(args)
+    assert result["kvray"]["output_tokens"] == result["workload"]["output_tokens"]
+    (path,) = tmp_path.iterdir()
+    assert path.name.endswith("-config") and not list(path.glob("*.safetensors"))
+    with pytest.raises(ValueError, match="compare-hf"):
+        run(
+            _args(
+                "--random-shape",
+                "tiny",
+                "--random-dir",
+                str(tmp_path),
+                "--load-format",
+                "random",
+                "--compare-hf",
+            )
+        )

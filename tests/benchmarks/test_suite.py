@@ -1,0 +1,57 @@
+"""`kvray bench <name>`: every benchmark of the suite answers --help, and the cluster
+benchmark's shared-prompt load shares what it should."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import numpy as np
+import pytest
+
+from benchmarks.cluster import _hit_rate, _prefix_samples
+from cluster.cli import BENCH_MODULES, main
+
+
+@pytest.mark.parametrize("name", sorted(BENCH_MODULES))
+def test_every_benchmark_answers_help(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", name, "--help"])
+    assert exit_.value.code == 0
+    assert f"kvray bench {name}" in capsys.readouterr().out
+    module = importlib.import_module(BENCH_MODULES[name])
+    assert callable(module.add_arguments) and callable(module.run)
+
+
+def test_the_suite_is_the_six_lasting_benchmarks() -> None:
+    assert sorted(BENCH_MODULES) == ["cluster", "kernels", "offline", "serve", "soak", "step"]
+
+
+def test_shared_prompt_requests_open_with_one_of_the_groups_system_prompts() -> None:
+    args = argparse.Namespace(
+        prefix_groups=3, prefix_len=64, prefix_prompts=30, prefix_suffix_len=8, prefix_output_len=4
+    )
+    samples = _prefix_samples(args, vocab=49152, seed=0)
+    assert len(samples) == 30 and all(len(s.prompt) == 72 for s in samples)
+    assert len({tuple(s.prompt[:64]) for s in samples}) == 3  # three system prompts, shared
+    assert len({tuple(s.prompt[64:]) for s in samples}) == 30  # each its own suffix
+    other = _prefix_samples(args, vocab=49152, seed=1)
+    assert not {tuple(s.prompt[:64]) for s in samples} & {tuple(s.prompt[:64]) for s in other}
+    assert np.all([s.output_len == 4 for s in samples])
+
+
+def test_hit_rate_is_the_replicas_new_hits_over_their_new_queries() -> None:
+    def stats(hits: int, queries: int, tokens: int) -> dict[str, int]:
+        return {
+            "prefix_hits": hits,
+            "prefix_queries": queries,
+            "num_preemptions": 0,
+            "generation_tokens_total": tokens,
+        }
+
+    before = [stats(10, 20, 100), stats(0, 0, 0)]
+    after = [stats(40, 60, 400), stats(5, 20, 50)]
+    rate = _hit_rate(before, after)
+    assert rate["prefix_hit_rate"] == pytest.approx(35 / 60)
+    assert rate["per_replica_hit_rate"] == [pytest.approx(0.75), pytest.approx(0.25)]
+    assert rate["per_replica_generated_tokens"] == [300, 50]
