@@ -49,7 +49,7 @@ from benchmarks.stats import (
     tally,
 )
 from cluster.config import ClusterConfig
-from cluster.local_ray import lower_control_plane, ray_session
+from cluster.local_ray import ray_session
 
 APP = "kvray"
 
@@ -396,7 +396,6 @@ def run(args: argparse.Namespace) -> int:
                 serve.start(
                     http_options={"host": "127.0.0.1", "port": port, "location": "EveryNode"}
                 )
-                lower_control_plane()  # as `kvray serve` does
                 url = f"http://127.0.0.1:{port}"
                 if "scaling" in phases:
                     loads = {
@@ -511,7 +510,7 @@ def _scale_to(
 def _affinity_phase(
     args: argparse.Namespace, base: dict[str, Any], port: int, url: str, name: str, vocab: int
 ) -> dict[str, Any]:
-    engine = {**base["engine"], "num_pages": args.prefix_cache_tokens // 16, "page_size": 16}
+    engine = {**base["engine"], "num_pages": args.prefix_cache_tokens // 16}
     phase: dict[str, Any] = {
         "kv_tokens_per_replica": args.prefix_cache_tokens,
         "shared_prompt_tokens": args.prefix_groups * args.prefix_len,
@@ -524,7 +523,13 @@ def _affinity_phase(
                 "worker_replicas": args.replicas,
                 "worker_resources": {"num_gpus": args.affinity_gpus_per_replica},
                 "port": port,
-                "router": {**base["router"], "prefix_affinity": affinity},
+                "advanced": {
+                    **base.get("advanced", {}),
+                    "router": {
+                        **base.get("advanced", {}).get("router", {}),
+                        "prefix_affinity": affinity,
+                    },
+                },
             }
         )
         deploy_s = _deploy(config)

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cluster.config import usable_cores
+
 # H200 floors every GPU figure is reported against: device-to-device copy bandwidth as
 # measured on the lent H200, and the dense bf16 tensor-core peak.
 COPY_TBPS = 4.19
@@ -54,13 +56,6 @@ def cpu_model() -> str:
     return f"{name} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
 
 
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity masks here (not Linux)
-        return os.cpu_count() or 1
-
-
 def gpus() -> list[str]:
     """The CUDA devices torch sees, by name ([] without torch or CUDA)."""
     torch = sys.modules.get("torch")
@@ -89,7 +84,7 @@ def environment() -> dict[str, Any]:
         "hardware": {
             "cpu": cpu_model(),
             "cpu_count": os.cpu_count(),
-            "usable_cores": _usable_cores(),
+            "usable_cores": usable_cores(),
             "gpus": gpus(),
         },
         "python": platform.python_version(),

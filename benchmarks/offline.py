@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"longest prompt + output exceeds max_seq_len={cfg.max_seq_len}; pass --max-seq-len"
         )
     print(
-        f"kvray bench offline: {path} ({cfg.dtype}, {cfg.device}, backend {cfg.backend}, cache {cfg.cache}, "
+        f"kvray bench offline: {path} ({cfg.dtype}, {cfg.device}, backend {cfg.advanced.backend}, cache {cfg.advanced.cache}, "
         f"max_running {cfg.max_running}, token_budget {cfg.token_budget})",
         flush=True,
     )

@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--rounds: 1 to --num-prompts")
     load = prepare(args)
     config, samples, plans, arrivals = load.config, load.samples, load.plans, load.arrivals
-    label = f"serve ({config.worker_replicas} worker replica(s), batch window {config.router.batch_window_ms} ms)"
+    label = f"serve ({config.worker_replicas} worker replica(s), batch window {config.advanced.router.batch_window_ms} ms)"
     sides: dict[str, Measured] = {}
     rounds: list[dict[str, dict[str, Any]]] = []
     goodput = parse_goodput(args.goodput)
@@ -227,7 +227,7 @@ def _round(
                     samples,
                     arrivals,
                     args.max_concurrency,
-                    config.worker_cpu_threads,
+                    config.advanced.worker_cpu_threads,
                 )
             )
 
@@ -278,7 +278,7 @@ def local_app(config: Any) -> Iterator[str]:
     from ray import serve
 
     from cluster.app import build_app, cluster_runtime_env, set_serve_env
-    from cluster.local_ray import lower_control_plane, set_own_ray_env
+    from cluster.local_ray import set_own_ray_env
 
     set_serve_env()
     set_own_ray_env()  # as `kvray serve` does
@@ -291,8 +291,11 @@ def local_app(config: Any) -> Iterator[str]:
     )
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
-        lower_control_plane()  # as `kvray serve` does
-        serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
+        serve.run(
+            build_app(config),
+            name=config.advanced.app_name,
+            route_prefix=config.advanced.route_prefix,
+        )
         yield f"http://{config.host}:{config.port}"
     finally:
         serve.shutdown()
@@ -547,7 +550,7 @@ async def engine_run(
     cpu_threads: int | None = None,
 ) -> dict[str, Any]:
     """The same load against an engine in this process; `cpu_threads` as a worker replica's
-    (`ClusterConfig.worker_cpu_threads`), so both sides compute with the same torch threads."""
+    (`ClusterConfig.advanced.worker_cpu_threads`), so both sides compute with the same torch threads."""
     measured = await _engine_load(engine_config, samples, arrivals, concurrency, cpu_threads)
     return measured.summary()
 

@@ -66,17 +66,19 @@ def soak_launched(
         )
         _say(f"soak: warm-up, {len(warm)} requests")
         report["warmup"] = asyncio.run(warm_run)["outcomes"]
-        before = replica_snapshot(config.app_name)
+        before = replica_snapshot(config.advanced.app_name)
         _say(f"soak: {len(samples)} requests")
         run = http_run(base_url, key, model, samples, plans, arrivals, args, warm_up=False)
         report["run"] = asyncio.run(run)
-        report["leaks"] = leak_report(before, replica_snapshot(config.app_name))
+        report["leaks"] = leak_report(before, replica_snapshot(config.advanced.app_name))
         if args.overload_requests:
             _say(f"soak: overload burst of {args.overload_requests} requests")
             report["overload"] = asyncio.run(
                 overload(base_url, key, model, args.overload_requests, vocab, args)
             )
-            report["after_overload"] = leak_report(before, replica_snapshot(config.app_name))
+            report["after_overload"] = leak_report(
+                before, replica_snapshot(config.advanced.app_name)
+            )
     report["passed"] = soak_passed(report)
     print(json.dumps({k: report[k] for k in report if k not in ("args", "config")}, indent=2))
     return report

@@ -81,13 +81,13 @@ def make_engine(
     pages = max_running * ((context + steps + 64) // 16 + 1) + extra_tokens // 16 + 16
     config = EngineConfig(
         model=str(path),
-        load_format="random",
         dtype="bfloat16",
         device="cuda",
         max_running=max_running,
         max_seq_len=max(context, extra_tokens) + steps + 128,
         num_pages=pages,
         token_budget=8192,
+        advanced={"load_format": "random"},
     )
     return Engine(config)
 
@@ -175,7 +175,7 @@ def _time_decode(
         engine.step()
     ms = (time.perf_counter() - start) / (steps - 4) * 1e3
     overlapped = engine.num_overlapped_steps - overlapped
-    if engine.config.overlap and overlapped != steps - 4:  # the batch changed: not steady
+    if engine.config.advanced.overlap and overlapped != steps - 4:  # the batch changed: not steady
         print(f"  warning: B={batch}: {overlapped} of {steps - 4} timed steps overlapped")
     gpu_ms = _replay_ms(engine, batch) if replay else None
     stream.close()

@@ -287,13 +287,6 @@ def usable_cores(cgroup: Path = CGROUP_ROOT) -> int:
     return cores if limit is None else max(1, min(cores, int(limit)))
 
 
-def cores_text() -> str:
-    """This machine's cores for a result file: "16 cores", or "16 cores (8 usable)" where this
-    process may use fewer (`usable_cores`), as a benchmark under `taskset` or in a pod does."""
-    cores, usable = os.cpu_count() or 1, usable_cores()
-    return f"{cores} cores" if usable == cores else f"{cores} cores ({usable} usable)"
-
-
 def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> float | None:
     """This container's CPU limit in cores (a pod's `limits.cpu`): cgroup v2's `cpu.max`, else
     v1's CFS quota over its period; None without one (or off Linux)."""

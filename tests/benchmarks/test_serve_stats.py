@@ -7,7 +7,6 @@ import json
 import time
 
 import pytest
-from cluster.timeline import read_timelines, summarize, write_client
 
 from benchmarks import serve as bench_serve
 from benchmarks.offline import step_profile

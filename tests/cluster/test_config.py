@@ -10,12 +10,10 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from cluster import config as cluster_config
 from cluster.config import (
     API_KEYS_ENV,
     ClusterConfig,
     cgroup_cpu_limit,
-    cores_text,
     usable_cores,
     worker_torch_threads,
 )
@@ -96,15 +94,6 @@ def test_a_cpu_limit_caps_the_cores_a_cpu_worker_uses(tmp_path: Path) -> None:
     mask = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert usable_cores(v2) == 1  # rounded down: threads past the limit wait out each period
     assert [usable_cores(c) for c in (v2_unlimited, v1_unlimited, none)] == [mask] * 3
-
-
-def test_result_files_name_the_cores_a_benchmark_could_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    # a benchmark run under `taskset` or in a pod says so, not only what the machine has
-    monkeypatch.setattr(cluster_config.os, "cpu_count", lambda: 16)
-    monkeypatch.setattr(cluster_config, "usable_cores", lambda: 16)
-    assert cores_text() == "16 cores"
-    monkeypatch.setattr(cluster_config, "usable_cores", lambda: 8)
-    assert cores_text() == "16 cores (8 usable)"
 
 
 def test_api_keys_come_from_config_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from cluster.bench_soak import overload
+from benchmarks.soak import overload
 from tests.cluster.conftest import ENGINE, Served
 from tests.reliability.conftest import wait_all_idle
 

@@ -10,9 +10,9 @@ import asyncio
 
 import numpy as np
 
-from cluster.bench_serve import http_run
-from cluster.bench_soak import leak_report, replica_snapshot
-from cluster.bench_stats import make_plans, make_samples
+from benchmarks.serve import http_run
+from benchmarks.soak import leak_report, replica_snapshot
+from benchmarks.stats import make_plans, make_samples
 from tests.cluster.conftest import Served
 from tests.reliability.conftest import wait_all_idle
 
