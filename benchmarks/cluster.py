@@ -342,10 +342,12 @@ def run(args: argparse.Namespace) -> int:
     from worker.tokenizer import Tokenizer
 
     config = load_config(args.config)
-    engine_update = {
-        k: v for k, v in (("model", args.model), ("load_format", args.load_format)) if v
-    }
-    engine = config.engine.model_copy(update=engine_update)
+    engine = config.engine
+    if args.model:
+        engine = engine.model_copy(update={"model": args.model})
+    if args.load_format:
+        advanced = engine.advanced.model_copy(update={"load_format": args.load_format})
+        engine = engine.model_copy(update={"advanced": advanced})
     config = config.model_copy(update={"engine": engine})
     model_dir = resolve_model_path(engine.model)
     if args.tokenizer_from:

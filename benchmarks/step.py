@@ -108,7 +108,8 @@ def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
 
 def _set(engine: Engine, graphs: Any, overlap: bool) -> None:
     engine.executor.graphs = graphs
-    engine.config = engine.config.model_copy(update={"overlap": overlap})
+    advanced = engine.config.advanced.model_copy(update={"overlap": overlap})
+    engine.config = engine.config.model_copy(update={"advanced": advanced})
 
 
 # -- decode ----------------------------------------------------------------------------------
