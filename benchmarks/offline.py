@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import environment
-from worker.config import EngineConfig
+from worker.config import EngineAdvanced, EngineConfig
 from worker.engine import StepRecord
 from worker.llm import LLM
 from worker.model.config import ModelConfig
@@ -120,9 +120,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--result-json", help="write the full result to this file")
     engine = parser.add_argument_group("engine options (EngineConfig; unset = its default)")
-    for name, info in EngineConfig.model_fields.items():
-        if name != "model":
-            _add_config_option(engine, name, info.annotation, info.description or "", info.default)
+    for name, info in _engine_fields().items():
+        _add_config_option(engine, name, info.annotation, info.description or "", info.default)
+
+
+def _engine_fields() -> dict[str, Any]:
+    """EngineConfig's fields and its advanced ones, flat (`LLM` takes them so)."""
+    top = {k: v for k, v in EngineConfig.model_fields.items() if k not in ("model", "advanced")}
+    return {**top, **EngineAdvanced.model_fields}
 
 
 def _add_config_option(group: Any, name: str, annotation: Any, doc: str, default: Any) -> None:
@@ -144,11 +149,7 @@ def _add_config_option(group: Any, name: str, annotation: Any, doc: str, default
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig fields given on the command line."""
-    return {
-        k: getattr(args, k)
-        for k in EngineConfig.model_fields
-        if k != "model" and getattr(args, k, None) is not None
-    }
+    return {k: getattr(args, k) for k in _engine_fields() if getattr(args, k, None) is not None}
 
 
 # -- the run -----------------------------------------------------------------------------

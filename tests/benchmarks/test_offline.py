@@ -64,7 +64,10 @@ def test_run_counts_every_requested_token(tiny_result):
     assert kv["output_tokens"] == result["workload"]["output_tokens"] == expected
     assert kv["seconds"] > 0 and kv["output_tok_s"] == pytest.approx(expected / kv["seconds"])
     assert kv["steps"] >= max(lens)  # the longest request needs one step per output token
-    assert result["engine_config"]["max_running"] == 4 and result["engine_config"]["page_size"] == 4
+    assert (
+        result["engine_config"]["max_running"] == 4
+        and result["engine_config"]["advanced"]["page_size"] == 4
+    )
 
 
 def test_run_compares_with_transformers_on_the_same_work(tiny_result):
