@@ -38,7 +38,6 @@ APP_NAME = "kvray"
 ENGINE = {
     "model": "demo",
     "num_pages": 96,
-    "page_size": 16,
     "max_running": 4,
     "max_waiting": 6,
     "max_seq_len": 512,

@@ -51,7 +51,6 @@ PHASE_TIMEOUT_S = 240.0
 TEST_ARGS: dict[str, Any] = {
     "engine": {
         "num_pages": 96,
-        "page_size": 16,
         "max_running": 4,
         "max_waiting": 64,
         "max_seq_len": 512,

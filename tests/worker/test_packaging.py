@@ -19,7 +19,7 @@ def _setuptools() -> dict:
 def test_the_package_list_names_every_package_of_the_tree_and_the_kernel_sources():
     found = {
         ".".join(p.parent.relative_to(ROOT).parts)
-        for top in ("worker", "cluster")
+        for top in ("worker", "cluster", "benchmarks")
         for p in (ROOT / top).rglob("__init__.py")
     }
     config = _setuptools()
@@ -79,9 +79,7 @@ def test_a_plain_wheel_ships_the_kernel_sources(tmp_path):
     shutil.copytree(
         ROOT,
         src,
-        ignore=shutil.ignore_patterns(
-            ".git", ".venv", "tests", "benchmarks", "docs", "k8s", "*.pyc"
-        ),
+        ignore=shutil.ignore_patterns(".*", "tests", "results", "docs", "k8s", "*.pyc"),
     )
     subprocess.run(
         [
