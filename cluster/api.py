@@ -235,7 +235,7 @@ class Ingress:
             raise self._draining_error()
         info = await self._engine_info()
         for prompt in prompts:
-            self._check_length(prompt, params.max_tokens, info["max_seq_len"], chat)
+            self._check_length(prompt, params.max_tokens, info, chat)
         rid, model = new_id("chatcmpl" if chat else "cmpl"), self._config.model_name
         group = self._group(rid, prompts, params, req.n, info)
         stream = self._dispatcher.submit(group)
@@ -328,13 +328,16 @@ class Ingress:
         return Group(requests, hashes)
 
     def _check_length(
-        self, prompt: list[int], max_tokens: int | None, max_seq_len: int, chat: bool
+        self, prompt: list[int], max_tokens: int | None, info: dict[str, Any], chat: bool
     ) -> None:
+        """The worker's own rules (`worker.validation`) against the engine's facts: the model's
+        vocabulary and context, not the tokenizer's."""
+        max_seq_len = info["max_seq_len"]
         field = "messages" if chat else "prompt"
         if not prompt:
             raise ApiError(400, "the prompt is empty", param=field)
         limits.check_prompt_tokens(prompt, self._limits.max_prompt_tokens, field)
-        limits.check_prompt_ids(prompt, self._tokenizer.vocab_size, field)
+        limits.check_prompt_ids(prompt, info.get("vocab_size", self._tokenizer.vocab_size), field)
         cap = self._limits.max_tokens
         limits.check_context(len(prompt), max_tokens, max_seq_len, cap, field)
 

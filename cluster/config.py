@@ -308,7 +308,7 @@ def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> float | None:
 def worker_torch_threads(
     engine: EngineConfig, threads: int | None, cores: int, cuda: bool
 ) -> int | None:
-    """The torch threads a worker replica sets: `ClusterConfig.worker_cpu_threads` when given;
+    """The torch threads a worker replica sets: `advanced.worker_cpu_threads` when given;
     else, for an engine on CPU, every one of the `cores` it may run on (`usable_cores`; Ray would
     cap it at its `num_cpus`), less one from SPARE_CORE_FROM cores up; else None (a GPU engine
     keeps torch's own)."""

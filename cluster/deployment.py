@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 def set_cpu_threads(config: EngineConfig, threads: int | None) -> None:
     """Set this process's torch threads as a worker replica's engine has them (`threads`:
-    `ClusterConfig.worker_cpu_threads`): Ray caps an actor's at its `num_cpus`."""
+    `ClusterConfig.advanced.worker_cpu_threads`): Ray caps an actor's at its `num_cpus`."""
     threads = worker_torch_threads(config, threads, usable_cores(), torch.cuda.is_available())
     if threads is not None:
         torch.set_num_threads(threads)
@@ -207,7 +207,7 @@ class WorkerDeployment:
                 wake.clear()
                 frames, finished = box.stream.drain()
                 if frames:
-                    idle_since = None
+                    idle_since, steps = None, self._engine.stats_snapshot.num_steps
                     yield encode_deltas(frames[0] if len(frames) == 1 else merge_steps(frames))
                     continue
                 if finished:  # nothing left: linger a moment for the ingress's next submit
@@ -222,9 +222,11 @@ class WorkerDeployment:
                 try:
                     await asyncio.wait_for(wake.wait(), wait_s)
                 except TimeoutError:
-                    stepped = self._engine.stats_snapshot.num_steps != steps
-                    steps = self._engine.stats_snapshot.num_steps
-                    if not finished and stepped:
+                    # two steps on: the engine publishes a step's frames after its snapshot,
+                    # so only then has a whole step surely gone by with nothing of ours
+                    now_steps = self._engine.stats_snapshot.num_steps
+                    if not finished and now_steps - steps >= 2:
+                        steps = now_steps
                         yield HEARTBEAT  # queued behind others: not a stalled worker
             ended = True  # replaced by a newer session
         finally:
@@ -256,9 +258,12 @@ class WorkerDeployment:
 
         asyncio.get_running_loop().call_later(self._orphan_timeout_s, reap)
 
-    async def abort(self, hint: RouteHint, request_ids: list[str]) -> None:
+    async def abort(self, hint: RouteHint, request_ids: list[str], ingress_id: str) -> None:
+        """Abort requests `ingress_id` queued here (another ingress's ids are left alone)."""
+        box = self._mailboxes.get(ingress_id)
         for request_id in request_ids:
-            self._engine.abort(request_id)
+            if box is not None and box.stream.holds(request_id):
+                self._engine.abort(request_id)
 
     async def inject_fault(self, hint: RouteHint, steps: int = 1, stall_s: float = 0.0) -> str:
         """Tests: make this replica's next `steps` steps raise (or stall `stall_s` seconds
@@ -272,6 +277,7 @@ class WorkerDeployment:
         config = self._engine.config
         return {
             "max_seq_len": config.max_seq_len,
+            "vocab_size": self._engine.model_config.vocab_size,
             "page_size": config.advanced.page_size,
             "prefix_cache": config.prefix_cache,
             "engine": config.model_dump(),

@@ -437,7 +437,8 @@ class Dispatcher:
     async def _abort(self, replica_id: str, request_ids: list[str]) -> None:
         with contextlib.suppress(Exception):  # the replica may be gone: nothing left to free
             async with asyncio.timeout(self.accept_timeout_s):
-                await self._abort_handle.remote(RouteHint(replica_id=replica_id), request_ids)
+                hint = RouteHint(replica_id=replica_id)
+                await self._abort_handle.remote(hint, request_ids, self.ingress_id)
 
     def _spawn(self, coro: Any) -> None:
         task = in_own_context(coro)

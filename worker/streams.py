@@ -36,6 +36,11 @@ class OutputStream:
     def closed(self) -> bool:
         return self._closed
 
+    def holds(self, request_id: str) -> bool:
+        """Whether `request_id` delivers into this stream and has not finished."""
+        with self._cond:
+            return request_id in self._unfinished
+
     def add(self, request_ids: list[str]) -> None:
         """Engine: more requests deliver into this stream (before any of them can step)."""
         with self._cond:

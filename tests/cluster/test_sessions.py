@@ -300,3 +300,21 @@ def test_the_answered_count_is_the_workers_own_not_the_callers_word(make_worker)
     hint = RouteHint(num_requests=-1000, sender="ing-a")
     asyncio.run(worker.submit(hint, payload("a", 2, max_tokens=2), "ing-a"))
     assert worker.record_routing_stats()["answered"] == {"ing-a": 2}
+
+
+def test_an_abort_names_its_ingress_and_leaves_another_ingresss_requests_alone(make_worker) -> None:
+    worker = make_worker(linger_s=0.2, fault_injection=True)
+    worker._faults.arm(steps=10_000, stall_s=0.01)  # slow steps: 12 tokens take a while
+
+    async def run() -> tuple[dict[str, int], dict[str, int]]:
+        await submit(worker, payload("a", 1), "ing-a")
+        await submit(worker, payload("b", 1), "ing-b")
+        await worker.abort(HERE, ["a0", "b0"], "ing-b")  # ing-b's own and a guess at ing-a's
+        (_, a), (_, b) = await asyncio.gather(
+            read(worker.session(HERE, "ing-a")), read(worker.session(HERE, "ing-b"))
+        )
+        return tokens_by_request(a), {d.request_id: d.finish_reason for d in b if d.finished}
+
+    a, b = asyncio.run(run())
+    assert a == {"a0": 12}  # untouched
+    assert b == {"b0": "abort"}
