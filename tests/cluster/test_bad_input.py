@@ -23,7 +23,7 @@ CHUNK = 64 * 1024
 
 
 def target_of(served: Served) -> Target:
-    limits = served.config.limits
+    limits = served.config.advanced.limits
     vocab = Tokenizer.from_dir(str(resolve_model_path(served.config.engine.model))).vocab_size
     return Target(
         model=served.config.model_name,

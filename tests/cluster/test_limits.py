@@ -34,7 +34,7 @@ def post(served: Served, content: bytes, **headers: str) -> httpx.Response:
 
 
 def test_stop_lists_at_the_default_limits_pass(served: Served) -> None:
-    limits = served.config.limits
+    limits = served.config.advanced.limits
     stops = [f"zq{i}" for i in range(limits.max_stop - 1)] + ["z" * limits.max_stop_chars]
     ok = post(served, json.dumps(body(served, stop=stops)).encode())
     assert ok.status_code == 200, ok.text
@@ -54,7 +54,7 @@ def test_json_without_a_content_type_or_with_a_charset_is_read(served: Served) -
 
 
 def test_a_body_of_exactly_the_limit_passes_and_one_byte_more_is_413(served: Served) -> None:
-    limit = served.config.limits.max_request_bytes
+    limit = served.config.advanced.limits.max_request_bytes
     raw = json.dumps(body(served)).encode()
     at_limit = raw + b" " * (limit - len(raw))  # trailing whitespace is valid JSON
     assert post(served, at_limit).status_code == 200
@@ -91,7 +91,7 @@ def test_a_declared_oversize_body_is_refused_before_it_is_sent(served: Served) -
 
 
 def test_an_endless_chunked_body_is_refused_once_past_the_limit(served: Served) -> None:
-    limit = served.config.limits.max_request_bytes
+    limit = served.config.advanced.limits.max_request_bytes
     piece = b"a" * 65536
     chunk = f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
     count = limit // len(piece) + 2  # just past the limit; the terminating chunk never comes
