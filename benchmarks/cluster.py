@@ -14,6 +14,9 @@ scenario overrides only what it varies (`--scenarios`, in this order):
 - engine: Serve stopped, the latency and saturation loads against an in-process Engine of
   the same EngineConfig on the same device; the 1-replica latency load less this one is
   what the ingress, the router and Serve add to TTFT.
+- router: no Ray and no model: the routing decision alone (`rank_replicas` over replicas'
+  prefix keys as the router holds them) at `--router-replicas` simulated replicas, each
+  reporting `--router-keys` page keys; p50/p99 microseconds a call.
 Per-process CPU use of the Serve proxy, ingress and worker replicas is recorded per load.
 A saturation load needs a server that queues it: set `engine.max_waiting` and the limits'
 timeouts in the YAML to match `--sat-prompts`.
@@ -50,6 +53,7 @@ from benchmarks.stats import (
 )
 from cluster.config import ClusterConfig
 from cluster.local_ray import ray_session
+from cluster.router import ReplicaView, RouteHint, _KnownKeys, rank_replicas
 
 APP = "kvray"
 
@@ -62,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scenarios",
         default="scaling,engine",
-        help="comma-separated: scaling (1 and N replicas), affinity, engine (in-process)",
+        help="comma-separated: scaling (1 and N replicas), affinity, engine (in-process); "
+        "or router alone (the routing decision's cost, no Ray)",
     )
     p.add_argument("--replicas", type=int, default=2, help="the scaled-out replica count")
     p.add_argument("--input-len", type=int, default=512)
@@ -114,6 +119,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="Ray nodes on this machine, each with its share of the GPUs and its own Serve "
         "HTTP proxy (one proxy caps streamed throughput)",
     )
+    p.add_argument("--router-replicas", type=int, default=64)
+    p.add_argument("--router-keys", type=int, default=4096, help="page keys each replica reports")
+    p.add_argument("--router-prompt-pages", type=int, default=256, help="pages hashed a prompt")
+    p.add_argument("--router-calls", type=int, default=2000)
     p.add_argument("--result-json", help="write the results to this file")
 
 
@@ -334,7 +343,58 @@ def _show(title: str, summary: dict[str, Any]) -> None:
         print(f"    error: {error}", flush=True)
 
 
+def router_cost(
+    replicas: int, keys: int, prompt_pages: int, calls: int, seed: int = 0
+) -> dict[str, Any]:
+    """Time `rank_replicas` for calls of one prompt over `replicas` simulated replicas. Each
+    holds `keys` page keys, half of them drawn from a common pool of shared prefixes, as the
+    router sees them (`_KnownKeys`: reported plus recently claimed); each prompt is a run of
+    `prompt_pages` pool keys, so some replicas match a long leading run and most a short one."""
+    rng = np.random.default_rng(seed)
+    pool = [int(k) for k in rng.integers(1, 2**62, size=4 * keys)]
+    now = time.monotonic()
+    views = []
+    for i in range(replicas):
+        own = {int(k) for k in rng.integers(1, 2**62, size=keys // 2)}
+        start = int(rng.integers(0, len(pool) - keys // 2))
+        reported = frozenset(own | set(pool[start : start + keys // 2]))
+        known = _KnownKeys(reported, {}, now)
+        views.append(ReplicaView(f"r{i}", float(rng.integers(0, 64)), float(rng.random()), known))
+    hints = []
+    for _ in range(calls):
+        start = int(rng.integers(0, len(pool) - prompt_pages))
+        hints.append(RouteHint(page_hashes=(tuple(pool[start : start + prompt_pages]),)))
+    micros = []
+    for hint in hints:
+        began = time.perf_counter_ns()
+        rank_replicas(hint, views, imbalance_threshold=8.0, imbalance_ratio=1.25)
+        micros.append((time.perf_counter_ns() - began) / 1000)
+    p50, p99 = np.percentile(micros, [50, 99])
+    return {
+        "replicas": replicas,
+        "keys_per_replica": keys,
+        "prompt_pages": prompt_pages,
+        "calls": calls,
+        "decision_us_p50": float(p50),
+        "decision_us_p99": float(p99),
+    }
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.scenarios == "router":  # no model, no Ray
+        result = router_cost(
+            args.router_replicas,
+            args.router_keys,
+            args.router_prompt_pages,
+            args.router_calls,
+            args.seed,
+        )
+        print(
+            f"routing decision, {result['replicas']} replicas x {result['keys_per_replica']} keys:"
+            f" p50 {result['decision_us_p50']:.1f} us, p99 {result['decision_us_p99']:.1f} us"
+        )
+        write_result(args.result_json, "cluster", {"router": result})
+        return 0
     from ray import serve
 
     from cluster.app import cluster_runtime_env, load_config, set_serve_env

@@ -55,3 +55,11 @@ def test_hit_rate_is_the_replicas_new_hits_over_their_new_queries() -> None:
     assert rate["prefix_hit_rate"] == pytest.approx(35 / 60)
     assert rate["per_replica_hit_rate"] == [pytest.approx(0.75), pytest.approx(0.25)]
     assert rate["per_replica_generated_tokens"] == [300, 50]
+
+
+def test_the_router_scenario_times_the_routing_decision_without_ray() -> None:
+    from benchmarks.cluster import router_cost
+
+    result = router_cost(replicas=8, keys=64, prompt_pages=16, calls=50, seed=1)
+    assert (result["replicas"], result["keys_per_replica"], result["calls"]) == (8, 64, 50)
+    assert 0 < result["decision_us_p50"] <= result["decision_us_p99"]
