@@ -15,7 +15,9 @@ Mixed: B requests decode while each timed step also prefills one whole P-token p
 the scheduler packs a chunk beside decodes; prompt CUDA graphs against eager, and the
 decode-only step of the same batch. B = 0 is a lone prompt step.
 
-`--profile`: the torch profiler's kernel table over 5 decode steps at the largest batch.
+`--profile`: where eager steps spend their time (GPU time and kernels per category: GEMM,
+attention, KV store, norm/rope/activation, sampling; and the host time the GPU does not
+cover) for decode at the smallest and largest batch and for one lone prompt.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixed-batches", nargs="+", type=int, default=[0, 32, 64])
     parser.add_argument("--prompts", nargs="+", type=int, default=[32, 128, 512, 1024])
     parser.add_argument("--mixed-steps", type=int, default=10, help="timed mixed steps a row")
-    parser.add_argument("--profile", action="store_true", help="print the kernel table too")
+    parser.add_argument("--profile", action="store_true", help="print step breakdowns too")
     parser.add_argument("--result-json", help="write the rows to this file")
 
 
@@ -151,7 +153,9 @@ def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) 
     )
     print(f"{shape:14s} TTFT {args.context} tokens: {ttft:.2f} ms (FLOP floor {flop_floor:.2f} ms)")
     if args.profile:
-        _print_profile(engine, shape, max(args.batches), args.context)
+        result.setdefault("profile", []).append(
+            _profile_shape(engine, shape, args.batches, args.context)
+        )
 
 
 def _time_decode(
@@ -239,30 +243,88 @@ def _ttft_ms(engine: Engine, context: int) -> float:
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
-def _print_profile(engine: Engine, shape: str, batch: int, context: int) -> None:
+# Kernel name fragments -> where a step's GPU time goes (first match wins).
+CATEGORIES = (
+    ("gemm", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk")),
+    ("attention", ("decode_split", "decode_head", "decode_combine", "prefill_kernel", "flash", "fmha")),
+    ("kv store", ("store_kv", "index_put", "scatter")),
+    ("norm/rope/act", ("rms_norm", "rotary", "silu")),
+    ("sampling", ("argmax", "softmax", "sort", "topk", "multinomial", "exponential", "cumsum")),
+)  # fmt: skip
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    for label, fragments in CATEGORIES:
+        if any(f in name for f in fragments):
+            return label
+    return "copy" if name.startswith(("memcpy", "memset")) else "other"
+
+
+def step_breakdown(engine: Engine, steps: int = 5) -> dict[str, Any]:
+    """Where `steps` eager engine steps spend their time: GPU microseconds and kernels per
+    category, each step's wall time, and the host time the GPU does not cover."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    requests = [
-        EngineRequest(f"p{i}", p, params) for i, p in enumerate(_prompts(batch, context, 7))
-    ]
-    stream = engine.submit(requests)
-    run_until_decoding(engine)
-    for _ in range(5):
-        engine.step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    print(f"== {shape} B={batch}: GPU time by kernel over 5 decode steps")
-    table = prof.key_averages().table(
-        sort_by="self_cuda_time_total", row_limit=24, max_name_column_width=60
+    wall_us = (time.perf_counter() - start) / steps * 1e6
+    by: dict[str, dict[str, float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            row = by.setdefault(category(e.name), {"us": 0.0, "kernels": 0})
+            row["us"] += e.time_range.elapsed_us() / steps
+            row["kernels"] += 1 / steps
+    gpu_us = sum(r["us"] for r in by.values())
+    return {"wall_us": wall_us, "gpu_us": gpu_us, "host_gap_us": wall_us - gpu_us, "by": by}
+
+
+def _print_breakdown(label: str, b: dict[str, Any]) -> None:
+    print(
+        f"== {label}: {b['wall_us']:.0f} us a step eagerly, {b['gpu_us']:.0f} us of it GPU kernels"
     )
-    print(table)
-    stream.close()
-    while engine.has_work:
-        engine.step()
+    for name, row in sorted(b["by"].items(), key=lambda kv: -kv[1]["us"]):
+        share = 100 * row["us"] / max(b["gpu_us"], 1e-9)
+        print(f"   {name:14s} {row['us']:9.1f} us {share:5.1f} %  {row['kernels']:6.1f} kernels")
+
+
+def _profile_shape(engine: Engine, shape: str, batches: list[int], context: int) -> dict[str, Any]:
+    """Eager step breakdowns: decode at the smallest and largest batch, and one lone prompt."""
+    graphs = engine.executor.graphs, engine.executor.prompt_graphs
+    _set(engine, None, False)
+    engine.executor.prompt_graphs = None
+    out: dict[str, Any] = {"shape": shape}
+    for batch in sorted({min(batches), max(batches)}):
+        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        requests = [
+            EngineRequest(f"p{batch}-{i}", p, params)
+            for i, p in enumerate(_prompts(batch, context, 7 + batch))
+        ]
+        stream = engine.submit(requests)
+        run_until_decoding(engine)
+        for _ in range(3):
+            engine.step()
+        out[f"decode_b{batch}"] = b = step_breakdown(engine)
+        _print_breakdown(f"{shape} decode B={batch}, context {context}", b)
+        stream.close()
+        while engine.has_work:
+            engine.step()
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for i in range(2):  # the first is a warm-up
+        stream = engine.submit([EngineRequest(f"pp{i}", _prompts(1, context, 90 + i)[0], params)])
+        b = step_breakdown(engine, steps=1)  # drains the inbox and runs the whole prompt
+        while not stream.finished:
+            engine.step()
+    out["prompt"] = b
+    _print_breakdown(f"{shape} one {context}-token prompt", b)
+    engine.executor.graphs, engine.executor.prompt_graphs = graphs
+    _set(engine, graphs[0], True)
+    return out
 
 
 # -- mixed -----------------------------------------------------------------------------------
