@@ -1,5 +1,6 @@
 """`kvray bench kernels` (GPU): kvray paged decode vs FlashInfer and torch SDPA, plus the KV write
-and prefill, on Llama-3-8B attention shapes (32 q / 8 kv heads, head_dim 128, bf16, page 16).
+and prefill (kvray's kernel, torch's FlashAttention-2 over gathered K/V as the engine runs it,
+and SDPA on contiguous K/V), on Llama-3-8B attention shapes (32 q / 8 kv heads, head_dim 128, bf16, page 16).
 
 Every figure is the median per-call time over CUDA-graph replays (each graph holds many
 calls, cycling over several page sets so that small cases do not run out of L2), and is
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import COPY_TBPS, write_result
-from worker.attention import cuda_ops
+from worker.attention import cuda_ops, flash
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -337,6 +338,14 @@ def _prefill_case(name: str, seqs: list[tuple[int, int]]) -> dict[str, Any]:
         for v in range(1, cuda_ops.prefill_variants())
     }
     us = graph_time_us([kvray_call(0)], min_calls=8)
+    flash_us = None
+    if flash.available(DTYPE, D):  # torch's FlashAttention-2 over K/V gathered by a GatherPlan
+        plan = flash.GatherPlan.build(
+            rt, rows_idx, lens, qo, [q for q, _ in seqs], [kv for _, kv in seqs]
+        )
+        flash_us = graph_time_us(
+            [partial(flash.prefill, q, k_cache, v_cache, plan, D**-0.5)], min_calls=8
+        )
     sdpa_calls: list[Callable[[], Any]] = []
     start = 0
     for b, (q_len, kv_len) in enumerate(seqs):  # SDPA on contiguous K/V, one call per sequence
@@ -365,7 +374,9 @@ def _prefill_case(name: str, seqs: list[tuple[int, int]]) -> dict[str, Any]:
             "auto_variant": cuda_ops.prefill_variant(batch, total_q, HQ, D, DTYPE), "kvray_us": us,
             "variant_us": variants, "sdpa_us": sdpa, "kvray_tflops": flops / us / 1e6,
             "variant_tflops": {v: flops / t / 1e6 for v, t in variants.items()},
-            "sdpa_tflops": flops / sdpa / 1e6, "floor_us_at_790_tflops": flops / 790e12 * 1e6}  # fmt: skip
+            "sdpa_tflops": flops / sdpa / 1e6, "floor_us_at_790_tflops": flops / 790e12 * 1e6,
+            "flash_us": flash_us, "flash_tflops": flops / flash_us / 1e6 if flash_us else None,
+            "engine_picks": "flash" if flash_us and flash.prefers_flash([q for q, _ in seqs]) else "kvray"}  # fmt: skip
 
 
 def prefill_cases() -> list[tuple[str, list[tuple[int, int]]]]:
@@ -450,11 +461,14 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def print_prefill_table(rows: list[dict[str, Any]]) -> None:
     variants = sorted(rows[0]["variant_tflops"], key=int) if rows else []
     head = " ".join(f"{'v' + v:>6}" for v in variants)
-    print(f"\n{'prefill case (TFLOP/s)':<34} {'auto':>6} {head} {'SDPA':>6} {'auto us':>9}")
+    print(
+        f"\n{'prefill case (TFLOP/s)':<34} {'kvray':>6} {head} {'FA2':>6} {'SDPA':>6}  engine picks"
+    )
     for r in rows:
         cols = " ".join(f"{r['variant_tflops'][v]:6.1f}" for v in variants)
+        fa2 = f"{r['flash_tflops']:6.1f}" if r["flash_tflops"] else f"{'-':>6}"
         print(
-            f"{r['case']:<34} {r['kvray_tflops']:6.1f} {cols} {r['sdpa_tflops']:6.1f} {r['kvray_us']:9.1f}"
+            f"{r['case']:<34} {r['kvray_tflops']:6.1f} {cols} {fa2} {r['sdpa_tflops']:6.1f}  {r['engine_picks']}"
         )
 
 

@@ -243,13 +243,15 @@ def _ttft_ms(engine: Engine, context: int) -> float:
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
-# Kernel name fragments -> where a step's GPU time goes (first match wins).
+# Kernel name fragments -> where a step's GPU time goes (first match wins: FlashAttention's
+# kernel names carry cutlass types, so attention comes before GEMM).
 CATEGORIES = (
-    ("gemm", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk")),
     ("attention", ("decode_split", "decode_head", "decode_combine", "prefill_kernel", "flash", "fmha")),
-    ("kv store", ("store_kv", "index_put", "scatter")),
+    ("gemm", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk")),
+    ("kv store", ("store_kv",)),
+    ("kv gather", ("index", "repeat_interleave", "cumsum")),
     ("norm/rope/act", ("rms_norm", "rotary", "silu")),
-    ("sampling", ("argmax", "softmax", "sort", "topk", "multinomial", "exponential", "cumsum")),
+    ("sampling", ("argmax", "softmax", "sort", "topk", "multinomial", "exponential")),
 )  # fmt: skip
 
 

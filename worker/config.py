@@ -44,6 +44,10 @@ class EngineAdvanced(BaseModel):
     backend: Literal["auto", "torch", "cuda"] = Field(
         "auto", description="attention backend; auto = cuda on CUDA with paged cache, else torch"
     )
+    prefill_kernel: Literal["auto", "kvray", "flash"] = Field(
+        "auto",
+        description="CUDA prompt attention: kvray's kernel, torch's FlashAttention-2 over gathered K/V, or auto = per batch by shape (kvray's where FlashAttention-2 is missing)",
+    )
     cuda_graphs: bool = Field(True, description="capture decode CUDA graphs (CUDA backend only)")
     prompt_graph_tokens: int = Field(
         2048,

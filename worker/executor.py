@@ -102,7 +102,10 @@ class Executor:
         )
         self.cache = build_cache(config, model_config, self.workspace)
         self.backend = BACKENDS[config.advanced.backend](
-            model_config.num_heads, model_config.head_dim, self.workspace
+            model_config.num_heads,
+            model_config.head_dim,
+            self.workspace,
+            config.advanced.prefill_kernel,
         )
         log.info(
             "attention backend: %s, layer ops: %s",

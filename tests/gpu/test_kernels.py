@@ -344,3 +344,29 @@ def test_bad_arguments_raise() -> None:
             q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, kv.seq_lens,
             16, 0.125, out, o_part, ml_part,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "d", "hq", "hkv", "page", "seqs"), prefill_cases())
+def test_flash_prefill_matches_reference(dtype, d, hq, hkv, page, seqs) -> None:
+    """torch's FlashAttention-2 over K/V gathered by a GatherPlan: the same causal
+    semantics as kvray's kernel (bottom-right: chunks and prefix hits see their prefix)."""
+    from worker.attention import flash
+
+    if not flash.available(dtype, d):
+        pytest.skip("torch's FlashAttention-2 does not run here")
+    kv = make_paged([kv for _, kv in seqs], page, hkv, d, dtype)
+    for row, s in zip(kv.req_pool_indices.tolist(), kv.slots, strict=True):
+        kv.req_to_token[row, : s.numel()] = s.to(torch.int32)  # every position, as the engine's
+    q_lens, kv_lens = [q for q, _ in seqs], [k for _, k in seqs]
+    qo = [0]
+    for q_len in q_lens:
+        qo.append(qo[-1] + q_len)
+    qkv = torch.randn(qo[-1], hq + 2 * hkv, d, device=DEV).to(dtype)
+    q = qkv[:, :hq]  # strided rows, as from a fused projection
+    cu_q = torch.tensor(qo, dtype=torch.int32, device=DEV)
+    plan = flash.GatherPlan.build(
+        kv.req_to_token, kv.req_pool_indices, kv.seq_lens, cu_q, q_lens, kv_lens
+    )
+    out = flash.prefill(q, kv.k_cache, kv.v_cache, plan, d**-0.5)
+    torch.cuda.synchronize()
+    check_close(out, ref_prefill(q, kv, qo, d**-0.5), dtype)

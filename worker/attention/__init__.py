@@ -13,18 +13,21 @@ if TYPE_CHECKING:
 
 
 def _torch_backend(
-    num_heads: int, head_dim: int, workspace: InferenceWorkspace
+    num_heads: int, head_dim: int, workspace: InferenceWorkspace, prefill_kernel: str
 ) -> AttentionBackend:
     return TorchNativeBackend(num_heads, head_dim)
 
 
-def _cuda_backend(num_heads: int, head_dim: int, workspace: InferenceWorkspace) -> AttentionBackend:
+def _cuda_backend(
+    num_heads: int, head_dim: int, workspace: InferenceWorkspace, prefill_kernel: str
+) -> AttentionBackend:
     from worker.attention.cuda import CudaBackend  # only on CUDA machines: it builds csrc/
 
-    return CudaBackend(num_heads, head_dim, workspace)
+    return CudaBackend(num_heads, head_dim, workspace, prefill_kernel)
 
 
-BACKENDS: dict[str, Callable[[int, int, InferenceWorkspace], AttentionBackend]] = {
+# (num_heads, head_dim, workspace, prefill_kernel) -> backend
+BACKENDS: dict[str, Callable[[int, int, InferenceWorkspace, str], AttentionBackend]] = {
     "torch": _torch_backend,
     "cuda": _cuda_backend,
 }

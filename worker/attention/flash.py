@@ -1,0 +1,102 @@
+"""Prefill attention through the FlashAttention-2 build that ships inside torch (its varlen
+entry point), over K/V gathered from the paged cache into one packed buffer a step.
+
+The CUDA backend uses it for prompt chunks where it measures faster than kvray's own
+prefill kernel (`prefers_flash`; figures in docs/performance.md). Where torch lacks it (a
+build without flash attention, float32, an unsupported head size) kvray's kernel runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@cache
+def available(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether torch's flash varlen forward runs here for this dtype and head size (one
+    tiny call, once per process)."""
+    if dtype not in _DTYPES or head_dim % 8 or head_dim > 256 or not torch.cuda.is_available():
+        return False
+    try:
+        q = torch.randn(4, 2, head_dim, dtype=dtype, device="cuda")
+        kv = torch.randn(4, 1, head_dim, dtype=dtype, device="cuda")
+        cu = torch.tensor([0, 4], dtype=torch.int32, device="cuda")
+        _forward(q, kv, kv, cu, cu, 4, 4, head_dim**-0.5)
+        torch.cuda.synchronize()
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return True
+
+
+def prefers_flash(q_lens: list[int]) -> bool:
+    """FlashAttention-2 wins on prompt-sized chunks; kvray's kernel keeps batches of short
+    chunks, whose 128-query tiles FlashAttention would leave mostly idle."""
+    return sum(q_lens) >= 64 * len(q_lens)
+
+
+@dataclass(frozen=True, slots=True)
+class GatherPlan:
+    """One step's packed K/V layout for the prompt rows: each sequence's whole context
+    (cached prefix and new tokens), in order."""
+
+    slots: torch.Tensor  # [total_kv] int64: cache slot of each gathered token
+    cu_q: torch.Tensor  # [B+1] int32
+    cu_k: torch.Tensor  # [B+1] int32
+    max_q: int
+    max_k: int
+
+    @staticmethod
+    def build(
+        req_to_token: torch.Tensor,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        cu_q: torch.Tensor,
+        q_lens: list[int],
+        kv_lens: list[int],
+    ) -> GatherPlan:
+        """From device metadata and the host's lengths, without reading the device."""
+        device = seq_lens.device
+        total = sum(kv_lens)
+        cu_k = torch.zeros(len(kv_lens) + 1, dtype=torch.int32, device=device)
+        torch.cumsum(seq_lens, 0, out=cu_k[1:])
+        seq = torch.repeat_interleave(
+            torch.arange(len(kv_lens), device=device), seq_lens.long(), output_size=total
+        )
+        pos = torch.arange(total, device=device) - cu_k[seq]
+        slots = req_to_token[rows.long()[seq], pos].long()
+        return GatherPlan(slots, cu_q, cu_k, max(q_lens), max(kv_lens))
+
+
+def prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: GatherPlan,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed q `[T, Hq, D]` over the plan's gathered K/V `[slots, Hkv,
+    D]`; query i of a sequence sees its keys up to kv_len - q_len + i (bottom-right)."""
+    k = k_cache.index_select(0, plan.slots)
+    v = v_cache.index_select(0, plan.slots)
+    return _forward(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale)
+
+
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float,
+) -> torch.Tensor:
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
+    )
+    return out[0]
