@@ -1,6 +1,6 @@
 """`kvray bench kernels` (GPU): kvray paged decode vs FlashInfer and torch SDPA, plus the KV write
 and prefill (kvray's kernel, torch's FlashAttention-2 over gathered K/V as the engine runs it,
-and SDPA on contiguous K/V), on Llama-3-8B attention shapes (32 q / 8 kv heads, head_dim 128, bf16, page 16).
+and SDPA on contiguous K/V), and the decode-batch GEMV against cuBLAS, on Llama-3-8B attention shapes (32 q / 8 kv heads, head_dim 128, bf16, page 16).
 
 Every figure is the median per-call time over CUDA-graph replays (each graph holds many
 calls, cycling over several page sets so that small cases do not run out of L2), and is
@@ -280,6 +280,46 @@ def _index_put(
     vc[loc] = v
 
 
+GEMV_SHAPES = {  # (K, N) of the linear layers a decode step runs
+    "8b qkv": (4096, 6144), "8b o": (4096, 4096), "8b gate_up": (4096, 28672),
+    "8b down": (14336, 4096), "8b lm_head": (4096, 128256), "demo qkv": (576, 960),
+    "demo o": (576, 576), "demo gate_up": (576, 3072), "demo down": (1536, 576),
+    "demo lm_head": (576, 49152),
+}  # fmt: skip
+
+
+def bench_gemv() -> list[dict[str, Any]]:
+    """kvray's GEMV vs cuBLAS (F.linear) at decode batch sizes, weight bytes / time; calls
+    cycle over enough weight copies (>= 256 MB) that the weights stream from HBM, as a
+    decode step's layers do."""
+    rows = []
+    for name, (k, n) in GEMV_SHAPES.items():
+        nbytes = k * n * 2
+        copies = max(1, min(64, math.ceil(256e6 / nbytes)))
+        ws = [torch.randn(n, k, device=DEV, dtype=DTYPE) / k**0.5 for _ in range(copies)]
+        for m in (1, 2, 4, 8):
+            x = torch.randn(m, k, device=DEV, dtype=DTYPE)
+            out = torch.empty(m, n, device=DEV, dtype=DTYPE)
+            ours = graph_time_us([partial(cuda_ops.gemv, x, w, None, out) for w in ws])
+            cublas = graph_time_us([partial(torch.matmul, x, w.T, out=out) for w in ws])
+            rows.append({"layer": name, "m": m, "k": k, "n": n, "kvray_us": ours,
+                         "cublas_us": cublas, "kvray_tbps": nbytes / ours / 1e6,
+                         "cublas_tbps": nbytes / cublas / 1e6,
+                         "floor_us": nbytes / (COPY_TBPS * 1e6)})  # fmt: skip
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_gemv_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"\n{'linear (weight TB/s)':<16} {'M':>2} {'kvray us':>9} {'TB/s':>5} {'cuBLAS us':>10} {'TB/s':>5} {'floor us':>9}"
+    )
+    for r in rows:
+        print(f"{r['layer']:<16} {r['m']:2d} {r['kvray_us']:9.1f} {r['kvray_tbps']:5.2f} "
+              f"{r['cublas_us']:10.1f} {r['cublas_tbps']:5.2f} {r['floor_us']:9.1f}")  # fmt: skip
+
+
 def bench_store_kv() -> list[dict[str, Any]]:
     """One fused K+V scatter kernel vs two torch index_put (k_cache[loc] = k) per layer."""
     n_slots = 1 << 20
@@ -480,7 +520,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="three decode cases only")
     parser.add_argument(
-        "--only", choices=("decode", "store_kv", "prefill"), help="run one of the benchmarks"
+        "--only",
+        choices=("decode", "store_kv", "prefill", "gemv"),
+        help="run one of the benchmarks",
     )
 
 
@@ -518,6 +560,7 @@ def run(args: argparse.Namespace) -> int:
         ("decode", lambda: bench_decode(args, fi)),
         ("store_kv", bench_store_kv),
         ("prefill", bench_prefill),
+        ("gemv", bench_gemv),
     ):
         if args.only not in (None, name):
             continue
@@ -535,4 +578,6 @@ def run(args: argparse.Namespace) -> int:
         print_table(result["decode"])
     if "prefill" in result:
         print_prefill_table(result["prefill"])
+    if "gemv" in result:
+        print_gemv_table(result["gemv"])
     return 1 if failed else 0

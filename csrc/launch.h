@@ -112,6 +112,18 @@ struct SiluMulParams {
   DType dtype;
 };
 
+// out[m, :] = x[m, :] @ w^T (+ bias) for m < M <= 8: w [N, K] contiguous, K % 8 == 0, x and
+// out rows contiguous (strides in elements, multiples of 8 for x), 16-byte aligned.
+struct GemvParams {
+  const void* x;
+  const void* w;
+  const void* bias;  // [N] or nullptr
+  void* out;
+  int64_t x_stride, out_stride;
+  int m, n, k;
+  DType dtype;
+};
+
 // Splits chosen for a decode batch: about one wave of resident blocks, never more than
 // s_cap. Depends only on shapes (batch size, heads), so graph launches stay valid.
 int decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim, DType dtype,
@@ -136,5 +148,6 @@ bool torch_mean_order(int64_t n, int64_t rows, MeanOrder* order);
 cudaError_t launch_rms_norm(const NormParams& p, cudaStream_t stream);
 cudaError_t launch_rotary(const RotaryParams& p, cudaStream_t stream);
 cudaError_t launch_silu_and_mul(const SiluMulParams& p, cudaStream_t stream);
+cudaError_t launch_gemv(const GemvParams& p, cudaStream_t stream);
 
 }  // namespace kvray

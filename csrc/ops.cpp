@@ -386,6 +386,35 @@ void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out) {
   check_launch(kvray::launch_silu_and_mul(p, c10::cuda::getCurrentCUDAStream()), "silu_and_mul");
 }
 
+void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+          const at::Tensor& out) {
+  KV_CHECK(x.is_cuda() && x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
+           "gemv: x [M, K], w [N, K] and out [M, N] must be 2-D CUDA tensors");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const DType dt = dtype_of(x, "x");
+  check_cuda(w, x, "w");
+  check_cuda(out, x, "out");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  KV_CHECK(m >= 1 && m <= 8, "gemv takes 1 to 8 rows, got ", m);
+  KV_CHECK(w.size(1) == k && k % 8 == 0 && w.is_contiguous(), "w must be contiguous [N, K], K % 8 == 0");
+  KV_CHECK(out.size(0) == m && out.size(1) == n && out.stride(1) == 1, "out must be [M, N], rows contiguous");
+  KV_CHECK(w.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
+           "x, w and out must share a dtype");
+  check_aligned(x, "x", 8);
+  check_aligned(w, "w", 8);
+  const void* b = nullptr;
+  if (bias.has_value()) {
+    KV_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
+                 bias->scalar_type() == x.scalar_type(),
+             "bias must be a contiguous [N] tensor of x's dtype");
+    check_cuda(*bias, x, "bias");
+    b = bias->data_ptr();
+  }
+  kvray::GemvParams p{x.data_ptr(), w.data_ptr(), b, out.data_ptr(), x.stride(0), out.stride(0),
+                      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), dt};
+  check_launch(kvray::launch_gemv(p, c10::cuda::getCurrentCUDAStream()), "gemv");
+}
+
 // A tensor over t's memory that does not own it. The piecewise prompt graphs keep one for
 // each attention input they hand out, so that their memory pool can reuse that memory later
 // in the capture the way an eager forward's allocator would.
@@ -404,6 +433,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) over the last dim ([T, N] or [T, H, N])");
   m.def("rotary", &rotary, "rotate-half RoPE on q and k in place");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up for gate_up = [gate | up]");
+  m.def("gemv", &gemv, "out = x @ w.T (+ bias) for 1 to 8 rows of x (decode batches)");
   m.def("alias", &alias, "a tensor over another's memory that does not own it");
   m.def("decode_plan", &decode_plan, "(resolved variant, splits) decode uses for a batch");
   m.def("decode_num_variants", &kvray::decode_num_variants, "number of decode tiling variants");

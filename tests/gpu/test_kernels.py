@@ -370,3 +370,34 @@ def test_flash_prefill_matches_reference(dtype, d, hq, hkv, page, seqs) -> None:
     out = flash.prefill(q, kv.k_cache, kv.v_cache, plan, d**-0.5)
     torch.cuda.synchronize()
     check_close(out, ref_prefill(q, kv, qo, d**-0.5), dtype)
+
+
+GEMV_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (4096, 6144), (14336, 4096),
+               (264, 40), (4096, 1)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("k", "n"), GEMV_SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_gemv_matches_a_float32_matmul(dtype, k: int, n: int, m: int) -> None:
+    """kvray's GEMV against float32 x @ w.T: within one rounding of the output dtype plus
+    float32 accumulation error; with and without bias, on a row-strided x."""
+    x_wide = torch.randn(m, k + 8, device=DEV).to(dtype)
+    x = x_wide[:, :k]  # rows k + 8 apart, as a slice of a wider activation would be
+    w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)
+    bias = torch.randn(n, device=DEV).to(dtype)
+    for b in (None, bias):
+        out = torch.full((m, n), float("nan"), device=DEV, dtype=dtype)
+        cuda_ops.gemv(x, w, b, out)
+        ref = x.float() @ w.float().T + (0 if b is None else b.float())
+        check_close(out, ref, dtype)
+
+
+def test_gemv_refuses_what_it_cannot_run() -> None:
+    w = torch.randn(16, 64, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        cuda_ops.gemv(torch.randn(9, 64, device=DEV, dtype=torch.bfloat16), w, None,
+                      torch.empty(9, 16, device=DEV, dtype=torch.bfloat16))  # fmt: skip
+    with pytest.raises(RuntimeError, match="K % 8"):
+        cuda_ops.gemv(torch.randn(1, 60, device=DEV, dtype=torch.bfloat16), w[:, :60], None,
+                      torch.empty(1, 16, device=DEV, dtype=torch.bfloat16))  # fmt: skip

@@ -24,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-_SOURCES = ("ops.cpp", "decode.cu", "prefill.cu", "store_kv.cu", "fused.cu")
+_SOURCES = ("ops.cpp", "decode.cu", "prefill.cu", "store_kv.cu", "fused.cu", "gemv.cu")
 _HEADERS = ("common.cuh", "launch.h")
 
 
@@ -288,6 +288,14 @@ def rotary(
 def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     """out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]."""
     load().silu_and_mul(gate_up, out)
+
+
+GEMV_MAX_ROWS = 8
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out [M, N] = x [M, K] @ w [N, K].T (+ bias) for M <= GEMV_MAX_ROWS: one pass over w."""
+    load().gemv(x, w, bias, out)
 
 
 def alias(t: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,6 @@ attention backend; it never knows which cache or kernel runs underneath.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker.attention.base import AttentionBackend
@@ -45,7 +44,8 @@ class Attention(nn.Module):
         ops: ModelOps,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -54,7 +54,7 @@ class Attention(nn.Module):
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         q, k = ops.rope(q, k, rope)
         out = backend.forward(self.layer_id, q, k, v, view)
-        return self.o_proj(out.reshape(n, self.q_size))
+        return ops.linear(out.reshape(n, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -68,7 +68,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -143,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.ops.linear(hidden, weight).float()
 
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {

@@ -59,6 +59,12 @@ class ModelOps(ABC):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for `gate_up = [gate | up]` of shape `[T, 2I]`."""
 
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x `[T, K]` @ weight `[N, K]`.T (+ bias)."""
+        return F.linear(x, weight, bias)
+
 
 class TorchOps(ModelOps):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -88,7 +94,12 @@ class TorchOps(ModelOps):
 
 class CudaOps(ModelOps):
     """csrc's fused kernels: norms and RoPE in place, outputs of the others allocated here
-    (inside a captured graph they come from the graph's pool)."""
+    (inside a captured graph they come from the graph's pool). Linear layers of decode-sized
+    batches (up to `gemv_max_rows` tokens) run kvray's GEMV, one pass over the weights,
+    which cuBLAS streams at 3.2-3.6 TB/s on the 8B shape's qkv, o and down projections at
+    B=1 (docs/performance.md); larger batches stay on cuBLAS."""
+
+    gemv_max_rows = 8
 
     def __init__(self) -> None:
         from worker.attention import cuda_ops
@@ -117,6 +128,16 @@ class CudaOps(ModelOps):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._k.rotary(q, k, rope.positions, rope.cos, rope.sin)
         return q, k
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        m, k = x.shape
+        if m > self.gemv_max_rows or k % 8 or x.stride(1) != 1 or x.dtype == torch.float32:
+            return F.linear(x, weight, bias)
+        out = torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
+        self._k.gemv(x, weight, bias, out)
+        return out
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = torch.empty(

@@ -1,0 +1,144 @@
+// Skinny GEMM for decode batches: out[M, N] = x[M, K] @ w[N, K]^T (+ bias) for M <= 8.
+//
+// At decode batch sizes a linear layer is one pass over its weights. Each warp owns kRows
+// consecutive rows of w and streams them with 16-byte loads, kUnroll chunks per row in
+// flight per lane before any arithmetic (so enough bytes are outstanding per SM to cover
+// HBM latency); the M activation rows are tiny and come through L1. Every lane keeps
+// float32 partial dot products, reduced across the warp at the end, then rounded once.
+#include "common.cuh"
+#include "launch.h"
+
+namespace kvray {
+namespace {
+
+constexpr int kThreads = 256, kWarps = kThreads / kWarp;
+constexpr int kRows = 2;    // rows of w per warp
+constexpr int kUnroll = 4;  // 16-byte chunks of each row a lane loads before using them
+
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& v, float f[8]) {
+  const uint32_t* u = reinterpret_cast<const uint32_t*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = Dtype<T>::unpack(u[i]);
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_float(float v) {
+  return __float2half_rn(v);
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <>
+__device__ __forceinline__ float to_float(__half v) {
+  return __half2float(v);
+}
+
+template <typename T, int M>
+__global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int row0 = (blockIdx.x * kWarps + warp) * kRows;
+  if (row0 >= p.n) return;
+  const int chunks = p.k / 8;
+  const uint4* w = reinterpret_cast<const uint4*>(static_cast<const T*>(p.w)) +
+                   static_cast<int64_t>(row0) * chunks;
+  const uint4* x = reinterpret_cast<const uint4*>(p.x);
+  const int64_t x_chunks = p.x_stride / 8;
+  const bool second_row = row0 + 1 < p.n;
+  float acc[M][kRows] = {};
+  for (int c0 = lane; c0 < chunks; c0 += kWarp * kUnroll) {
+    uint4 wv[kUnroll][kRows];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + u * kWarp;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const bool ok = c < chunks && (r == 0 || second_row);
+        wv[u][r] = ok ? __ldcs(w + static_cast<int64_t>(r) * chunks + c) : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + u * kWarp;
+      if (c < chunks) {
+        float wf[kRows][8];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) unpack8<T>(wv[u][r], wf[r]);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          float xf[8];
+          unpack8<T>(__ldg(x + m * x_chunks + c), xf);
+#pragma unroll
+          for (int r = 0; r < kRows; ++r)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[m][r] = fmaf(wf[r][i], xf[i], acc[m][r]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int off = kWarp / 2; off > 0; off >>= 1)
+        acc[m][r] += __shfl_xor_sync(0xffffffffu, acc[m][r], off);
+  if (lane != 0) return;
+  T* out = static_cast<T*>(p.out);
+  const T* bias = static_cast<const T*>(p.bias);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = row0 + r;
+    if (row >= p.n) break;
+    const float b = bias != nullptr ? to_float(bias[row]) : 0.f;  // added before the rounding
+#pragma unroll
+    for (int m = 0; m < M; ++m) out[m * p.out_stride + row] = from_float<T>(acc[m][r] + b);
+  }
+}
+
+template <typename T, int M>
+cudaError_t launch_rows(const GemvParams& p, cudaStream_t stream) {
+  const unsigned blocks = static_cast<unsigned>((p.n + kWarps * kRows - 1) / (kWarps * kRows));
+  gemv_kernel<T, M><<<blocks, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_typed(const GemvParams& p, cudaStream_t stream) {
+  switch (p.m) {
+    case 1: return launch_rows<T, 1>(p, stream);
+    case 2: return launch_rows<T, 2>(p, stream);
+    case 3: return launch_rows<T, 3>(p, stream);
+    case 4: return launch_rows<T, 4>(p, stream);
+    case 5: return launch_rows<T, 5>(p, stream);
+    case 6: return launch_rows<T, 6>(p, stream);
+    case 7: return launch_rows<T, 7>(p, stream);
+    case 8: return launch_rows<T, 8>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_gemv(const GemvParams& p, cudaStream_t stream) {
+  if (p.m == 0 || p.n == 0) return cudaSuccess;
+  if (p.dtype == DType::kBF16) return launch_typed<__nv_bfloat16>(p, stream);
+  if (p.dtype == DType::kFP16) return launch_typed<__half>(p, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace kvray
