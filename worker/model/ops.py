@@ -133,7 +133,14 @@ class CudaOps(ModelOps):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         m, k = x.shape
-        if m > self.gemv_max_rows or k % 8 or x.stride(1) != 1 or x.dtype == torch.float32:
+        if (
+            m > self.gemv_max_rows
+            or k % 8
+            or x.stride(1) != 1
+            or (x.stride(0) % 8 and m > 1)
+            or x.data_ptr() % 16
+            or x.dtype == torch.float32
+        ):
             return F.linear(x, weight, bias)
         out = torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
         self._k.gemv(x, weight, bias, out)
