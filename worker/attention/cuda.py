@@ -2,17 +2,35 @@
 
 Decode writes into the workspace's `decode_out` / `decode_o_part` / `decode_ml_part` and its
 launch grid depends on shapes only, so a decode step can be captured in a CUDA graph.
+With an FP8 cache the KV store quantizes and decode reads e4m3 with its scales; the
+prefill kernel reads bf16 only, so a prompt step attends over a dequantized copy of its
+sequences' K/V (`_Fp8Gather`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from worker.attention import cuda_ops
 from worker.attention.base import AttentionBackend
+from worker.attention.kv_quant import dequantize_gather
 from worker.batch import ForwardBatch
 from worker.cache_view import CacheView
 from worker.workspace import InferenceWorkspace
+
+
+@dataclass
+class _Fp8Gather:
+    """A prompt step's prefill sequences over an FP8 cache, laid out contiguously: their K/V
+    slots in order, and a one-entry page table per sequence (its first row) whose page is
+    longer than any of them, so the prefill kernel reads the gathered rows as they lie."""
+
+    slots: torch.Tensor  # int64 [sum of the sequences' KV lengths]
+    req_to_token: torch.Tensor  # int32 [B, 1]
+    req_pool_indices: torch.Tensor  # int32 [B]: 0 .. B - 1
+    page_size: int
 
 
 class CudaBackend(AttentionBackend):
@@ -40,6 +58,26 @@ class CudaBackend(AttentionBackend):
             self._num_leading_decodes = d
             if d:
                 self._rest_qo_indptr = batch.qo_indptr[d:] - d  # each leading row holds one token
+        self._gather = None
+        if not self._decode and view.k_scale is not None:
+            self._gather = self._fp8_gather(batch, view)
+
+    def _fp8_gather(self, batch: ForwardBatch, view: CacheView) -> _Fp8Gather:
+        """Slots of the prefill sequences' KV (those after the leading decodes), found on the
+        device (no host sync), once per step for every layer."""
+        d, n = self._num_leading_decodes, batch.batch_size
+        lens = batch.seq_lens[d:].long()
+        starts = batch.kv_indptr[d:n].long() - batch.kv_indptr[d].long()
+        total = sum(batch.seq_lens_host[d:])
+        seq = torch.repeat_interleave(
+            torch.arange(n - d, device=lens.device), lens, output_size=total
+        )
+        pos = torch.arange(total, device=lens.device) - starts[seq]
+        rows = batch.req_pool_indices[d:].long()
+        slots = view.req_to_token[rows[seq], pos].long()
+        table = starts.to(torch.int32).view(-1, 1)
+        indices = torch.arange(n - d, dtype=torch.int32, device=lens.device)
+        return _Fp8Gather(slots, table, indices, max(batch.seq_lens_host[d:]) + 1)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: CacheView,
@@ -48,7 +86,17 @@ class CudaBackend(AttentionBackend):
         """As the protocol's; `out` `[T, Hq, D]` receives the result (the piecewise prompt
         graphs read it from a fixed address)."""
         assert self._batch is not None
-        cuda_ops.store_kv(k, v, view.k_cache[layer], view.v_cache[layer], self._batch.out_cache_loc)
+        k_scale, v_scale = _scales(view, layer)
+        # fmt: skip
+        cuda_ops.store_kv(
+            k,
+            v,
+            view.k_cache[layer],
+            view.v_cache[layer],
+            self._batch.out_cache_loc,
+            k_scale,
+            v_scale,
+        )
         if self._decode:
             return self.fwd_decode(layer, q, view, out)
         return self.fwd_prefill(layer, q, view, out)
@@ -60,6 +108,7 @@ class CudaBackend(AttentionBackend):
         assert b is not None
         if out is None:
             out = ws.decode_out[: q.shape[0]]
+        k_scale, v_scale = _scales(view, layer)
         # fmt: skip
         cuda_ops.decode_attention(
             q,
@@ -73,6 +122,8 @@ class CudaBackend(AttentionBackend):
             out,
             ws.decode_o_part,
             ws.decode_ml_part,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         return out
 
@@ -84,19 +135,24 @@ class CudaBackend(AttentionBackend):
         if out is None:
             out = torch.empty_like(q)
         k_cache, v_cache = view.k_cache[layer], view.v_cache[layer]
+        k_scale, v_scale = _scales(view, layer)
+        # The prefill kernel's K/V: the paged cache, or a bf16 copy of an FP8 one's sequences.
+        pk, pv, rt, rows, page = (
+            k_cache,
+            v_cache,
+            view.req_to_token,
+            b.req_pool_indices,
+            view.page_size,
+        )
+        if self._gather is not None and k_scale is not None and v_scale is not None:
+            g = self._gather
+            pk = dequantize_gather(k_cache, k_scale, g.slots, q.dtype)
+            pv = dequantize_gather(v_cache, v_scale, g.slots, q.dtype)
+            rt, rows, page = g.req_to_token, g.req_pool_indices, g.page_size
         if d == 0:
             # fmt: skip
             cuda_ops.prefill_attention(
-                q,
-                k_cache,
-                v_cache,
-                view.req_to_token,
-                b.req_pool_indices,
-                b.seq_lens,
-                b.qo_indptr,
-                view.page_size,
-                self.scale,
-                out,
+                q, pk, pv, rt, rows, b.seq_lens, b.qo_indptr, page, self.scale, out
             )
             return out
         # fmt: skip
@@ -112,18 +168,28 @@ class CudaBackend(AttentionBackend):
             out[:d],
             ws.decode_o_part,
             ws.decode_ml_part,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
+        rest_rows = rows if self._gather is not None else rows[d:]
         # fmt: skip
         cuda_ops.prefill_attention(
             q[d:],
-            k_cache,
-            v_cache,
-            view.req_to_token,
-            b.req_pool_indices[d:],
+            pk,
+            pv,
+            rt,
+            rest_rows,
             b.seq_lens[d:],
             self._rest_qo_indptr,
-            view.page_size,
+            page,
             self.scale,
             out[d:],
         )
         return out
+
+
+def _scales(view: CacheView, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """This layer's K and V scales of an FP8 cache, else (None, None)."""
+    if view.k_scale is None or view.v_scale is None:
+        return None, None
+    return view.k_scale[layer], view.v_scale[layer]
