@@ -136,19 +136,7 @@ class CudaBackend(AttentionBackend):
             out = torch.empty_like(q)
         k_cache, v_cache = view.k_cache[layer], view.v_cache[layer]
         k_scale, v_scale = _scales(view, layer)
-        # The prefill kernel's K/V: the paged cache, or a bf16 copy of an FP8 one's sequences.
-        pk, pv, rt, rows, page = (
-            k_cache,
-            v_cache,
-            view.req_to_token,
-            b.req_pool_indices,
-            view.page_size,
-        )
-        if self._gather is not None and k_scale is not None and v_scale is not None:
-            g = self._gather
-            pk = dequantize_gather(k_cache, k_scale, g.slots, q.dtype)
-            pv = dequantize_gather(v_cache, v_scale, g.slots, q.dtype)
-            rt, rows, page = g.req_to_token, g.req_pool_indices, g.page_size
+        pk, pv, rt, rows, page = self._prefill_kv(layer, view, q.dtype)
         if d == 0:
             # fmt: skip
             cuda_ops.prefill_attention(
@@ -171,14 +159,13 @@ class CudaBackend(AttentionBackend):
             k_scale=k_scale,
             v_scale=v_scale,
         )
-        rest_rows = rows if self._gather is not None else rows[d:]
         # fmt: skip
         cuda_ops.prefill_attention(
             q[d:],
             pk,
             pv,
             rt,
-            rest_rows,
+            rows,
             b.seq_lens[d:],
             self._rest_qo_indptr,
             page,
@@ -186,6 +173,22 @@ class CudaBackend(AttentionBackend):
             out[d:],
         )
         return out
+
+    def _prefill_kv(
+        self, layer: int, view: CacheView, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """What the prefill kernel reads for the sequences after the leading decodes: K, V,
+        the page table, those sequences' rows in it, the page size. The paged cache itself,
+        or for an FP8 cache a dequantized contiguous copy of their K/V (`_Fp8Gather`)."""
+        b, g = self._batch, self._gather
+        assert b is not None
+        k_scale, v_scale = _scales(view, layer)
+        if g is None or k_scale is None or v_scale is None:
+            rows = b.req_pool_indices[self._num_leading_decodes :]
+            return view.k_cache[layer], view.v_cache[layer], view.req_to_token, rows, view.page_size
+        k = dequantize_gather(view.k_cache[layer], k_scale, g.slots, dtype)
+        v = dequantize_gather(view.v_cache[layer], v_scale, g.slots, dtype)
+        return k, v, g.req_to_token, g.req_pool_indices, g.page_size
 
 
 def _scales(view: CacheView, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
