@@ -7,6 +7,9 @@ calls, cycling over several page sets so that small cases do not run out of L2),
 reported against the copy ceiling: bytes moved / 4.19 TB/s (the measured H200
 device-to-device copy). Writes JSON (--result-json) and prints a table last.
 
+The decode cases also run over an FP8 (e4m3) cache (`--kv-dtype`): the same page sets
+quantized, bandwidth counted over the e4m3 bytes plus the float32 scales read.
+
     kvray bench kernels --result-json kernels.json [--flashinfer off] [--quick] [--only prefill]
 """
 
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import COPY_TBPS, write_result
 from worker.attention import cuda_ops, flash
+from worker.attention.kv_quant import dequantize, quantize_rows
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -78,12 +82,18 @@ def eager_time_us(fn: Callable[[], Any], n: int = 200) -> float:
 
 
 class Pool:
-    """One big paged K/V pool; each case draws disjoint random page sets from it."""
+    """One big paged K/V pool; each case draws disjoint random page sets from it. With
+    `fp8`, the pool quantized too (e4m3 K/V and their scales)."""
 
-    def __init__(self, n_pages: int) -> None:
+    def __init__(self, n_pages: int, fp8: bool = False) -> None:
         self.n_pages = n_pages
         self.k = torch.randn(n_pages * PAGE, HKV, D, device=DEV, dtype=DTYPE)
         self.v = torch.randn(n_pages * PAGE, HKV, D, device=DEV, dtype=DTYPE)
+        self.fp8: tuple[torch.Tensor, ...] | None = None
+        if fp8:
+            k8, ks = quantize_rows(self.k)
+            v8, vs = quantize_rows(self.v)
+            self.fp8 = (k8, v8, ks, vs)
 
     def page_sets(self, n_sets: int, pages: int) -> torch.Tensor:
         perm = torch.randperm(self.n_pages, device=DEV)[: n_sets * pages]
@@ -96,6 +106,7 @@ class DecodeCase:
     def __init__(self, pool: Pool, batch: int, seq_len: int) -> None:
         self.batch, self.seq_len = batch, seq_len
         self.kv_bytes = batch * seq_len * HKV * D * 2 * 2
+        self.fp8_bytes = batch * seq_len * HKV * (D + 4) * 2  # e4m3 rows and their scales
         self.n_sets = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / self.kv_bytes)))
         self.pages_per_seq = math.ceil(seq_len / PAGE)
         sets = pool.page_sets(self.n_sets, batch * self.pages_per_seq)
@@ -122,6 +133,28 @@ class DecodeCase:
             )  # fmt: skip
 
         return call
+
+    def fp8_call(self, s: int, variant: int = 0) -> Callable[[], None]:
+        assert self.pool.fp8 is not None
+        k8, v8, ks, vs = self.pool.fp8
+
+        def call() -> None:
+            cuda_ops.decode_attention(
+                self.q, k8, v8, self.req_to_token[s], self.rows, self.lens, PAGE, self.scale,
+                self.out, self.o_part, self.ml_part, variant=variant, k_scale=ks, v_scale=vs,
+            )  # fmt: skip
+
+        return call
+
+    def fp8_reference(self) -> torch.Tensor:
+        """float32 SDPA over the dequantized FP8 rows of set 0."""
+        assert self.pool.fp8 is not None
+        k8, v8, ks, vs = self.pool.fp8
+        slots = self.req_to_token[0][:, : self.seq_len].long()
+        k = dequantize(k8[slots], ks[slots], torch.float32).permute(0, 2, 1, 3)
+        v = dequantize(v8[slots], vs[slots], torch.float32).permute(0, 2, 1, 3)
+        q = self.q.float().unsqueeze(2)
+        return F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=True).squeeze(2)
 
     def contiguous_kv(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         slots = self.req_to_token[s][:, : self.seq_len].long()
@@ -242,7 +275,29 @@ def bench_case(case: DecodeCase, fi: Any, workspace: torch.Tensor, sweep: bool) 
     return res
 
 
-def bench_decode(args: argparse.Namespace, fi: Any) -> list[dict[str, Any]]:
+def bench_fp8_case(case: DecodeCase) -> dict[str, Any]:
+    """kvray decode over the FP8 pool: the automatic plan, and both compiled layouts."""
+    res: dict[str, Any] = {"batch": case.batch, "seq_len": case.seq_len, "kv_bytes": case.fp8_bytes}
+    res["floor_us"] = case.fp8_bytes / (COPY_TBPS * 1e12) * 1e6
+    calls = [case.fp8_call(s) for s in range(case.n_sets)]
+    times = [graph_time_us(calls) for _ in range(ROUNDS)]
+    res["kvray_us"], res["kvray_rounds_us"] = statistics.median(times), times
+    res["kvray_tbps"] = tbps(case.fp8_bytes, res["kvray_us"])
+    res["kvray_fraction_of_ceiling"] = res["kvray_tbps"] / COPY_TBPS
+    res["variant_us"] = {
+        str(v): graph_time_us([case.fp8_call(s, v) for s in range(case.n_sets)]) for v in (1, 5)
+    }
+    calls[0]()
+    torch.cuda.synchronize()
+    res["kvray_max_abs_err_vs_fp32"] = (case.out.float() - case.fp8_reference()).abs().max().item()
+    res["kvray_variant"], res["kvray_splits"] = cuda_ops.decode_plan(
+        case.batch, HQ, HKV, D, DTYPE, SPLIT_CAP, kv_fp8=True
+    )
+    return res
+
+
+def bench_decode(args: argparse.Namespace, fi: Any) -> dict[str, list[dict[str, Any]]]:
+    """Rows per cache type: "decode" (bf16, against FlashInfer and SDPA) and "decode_fp8"."""
     cases = CASES[:3] if args.quick else CASES
     max_pages = max(
         max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / (b * n * HKV * D * 4))))
@@ -250,11 +305,16 @@ def bench_decode(args: argparse.Namespace, fi: Any) -> list[dict[str, Any]]:
         * math.ceil(n / PAGE)
         for b, n in cases
     )
-    pool = Pool(max_pages + 64)
+    pool = Pool(max_pages + 64, fp8=args.kv_dtype in ("fp8", "both"))
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=DEV)
-    rows = []
+    rows: dict[str, list[dict[str, Any]]] = {"decode": [], "decode_fp8": []}
     for b, n in cases:
         case = DecodeCase(pool, b, n)
+        if pool.fp8 is not None:
+            rows["decode_fp8"].append(bench_fp8_case(case))
+            print(json.dumps(rows["decode_fp8"][-1]), flush=True)
+        if args.kv_dtype == "fp8":
+            continue
         row: dict[str, Any] = {
             "batch": b,
             "seq_len": n,
@@ -266,7 +326,7 @@ def bench_decode(args: argparse.Namespace, fi: Any) -> list[dict[str, Any]]:
         row["kvray_fraction_of_ceiling"] = row["kvray_tbps"] / COPY_TBPS
         if "fi_best_us" in row:
             row["speedup_vs_flashinfer"] = row["fi_best_us"] / row["kvray_us"]
-        rows.append(row)
+        rows["decode"].append(row)
         print(json.dumps(row), flush=True)
         del case
         torch.cuda.empty_cache()
@@ -498,6 +558,18 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{r['sdpa_contiguous_us']:8.1f} {r['sdpa_contiguous_tbps']:5.2f}")  # fmt: skip
 
 
+def print_fp8_table(rows: list[dict[str, Any]], bf16: list[dict[str, Any]]) -> None:
+    bf16_us = {(r["batch"], r["seq_len"]): r["kvray_us"] for r in bf16}
+    print(
+        f"\n{'FP8':>4} {'L':>5} | {'kvray us':>9} {'TB/s':>5} {'%ceil':>5} {'floor us':>8} | {'bf16 us':>8} {'x bf16':>6}"
+    )
+    for r in rows:
+        ref = bf16_us.get((r["batch"], r["seq_len"]))
+        ref_s = f"{ref:8.1f} {ref / r['kvray_us']:6.2f}" if ref else f"{'-':>8} {'-':>6}"
+        print(f"{r['batch']:>4} {r['seq_len']:>5} | {r['kvray_us']:9.1f} {r['kvray_tbps']:5.2f} "
+              f"{100 * r['kvray_fraction_of_ceiling']:5.1f} {r['floor_us']:8.1f} | {ref_s}")  # fmt: skip
+
+
 def print_prefill_table(rows: list[dict[str, Any]]) -> None:
     variants = sorted(rows[0]["variant_tflops"], key=int) if rows else []
     head = " ".join(f"{'v' + v:>6}" for v in variants)
@@ -523,6 +595,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--only",
         choices=("decode", "store_kv", "prefill", "gemv"),
         help="run one of the benchmarks",
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        choices=("bf16", "fp8", "both"),
+        default="both",
+        help="KV cache types of the decode cases (fp8: e4m3 with per-row scales)",
     )
 
 
@@ -553,6 +631,9 @@ def run(args: argparse.Namespace) -> int:
             str(v): cuda_ops.decode_blocks_per_sm(D, DTYPE, v)
             for v in range(cuda_ops.decode_variants())
         },
+        "decode_fp8_blocks_per_sm": {
+            str(v): cuda_ops.decode_blocks_per_sm(D, DTYPE, v, kv_fp8=True) for v in (1, 5)
+        },
         "prefill_kernel_info": prefill_kernel_info(),
     }
     failed = False
@@ -565,7 +646,11 @@ def run(args: argparse.Namespace) -> int:
         if args.only not in (None, name):
             continue
         try:
-            result[name] = fn()
+            out = fn()
+            if isinstance(out, dict):  # decode: one list of rows per cache type
+                result.update({k: rows for k, rows in out.items() if rows})
+            else:
+                result[name] = out
         except Exception as exc:
             failed = True
             result[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:1000]
@@ -576,6 +661,8 @@ def run(args: argparse.Namespace) -> int:
     write_result(args.result_json, "kernels", result)
     if "decode" in result:
         print_table(result["decode"])
+    if "decode_fp8" in result:
+        print_fp8_table(result["decode_fp8"], result.get("decode", []))
     if "prefill" in result:
         print_prefill_table(result["prefill"])
     if "gemv" in result:

@@ -16,6 +16,11 @@ Sorting by output length uses knowledge a real server never has, so the ratio er
 favour. With greedy decoding the script also reports how many requests produced the same
 tokens in both, a check that both did the same work.
 
+`--compare-bf16` (with `--kv-cache-dtype fp8`, greedy) runs the same workload again on an
+engine with the unquantized cache (kv_cache_dtype auto: bf16 on CUDA, the dtype on CPU) and
+reports both throughputs and the greedy agreement: the share of requests whose tokens are
+all the same, and the mean length of the matching prefix.
+
 Runs as `kvray bench offline ...` or `python -m benchmarks.offline ...`.
 """
 
@@ -114,6 +119,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time transformers generate on the same prompts",
     )
     parser.add_argument(
+        "--compare-bf16",
+        action="store_true",
+        help="with --kv-cache-dtype fp8: also run the unquantized cache, report greedy agreement",
+    )
+    parser.add_argument(
         "--hf-batch-size",
         type=int,
         help="transformers group size (default: the engine's max_running)",
@@ -185,6 +195,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     outputs = kvray.pop("token_ids")
     del llm
     _release_memory()  # before transformers loads: the engine's KV cache holds most of a GPU
+    unquantized = None
+    if args.compare_bf16:
+        unquantized = _bench_unquantized(path, args, workload, vocab)
+        unquantized["agreement"] = greedy_agreement(outputs, unquantized.pop("token_ids"))
+        unquantized["fp8_speedup"] = kvray["output_tok_s"] / unquantized["output_tok_s"]
+        _release_memory()
     result: dict[str, Any] = {
         "benchmark": "offline",
         **environment(),
@@ -202,6 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "kvray": kvray,
         "hf": None,
         "ratio_vs_hf": None,
+        "unquantized_kv": unquantized,
         "load_avg_before": list(load_before),
     }
     if args.compare_hf:
@@ -223,6 +240,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    if args.compare_bf16 and (getattr(args, "kv_cache_dtype", None) != "fp8" or args.temperature):
+        raise ValueError("--compare-bf16 needs --kv-cache-dtype fp8 and greedy decoding")
     if args.compare_hf and getattr(args, "load_format", None) == "random":
         raise ValueError(
             "--compare-hf needs the weights on disk: transformers cannot use --load-format random"
@@ -262,6 +281,35 @@ def _warm_up(llm: LLM, args: argparse.Namespace, vocab: int) -> None:
             temperature=args.temperature, max_tokens=WARMUP_OUTPUT_TOKENS, ignore_eos=True
         ),
     )
+
+
+def _bench_unquantized(
+    path: Path, args: argparse.Namespace, workload: Workload, vocab: int
+) -> dict[str, Any]:
+    """The same run (warm-up included) with kv_cache_dtype auto, everything else as given."""
+    llm = LLM(str(path), **{**engine_options(args), "kv_cache_dtype": "auto"})
+    print(f"unquantized KV cache: {llm.engine.executor.cache.num_total_pages} pages", flush=True)
+    _warm_up(llm, args, vocab)
+    result = _bench_engine(llm, workload, args.temperature)
+    result["num_pages"] = llm.engine.executor.cache.num_total_pages
+    return result
+
+
+def greedy_agreement(ours: list[list[int]], ref: list[list[int]]) -> dict[str, float]:
+    """How far two runs' tokens for the same requests agree: requests identical throughout,
+    and the matching prefix (tokens until the first difference), mean and share of all."""
+    prefixes = [
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
+        for x, y in zip(ours, ref, strict=True)
+    ]
+    same = sum(x == y for x, y in zip(ours, ref, strict=True))
+    return {
+        "requests": len(ref),
+        "identical_requests": same,
+        "identical_share": same / len(ref),
+        "mean_matching_prefix": sum(prefixes) / len(ref),
+        "matching_prefix_share": sum(prefixes) / max(1, sum(len(y) for y in ref)),
+    }
 
 
 def _bench_engine(llm: LLM, workload: Workload, temperature: float) -> dict[str, Any]:
@@ -464,6 +512,17 @@ def _print_summary(r: dict[str, Any]) -> None:
         print(
             f"  {'':20}{row['kind']:24}{row['batch_up_to'] or '':>7}{row['steps']:7d}{row['seconds']:9.2f}"
             f"{row['mean_ms']:9.2f}{row['mean_decodes']:9.1f}{row['mean_prompt_tokens']:11.1f}"
+        )
+    u = r["unquantized_kv"]
+    if u is not None:
+        a = u["agreement"]
+        print(
+            f"unquantized KV: {u['seconds']:8.2f} s  {u['output_tok_s']:10.1f} output tok/s  "
+            f"({u['num_pages']} pages; fp8 {r['engine_config']['num_pages']}; fp8 / unquantized throughput {u['fp8_speedup']:.2f}x)"
+        )
+        print(
+            f"greedy agreement fp8 vs unquantized: {a['identical_requests']}/{a['requests']} requests identical, "
+            f"mean matching prefix {a['mean_matching_prefix']:.1f} tokens ({100 * a['matching_prefix_share']:.1f}% of all)"
         )
     hf = r["hf"]
     if hf is not None:

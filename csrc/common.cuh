@@ -5,6 +5,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cstdint>
 
 namespace kvray {
@@ -72,6 +73,12 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
                "l"(gmem), "r"(valid ? 16 : 0));
 }
 
+// 4-byte asynchronous copy (through L1: .cg takes 16 bytes only); zero-filled when !valid.
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(valid ? 4 : 0));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 
 template <int N>
@@ -111,6 +118,27 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 // swizzle, so one offset per lane serves every chunk pair of every row with the same
 // row & 7 (rows 16 apart: add 16 * D). Keeps ldmatrix addressing to one XOR per load.
 __device__ __forceinline__ int swz_step(int off, int kk) { return off ^ (kk << 4); }
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a [rows][D] tile of one-byte (e4m3)
+// elements, swizzled so that the eight rows one ldmatrix reads sit in eight bank groups:
+// 128-byte rows XOR the chunk with row & 7 (as swz), 64-byte rows (two per bank line) with
+// (row >> 1) & 3.
+template <int D>
+__device__ __forceinline__ int swz_fp8(int row, int chunk) {
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  const int x = D == 128 ? (row & 7) : ((row >> 1) & 3);
+  return row * D + ((chunk ^ x) << 4);
+}
+
+// Two e4m3 bytes of w as a bf16x2 operand whose values are the e4m3 values times 2^-120:
+// `sel` (prmt) puts each byte in the low half of a 16-bit lane with its sign replicated
+// above it; shifted left by 4 and masked, sign, exponent and mantissa land in bf16's
+// fields with the exponent bias 7 kept (so zero and subnormals convert exactly too).
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2_raw(uint32_t w, uint32_t sel) {
+  uint32_t x;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(x) : "r"(w), "r"(0u), "r"(sel));
+  return (x << 4) & 0x87F087F0u;
+}
 
 // Slot of position `pos` of a request whose page table row is `rt_row`: pages are
 // contiguous in slot space, so only the entry at the page's first position is read.

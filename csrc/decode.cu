@@ -16,6 +16,11 @@
 // The grid depends only on shapes (batch, heads, the split count chosen from the batch
 // size), never on live sequence lengths, so launches can be captured in CUDA graphs;
 // splits that start past a sequence's end exit at once and the combine skips them.
+//
+// An FP8 cache (e4m3 bytes, one float32 scale per token and kv head) runs the same kernels
+// on half the bytes: its tiles are widened to bf16 as fragments leave shared memory, each
+// token's K scale multiplies its score after the QK MMA and its V scale is folded into P
+// before the PV MMA (attend_tile_fp8).
 #include <algorithm>
 #include <type_traits>
 
@@ -34,22 +39,40 @@ __host__ __device__ __forceinline__ int split_chunk(int len, int num_splits, int
   return c < min_chunk ? min_chunk : c;
 }
 
-// Geometry of one warp's K/V tile of TT tokens: how the warp's 16-byte copies cover it.
-template <int D, int TT>
+template <typename KV>
+constexpr bool kIsFp8 = std::is_same_v<KV, __nv_fp8_e4m3>;
+
+// Geometry of one warp's K/V tile of TT tokens (elements of KV): how the warp's 16-byte
+// copies cover it, and one ring stage: the K tile, the V tile and, for FP8, the tokens'
+// K and V scales (TT floats each).
+template <typename KV, int D, int TT>
 struct Tile {
-  static constexpr int kChunks = D / 8;              // 16-byte chunks per K/V row
+  static constexpr int kChunks = D * static_cast<int>(sizeof(KV)) / 16;  // per K/V row
+  static constexpr int kChunkElems = 16 / static_cast<int>(sizeof(KV));
   static constexpr int kRowsPerPass = 32 / kChunks;  // rows one warp-wide copy covers
   static constexpr int kPasses = TT / kRowsPerPass;  // copies per tile per warp
   static constexpr int kElems = TT * D;
+  static constexpr int kStageElems = 2 * kElems + (kIsFp8<KV> ? 2 * TT * 4 : 0);
   static_assert(TT % 16 == 0 && TT <= 32 && kPasses >= 1, "tile of 16 or 32 tokens");
 };
 
-template <int D, int NW, int TT, int ST>
+// Element offset of 16-byte chunk `chunk` of tile row `row` (swizzled, see common.cuh).
+template <typename KV, int D>
+__device__ __forceinline__ int tile_offset(int row, int chunk) {
+  if constexpr (kIsFp8<KV>) {
+    return swz_fp8<D>(row, chunk);
+  } else {
+    return swz<D>(row, chunk);
+  }
+}
+
+template <typename KV, int D, int NW, int TT, int ST>
 struct Cfg {
   // Fewest tokens per split: shorter splits cost more in partials than they gain in
   // parallelism.
   static constexpr int kMinChunk = 256;
-  static constexpr int kStageBytes = NW * ST * 2 * Tile<D, TT>::kElems * 2;
+  static constexpr int kStageBytes =
+      NW * ST * Tile<KV, D, TT>::kStageElems * static_cast<int>(sizeof(KV));
   static constexpr int kMergeBytes = NW * (kRows * D + 2 * kRows) * 4;
   static constexpr int kSmem = kStageBytes > kMergeBytes ? kStageBytes : kMergeBytes;
 };
@@ -74,8 +97,38 @@ struct WarpState {
   }
 };
 
+// A lane's output columns: pair i (0 .. D/8 - 1) of row half h sits at head_dim column
+// o_col0(lane) + off. The bf16 path holds columns 8i + c0, +1 in o[i]; the FP8 path (whose
+// V operands come from byte-wise transposes) holds columns 4 * (lane & 3) .. + 3 of each
+// 16, the even ones in o[2c] and the odd ones in o[2c + 1].
+template <bool kFp8>
+__device__ __forceinline__ int o_col0(int lane) {
+  return kFp8 ? (lane & 3) * 4 : (lane & 3) * 2;
+}
+
+template <bool kFp8, int D>
+__device__ __forceinline__ float2 o_pair(const WarpState<D>& st, int i, int h, int& off) {
+  if constexpr (kFp8) {
+    const int c = i >> 1, e = i & 1;
+    off = c * 16 + 2 * e;
+    return make_float2(st.o[2 * c][2 * h + e], st.o[2 * c + 1][2 * h + e]);
+  } else {
+    off = i * 8;
+    return make_float2(st.o[i][2 * h], st.o[i][2 * h + 1]);
+  }
+}
+
+// The FP8 tiles' bf16 operands are the e4m3 values times 2^-120 (e4m3x2_to_bf16x2_raw):
+// Q is scaled by 2^60 here and scores and P by 2^60 in attend_tile_fp8, which keeps every
+// product and sum far inside float32's normal range; the output is scaled back at the end.
+constexpr float kFp8QScale = 0x1p60f;
+constexpr float kFp8PScale = 0x1p60f;
+constexpr float kFp8OScale = 0x1p60f;
+
 // Q rows head0 .. head0 + n_rows - 1 of request b as MMA A fragments (zero past n_rows).
-template <typename T, int D>
+// With kFp8 the columns of each 16 are permuted as the K operands are (attend_tile_fp8):
+// a lane's k pairs c0, c0 + 8 hold head_dim columns 4 * (lane & 3) and + 2.
+template <typename T, int D, bool kFp8>
 __device__ __forceinline__ void load_q(uint32_t (&qa)[D / 16][4], const DecodeParams& p, int b,
                                        int head0, int n_rows, int lane) {
   const int r0 = lane >> 2, c0 = (lane & 3) * 2;
@@ -84,10 +137,15 @@ __device__ __forceinline__ void load_q(uint32_t (&qa)[D / 16][4], const DecodePa
   for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int row = r0 + (i & 1) * 8, col = kk * 16 + c0 + (i >> 1) * 8;
+      const int row = r0 + (i & 1) * 8;
+      const int col = kFp8 ? kk * 16 + 2 * c0 + (i >> 1) * 2 : kk * 16 + c0 + (i >> 1) * 8;
       qa[kk][i] = row < n_rows
                       ? *reinterpret_cast<const uint32_t*>(qb + row * p.q_stride_h + col)
                       : 0u;
+      if constexpr (kFp8) {
+        const float2 f = Dtype<T>::unpack(qa[kk][i]);
+        qa[kk][i] = Dtype<T>::pack(f.x * kFp8QScale, f.y * kFp8QScale);
+      }
     }
   }
 }
@@ -164,35 +222,144 @@ __device__ __forceinline__ void attend_tile(WarpState<D>& st, const uint32_t (&q
   }
 }
 
+// One FP8 stage from shared memory: K and V tiles of e4m3 bytes, then the tokens' K and V
+// scales. Operands are widened to bf16 as they leave shared memory; ldmatrix moves the
+// bytes as 16-bit pairs, so
+//  - K: a non-transposed load gives a lane 4 adjacent bytes (head_dim columns 4q .. 4q + 3
+//    of one token, q = lane & 3), which become its k pairs c0 and c0 + 8: the same column
+//    permutation is applied to Q (load_q), and a dot product does not care about order;
+//  - V: a transposed load gives a lane 2 tokens x 2 columns per matrix; two matrices (tokens
+//    2q, 2q + 1 and 2q + 8, 2q + 9) give, byte-picked, the B operands of column 2g (one MMA)
+//    and of column 2g + 1 (another), g = lane >> 2, so each 16 columns take two accumulator
+//    tiles, even and odd columns (o_pair reads them back in order).
+template <int D, int TT>
+__device__ __forceinline__ void attend_tile_fp8(WarpState<D>& st, const uint32_t (&qa)[D / 16][4],
+                                                const __nv_fp8_e4m3* stage, int nvalid,
+                                                float scale_log2, int lane) {
+  using C = Tile<__nv_fp8_e4m3, D, TT>;
+  const __nv_fp8_e4m3* ks = stage;
+  const __nv_fp8_e4m3* vs = stage + C::kElems;
+  const float* k_scale = reinterpret_cast<const float*>(stage + 2 * C::kElems);
+  const float* v_scale = k_scale + TT;
+  const int c0 = (lane & 3) * 2;
+  // lane -> (token, chunk) of an x4 load: matrices (tokens 0-7 | 8-15) x (chunk | chunk + 1)
+  const int ld_row = (lane & 7) + (((lane >> 3) & 1) << 3), ld_chunk = lane >> 4;
+  constexpr uint32_t kLo = 0x9180, kHi = 0xB3A2;    // bytes 0, 1 | 2, 3, sign-extended
+  constexpr uint32_t kEven = 0xA280, kOdd = 0xB391;  // bytes 0, 2 | 1, 3
+  float s[TT / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < TT / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; kk += 2) {
+#pragma unroll
+    for (int np = 0; np < TT / 16; ++np) {
+      uint32_t r[4];
+      ldsm_x4(r, ks + swz_fp8<D>(np * 16 + ld_row, kk + ld_chunk));
+#pragma unroll
+      for (int m = 0; m < 4; ++m)
+        Dtype<__nv_bfloat16>::mma(s[2 * np + (m & 1)], qa[kk + (m >> 1)],
+                                  e4m3x2_to_bf16x2_raw(r[m], kLo),
+                                  e4m3x2_to_bf16x2_raw(r[m], kHi));
+    }
+  }
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < TT / 8; ++nt) {
+    const float2 ksc = *reinterpret_cast<const float2*>(k_scale + nt * 8 + c0);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int tok = nt * 8 + c0 + (e & 1);
+      const float mul = ((e & 1) ? ksc.y : ksc.x) * scale_log2;
+      s[nt][e] = tok < nvalid ? s[nt][e] * mul : -INFINITY;
+      mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+    }
+  }
+  float corr[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float m_new = fmaxf(st.m[h], quad_max(mx[h]));
+    corr[h] = rescale(st.m[h], m_new);
+    st.m[h] = m_new;
+    st.l[h] *= corr[h];
+  }
+#pragma unroll
+  for (int nt = 0; nt < TT / 8; ++nt) {
+    const float2 vsc = *reinterpret_cast<const float2*>(v_scale + nt * 8 + c0);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float pv = fast_exp2(s[nt][e] - st.m[e >> 1]);
+      st.l[e >> 1] += pv;
+      s[nt][e] = pv * ((e & 1) ? vsc.y : vsc.x) * kFp8PScale;  // P with V's scale folded in
+    }
+  }
+#pragma unroll
+  for (int dn = 0; dn < D / 8; ++dn) {
+    st.o[dn][0] *= corr[0];
+    st.o[dn][1] *= corr[0];
+    st.o[dn][2] *= corr[1];
+    st.o[dn][3] *= corr[1];
+  }
+#pragma unroll
+  for (int k16 = 0; k16 < TT / 16; ++k16) {
+    uint32_t pa[4];
+    pa[0] = Dtype<__nv_bfloat16>::pack(s[2 * k16][0], s[2 * k16][1]);
+    pa[1] = Dtype<__nv_bfloat16>::pack(s[2 * k16][2], s[2 * k16][3]);
+    pa[2] = Dtype<__nv_bfloat16>::pack(s[2 * k16 + 1][0], s[2 * k16 + 1][1]);
+    pa[3] = Dtype<__nv_bfloat16>::pack(s[2 * k16 + 1][2], s[2 * k16 + 1][3]);
+#pragma unroll
+    for (int dc = 0; dc < D / 16; dc += 2) {
+      uint32_t r[4];
+      ldsm_x4_trans(r, vs + swz_fp8<D>(k16 * 16 + ld_row, dc + ld_chunk));
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        Dtype<__nv_bfloat16>::mma(st.o[2 * (dc + c)], pa, e4m3x2_to_bf16x2_raw(r[2 * c], kEven),
+                                  e4m3x2_to_bf16x2_raw(r[2 * c + 1], kEven));
+        Dtype<__nv_bfloat16>::mma(st.o[2 * (dc + c) + 1], pa,
+                                  e4m3x2_to_bf16x2_raw(r[2 * c], kOdd),
+                                  e4m3x2_to_bf16x2_raw(r[2 * c + 1], kOdd));
+      }
+    }
+  }
+}
+
 // A warp streams its tiles (tile i starts at token first + i * stride, tokens < end) of one
 // kv head through its own ST-deep cp.async ring `wsm` and folds them into `st`. The slot
 // of a tile's tokens is looked up one tile ahead so the page-table load is off the path.
-template <typename T, int D, int TT, int ST>
+template <typename T, typename KV, int D, int TT, int ST>
 __device__ __forceinline__ void stream_tiles(WarpState<D>& st, const uint32_t (&qa)[D / 16][4],
-                                             T* wsm, const DecodeParams& p, int b, int kvh,
+                                             KV* wsm, const DecodeParams& p, int b, int kvh,
                                              int first, int stride, int n_tiles, int end,
                                              int lane) {
-  using C = Tile<D, TT>;
+  using C = Tile<KV, D, TT>;
+  constexpr bool kFp8 = kIsFp8<KV>;
   const int32_t* rt_row =
       p.kv.req_to_token + static_cast<int64_t>(p.kv.req_pool_indices[b]) * p.kv.rt_stride;
-  const T* kbase = static_cast<const T*>(p.kv.k) + kvh * D;
-  const T* vbase = static_cast<const T*>(p.kv.v) + kvh * D;
+  const KV* kbase = static_cast<const KV*>(p.kv.k) + kvh * D;
+  const KV* vbase = static_cast<const KV*>(p.kv.v) + kvh * D;
   auto tile_slot = [&](int i) -> int64_t {
     const int pos = first + i * stride + lane;
     return (lane < TT && pos < end) ? slot_of(rt_row, pos, p.kv.page_size) : int64_t(-1);
   };
   auto issue = [&](int i, int64_t my_slot) {
-    T* ks = wsm + (i % ST) * 2 * C::kElems;
-    T* vs = ks + C::kElems;
+    KV* ks = wsm + (i % ST) * C::kStageElems;
+    KV* vs = ks + C::kElems;
     const int col = lane % C::kChunks;
 #pragma unroll
     for (int u = 0; u < C::kPasses; ++u) {
       const int row = lane / C::kChunks + u * C::kRowsPerPass;
       const int64_t slot = __shfl_sync(0xffffffffu, my_slot, row);
       const bool valid = slot >= 0;
-      const int64_t off = valid ? slot * p.kv.slot_stride + col * 8 : 0;
-      cp_async16(ks + swz<D>(row, col), kbase + off, valid);
-      cp_async16(vs + swz<D>(row, col), vbase + off, valid);
+      const int64_t off = valid ? slot * p.kv.slot_stride + col * C::kChunkElems : 0;
+      cp_async16(ks + tile_offset<KV, D>(row, col), kbase + off, valid);
+      cp_async16(vs + tile_offset<KV, D>(row, col), vbase + off, valid);
+    }
+    if constexpr (kFp8) {  // lane t < TT fetches token t's scales
+      if (lane < TT) {
+        float* sc = reinterpret_cast<float*>(vs + C::kElems);
+        const int64_t at = my_slot >= 0 ? my_slot * p.num_kv_heads + kvh : 0;
+        cp_async4(sc + lane, p.kv.k_scale + at, my_slot >= 0);
+        cp_async4(sc + TT + lane, p.kv.v_scale + at, my_slot >= 0);
+      }
     }
   };
 
@@ -216,12 +383,22 @@ __device__ __forceinline__ void stream_tiles(WarpState<D>& st, const uint32_t (&
     cp_async_commit();
     cp_async_wait<ST - 1>();
     __syncwarp();
-    const T* ks = wsm + (i % ST) * 2 * C::kElems;
-    attend_tile<T, D, TT>(st, qa, ks, ks + C::kElems, min(TT, end - (first + i * stride)),
-                          p.scale_log2, lane);
+    const KV* ks = wsm + (i % ST) * C::kStageElems;
+    const int nvalid = min(TT, end - (first + i * stride));
+    if constexpr (kFp8) {
+      attend_tile_fp8<D, TT>(st, qa, ks, nvalid, p.scale_log2 * kFp8QScale, lane);
+    } else {
+      attend_tile<T, D, TT>(st, qa, ks, ks + C::kElems, nvalid, p.scale_log2, lane);
+    }
     __syncwarp();
   }
   cp_async_wait<0>();
+  if constexpr (kFp8) {
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st.o[dn][e] *= kFp8OScale;
+  }
 }
 
 // Token range [start, end) of split `split` of a sequence of `len` tokens.
@@ -243,9 +420,10 @@ __device__ void write_zeros(const DecodeParams& p, int b, int head0, int n_rows,
 
 // Token-split layout: one block per (split, kv head, request); its NW warps take
 // interleaved tiles of the split and merge their states through shared memory at the end.
-template <typename T, int D, int NW, int TT, int ST>
+template <typename T, typename KV, int D, int NW, int TT, int ST>
 __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParams p) {
-  using C = Cfg<D, NW, TT, ST>;
+  using C = Cfg<KV, D, NW, TT, ST>;
+  constexpr bool kFp8 = kIsFp8<KV>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = p.num_q_heads / p.num_kv_heads;
@@ -262,18 +440,18 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
     return;
   }
   uint32_t qa[D / 16][4];
-  load_q<T, D>(qa, p, b, head0, n_rows, lane);
+  load_q<T, D, kFp8>(qa, p, b, head0, n_rows, lane);
   WarpState<D> st;
   st.init();
   const int n_tiles = (end - start + TT - 1) / TT;
   const int my_tiles = warp < n_tiles ? (n_tiles - warp + NW - 1) / NW : 0;
-  T* wsm = reinterpret_cast<T*>(smem_raw) + warp * ST * 2 * Tile<D, TT>::kElems;
-  stream_tiles<T, D, TT, ST>(st, qa, wsm, p, b, kvh, start + warp * TT, NW * TT, my_tiles, end,
-                             lane);
+  KV* wsm = reinterpret_cast<KV*>(smem_raw) + warp * ST * Tile<KV, D, TT>::kStageElems;
+  stream_tiles<T, KV, D, TT, ST>(st, qa, wsm, p, b, kvh, start + warp * TT, NW * TT, my_tiles,
+                                 end, lane);
   __syncthreads();
 
   // Merge the warps' states through shared memory (the tile ring is free now).
-  const int r0 = lane >> 2, c0 = (lane & 3) * 2;
+  const int r0 = lane >> 2, c0 = o_col0<kFp8>(lane);
   constexpr int kWarpFloats = kRows * D + 2 * kRows;
   float* wo = reinterpret_cast<float*>(smem_raw) + warp * kWarpFloats;
   {
@@ -286,9 +464,10 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
     }
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) {
-      *reinterpret_cast<float2*>(wo + r0 * D + dn * 8 + c0) = make_float2(st.o[dn][0], st.o[dn][1]);
-      *reinterpret_cast<float2*>(wo + (r0 + 8) * D + dn * 8 + c0) =
-          make_float2(st.o[dn][2], st.o[dn][3]);
+      int off;
+      const float2 lo = o_pair<kFp8, D>(st, dn, 0, off), hi = o_pair<kFp8, D>(st, dn, 1, off);
+      *reinterpret_cast<float2*>(wo + r0 * D + off + c0) = lo;
+      *reinterpret_cast<float2*>(wo + (r0 + 8) * D + off + c0) = hi;
     }
   }
   __syncthreads();
@@ -328,9 +507,10 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
 // owns one (kv head, head chunk) and streams the whole split, so a block reads NW adjacent
 // head slices of the same token rows at about the same time (DRAM row locality) and no
 // cross-warp merge is needed.
-template <typename T, int D, int NW, int TT, int ST>
+template <typename T, typename KV, int D, int NW, int TT, int ST>
 __global__ void __launch_bounds__(NW * 32) decode_head_kernel(const DecodeParams p) {
-  using C = Cfg<D, NW, TT, ST>;
+  using C = Cfg<KV, D, NW, TT, ST>;
+  constexpr bool kFp8 = kIsFp8<KV>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = p.num_q_heads / p.num_kv_heads;
@@ -349,14 +529,14 @@ __global__ void __launch_bounds__(NW * 32) decode_head_kernel(const DecodeParams
     return;
   }
   uint32_t qa[D / 16][4];
-  load_q<T, D>(qa, p, b, head0, n_rows, lane);
+  load_q<T, D, kFp8>(qa, p, b, head0, n_rows, lane);
   WarpState<D> st;
   st.init();
-  T* wsm = reinterpret_cast<T*>(smem_raw) + warp * ST * 2 * Tile<D, TT>::kElems;
-  stream_tiles<T, D, TT, ST>(st, qa, wsm, p, b, kvh, start, TT, (end - start + TT - 1) / TT, end,
-                             lane);
+  KV* wsm = reinterpret_cast<KV*>(smem_raw) + warp * ST * Tile<KV, D, TT>::kStageElems;
+  stream_tiles<T, KV, D, TT, ST>(st, qa, wsm, p, b, kvh, start, TT, (end - start + TT - 1) / TT,
+                                 end, lane);
 
-  const int r0 = lane >> 2, c0 = (lane & 3) * 2;
+  const int r0 = lane >> 2, c0 = o_col0<kFp8>(lane);
   const float lsum[2] = {quad_sum(st.l[0]), quad_sum(st.l[1])};
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -366,15 +546,19 @@ __global__ void __launch_bounds__(NW * 32) decode_head_kernel(const DecodeParams
     if (p.num_splits == 1) {
       T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + (head0 + row) * p.out_stride_h + c0;
 #pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn)
-        *reinterpret_cast<uint32_t*>(dst + dn * 8) =
-            Dtype<T>::pack(st.o[dn][2 * h] * inv, st.o[dn][2 * h + 1] * inv);
+      for (int dn = 0; dn < D / 8; ++dn) {
+        int off;
+        const float2 v = o_pair<kFp8, D>(st, dn, h, off);
+        *reinterpret_cast<uint32_t*>(dst + off) = Dtype<T>::pack(v.x * inv, v.y * inv);
+      }
     } else {
       const int64_t prow = (static_cast<int64_t>(b) * p.num_q_heads + head0 + row) * p.s_cap + split;
 #pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn)
-        *reinterpret_cast<float2*>(p.o_part + prow * D + dn * 8 + c0) =
-            make_float2(st.o[dn][2 * h] * inv, st.o[dn][2 * h + 1] * inv);
+      for (int dn = 0; dn < D / 8; ++dn) {
+        int off;
+        const float2 v = o_pair<kFp8, D>(st, dn, h, off);
+        *reinterpret_cast<float2*>(p.o_part + prow * D + off + c0) = make_float2(v.x * inv, v.y * inv);
+      }
       if ((lane & 3) == 0) *reinterpret_cast<float2*>(p.ml_part + prow * 2) = make_float2(st.m[h], lsum[h]);
     }
   }
@@ -427,21 +611,21 @@ struct KernelInfo {
 
 enum class Layout { kSplit, kHead };
 
-template <Layout L, typename T, int D, int NW, int TT, int ST>
+template <Layout L, typename T, typename KV, int D, int NW, int TT, int ST>
 constexpr auto kernel_fn() {
   if constexpr (L == Layout::kSplit) {
-    return decode_split_kernel<T, D, NW, TT, ST>;
+    return decode_split_kernel<T, KV, D, NW, TT, ST>;
   } else {
-    return decode_head_kernel<T, D, NW, TT, ST>;
+    return decode_head_kernel<T, KV, D, NW, TT, ST>;
   }
 }
 
-template <Layout L, typename T, int D, int NW, int TT, int ST>
+template <Layout L, typename T, typename KV, int D, int NW, int TT, int ST>
 const KernelInfo& info() {
   static const KernelInfo ki = [] {
-    using C = Cfg<D, NW, TT, ST>;
+    using C = Cfg<KV, D, NW, TT, ST>;
     constexpr int smem = L == Layout::kSplit ? C::kSmem : C::kStageBytes;
-    auto kern = kernel_fn<L, T, D, NW, TT, ST>();
+    auto kern = kernel_fn<L, T, KV, D, NW, TT, ST>();
     cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     int blocks = 0;
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kern, NW * 32, smem);
@@ -451,13 +635,13 @@ const KernelInfo& info() {
   return ki;
 }
 
-template <Layout L, typename T, int D, int NW, int TT, int ST>
+template <Layout L, typename T, typename KV, int D, int NW, int TT, int ST>
 cudaError_t run(const DecodeParams& p, cudaStream_t stream) {
-  const KernelInfo& ki = info<L, T, D, NW, TT, ST>();
+  const KernelInfo& ki = info<L, T, KV, D, NW, TT, ST>();
   const int group = p.num_q_heads / p.num_kv_heads;
   const int units = p.num_kv_heads * ((group + kRows - 1) / kRows);
   dim3 grid(p.num_splits, (units + ki.units_per_block - 1) / ki.units_per_block, p.batch);
-  kernel_fn<L, T, D, NW, TT, ST>()<<<grid, ki.threads, ki.smem, stream>>>(p);
+  kernel_fn<L, T, KV, D, NW, TT, ST>()<<<grid, ki.threads, ki.smem, stream>>>(p);
   if (p.num_splits > 1) {
     const int pairs = p.batch * p.num_q_heads;
     decode_combine_kernel<T, D><<<(pairs + 3) / 4, 128, 0, stream>>>(p, ki.tile, ki.min_chunk);
@@ -467,7 +651,7 @@ cudaError_t run(const DecodeParams& p, cudaStream_t stream) {
 
 // Tiling variants. 0 = automatic: head-major (5) once the batch gives every SM a block
 // without splitting, token-split (1) below that, where head-major leaves SMs idle. 1 and 5 are compiled for every
-// dtype and head_dim; the others for bf16 / head_dim 128 only, for the benchmark's sweep.
+// dtype, head_dim and cache type; the others for bf16 / head_dim 128 only, for the benchmark's sweep.
 //   1: token-split, 4 warps, 16-token tiles, 3 stages   2: token-split, 4 warps, 2 stages
 //   3: token-split, 8 warps, 2 stages                   4: head-major, 4 warps, 3 stages
 //   5: head-major, 4 warps, 2 stages                    6: head-major, 8 warps, 2 stages
@@ -480,39 +664,47 @@ constexpr int kAutoSplit = 1, kAutoHead = 5, kHeadUnitsPerBlock = 4;
   X(4, Layout::kHead, 4, 16, 3)  \
   X(6, Layout::kHead, 8, 16, 2)
 
-template <typename T, int D>
+template <typename T, typename KV, int D>
+constexpr bool kSweepCompiled = D == 128 && std::is_same_v<T, __nv_bfloat16> && std::is_same_v<KV, T>;
+
+template <typename T, typename KV, int D>
 const KernelInfo* variant_info(int variant) {
-  if (variant == kAutoSplit) return &info<Layout::kSplit, T, D, 4, 16, 3>();
-  if (variant == kAutoHead) return &info<Layout::kHead, T, D, kHeadUnitsPerBlock, 16, 2>();
-  if constexpr (D == 128 && std::is_same_v<T, __nv_bfloat16>) {
+  if (variant == kAutoSplit) return &info<Layout::kSplit, T, KV, D, 4, 16, 3>();
+  if (variant == kAutoHead) return &info<Layout::kHead, T, KV, D, kHeadUnitsPerBlock, 16, 2>();
+  if constexpr (kSweepCompiled<T, KV, D>) {
 #define KVRAY_INFO(V, L, NW, TT, ST) \
-  if (variant == V) return &info<L, T, D, NW, TT, ST>();
+  if (variant == V) return &info<L, T, KV, D, NW, TT, ST>();
     KVRAY_SWEEP_VARIANTS(KVRAY_INFO)
 #undef KVRAY_INFO
   }
   return nullptr;
 }
 
-template <typename T, int D>
+template <typename T, typename KV, int D>
 cudaError_t dispatch_variant(const DecodeParams& p, cudaStream_t stream) {
-  if (p.variant == kAutoSplit) return run<Layout::kSplit, T, D, 4, 16, 3>(p, stream);
-  if (p.variant == kAutoHead) return run<Layout::kHead, T, D, kHeadUnitsPerBlock, 16, 2>(p, stream);
-  if constexpr (D == 128 && std::is_same_v<T, __nv_bfloat16>) {
+  if (p.variant == kAutoSplit) return run<Layout::kSplit, T, KV, D, 4, 16, 3>(p, stream);
+  if (p.variant == kAutoHead) return run<Layout::kHead, T, KV, D, kHeadUnitsPerBlock, 16, 2>(p, stream);
+  if constexpr (kSweepCompiled<T, KV, D>) {
 #define KVRAY_RUN(V, L, NW, TT, ST) \
-  if (p.variant == V) return run<L, T, D, NW, TT, ST>(p, stream);
+  if (p.variant == V) return run<L, T, KV, D, NW, TT, ST>(p, stream);
     KVRAY_SWEEP_VARIANTS(KVRAY_RUN)
 #undef KVRAY_RUN
   }
   return cudaErrorInvalidValue;
 }
 
-const KernelInfo* find_info(DType dtype, int head_dim, int variant) {
-  if (dtype == DType::kBF16) {
-    if (head_dim == 128) return variant_info<__nv_bfloat16, 128>(variant);
-    if (head_dim == 64) return variant_info<__nv_bfloat16, 64>(variant);
+// An FP8 cache is read with bf16 activations only (worker/config.py checks it).
+const KernelInfo* find_info(DType dtype, bool kv_fp8, int head_dim, int variant) {
+  if (kv_fp8) {
+    if (dtype != DType::kBF16) return nullptr;
+    if (head_dim == 128) return variant_info<__nv_bfloat16, __nv_fp8_e4m3, 128>(variant);
+    if (head_dim == 64) return variant_info<__nv_bfloat16, __nv_fp8_e4m3, 64>(variant);
+  } else if (dtype == DType::kBF16) {
+    if (head_dim == 128) return variant_info<__nv_bfloat16, __nv_bfloat16, 128>(variant);
+    if (head_dim == 64) return variant_info<__nv_bfloat16, __nv_bfloat16, 64>(variant);
   } else {
-    if (head_dim == 128) return variant_info<__half, 128>(variant);
-    if (head_dim == 64) return variant_info<__half, 64>(variant);
+    if (head_dim == 128) return variant_info<__half, __half, 128>(variant);
+    if (head_dim == 64) return variant_info<__half, __half, 64>(variant);
   }
   return nullptr;
 }
@@ -530,14 +722,14 @@ int decode_resolve_variant(int variant, int batch, int num_q_heads, int num_kv_h
   return head_blocks >= num_sms ? kAutoHead : kAutoSplit;
 }
 
-int decode_blocks_per_sm(DType dtype, int head_dim, int variant) {
-  const KernelInfo* ki = find_info(dtype, head_dim, variant);
+int decode_blocks_per_sm(DType dtype, bool kv_fp8, int head_dim, int variant) {
+  const KernelInfo* ki = find_info(dtype, kv_fp8, head_dim, variant);
   return ki == nullptr ? 0 : ki->blocks_per_sm;
 }
 
 int decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim, DType dtype,
-                      int variant, int num_sms, int s_cap) {
-  const KernelInfo* ki = find_info(dtype, head_dim, variant);
+                      bool kv_fp8, int variant, int num_sms, int s_cap) {
+  const KernelInfo* ki = find_info(dtype, kv_fp8, head_dim, variant);
   if (ki == nullptr || batch <= 0 || num_kv_heads <= 0) return 1;
   const int group = num_q_heads / num_kv_heads;
   const int units = num_kv_heads * ((group + kRows - 1) / kRows);
@@ -549,12 +741,16 @@ int decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim
 
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   if (p.batch == 0) return cudaSuccess;
-  if (p.dtype == DType::kBF16) {
-    if (p.head_dim == 128) return dispatch_variant<__nv_bfloat16, 128>(p, stream);
-    if (p.head_dim == 64) return dispatch_variant<__nv_bfloat16, 64>(p, stream);
+  if (p.kv_fp8) {
+    if (p.dtype != DType::kBF16) return cudaErrorInvalidValue;
+    if (p.head_dim == 128) return dispatch_variant<__nv_bfloat16, __nv_fp8_e4m3, 128>(p, stream);
+    if (p.head_dim == 64) return dispatch_variant<__nv_bfloat16, __nv_fp8_e4m3, 64>(p, stream);
+  } else if (p.dtype == DType::kBF16) {
+    if (p.head_dim == 128) return dispatch_variant<__nv_bfloat16, __nv_bfloat16, 128>(p, stream);
+    if (p.head_dim == 64) return dispatch_variant<__nv_bfloat16, __nv_bfloat16, 64>(p, stream);
   } else {
-    if (p.head_dim == 128) return dispatch_variant<__half, 128>(p, stream);
-    if (p.head_dim == 64) return dispatch_variant<__half, 64>(p, stream);
+    if (p.head_dim == 128) return dispatch_variant<__half, __half, 128>(p, stream);
+    if (p.head_dim == 64) return dispatch_variant<__half, __half, 64>(p, stream);
   }
   return cudaErrorInvalidValue;
 }

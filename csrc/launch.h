@@ -9,7 +9,8 @@ namespace kvray {
 
 enum class DType : int { kBF16 = 0, kFP16 = 1, kFP32 = 2 };  // kFP32: fused ops only
 
-// KV cache of one layer: [n_slots, n_kv_heads, head_dim], contiguous.
+// KV cache of one layer: [n_slots, n_kv_heads, head_dim], contiguous. An FP8 (e4m3) cache
+// also has float32 scales [n_slots, n_kv_heads], one per row of head_dim values (decode only).
 struct PagedKV {
   const void* k;
   const void* v;
@@ -19,6 +20,8 @@ struct PagedKV {
   const int32_t* req_pool_indices;
   const int32_t* seq_lens;
   int page_size;
+  const float* k_scale = nullptr;  // set for an FP8 cache
+  const float* v_scale = nullptr;
 };
 
 struct DecodeParams {
@@ -35,6 +38,7 @@ struct DecodeParams {
   float scale_log2;
   DType dtype;
   int variant;  // resolved tiling variant (decode_resolve_variant), never 0 here
+  bool kv_fp8 = false;  // the cache holds e4m3 bytes and scales (dtype is then kBF16)
 };
 
 struct PrefillParams {
@@ -59,6 +63,9 @@ struct StoreParams {
   int64_t slot_stride;  // elements
   const int64_t* loc;   // [T]
   int num_tokens, num_kv_heads, head_dim;
+  DType dtype = DType::kBF16;
+  float* k_scale = nullptr;  // set: quantize to e4m3 with one scale per row ([n_slots, Hkv])
+  float* v_scale = nullptr;
 };
 
 // The order in which torch's CUDA mean(-1) adds a row's terms (see fused.cu).
@@ -127,12 +134,12 @@ struct GemvParams {
 // Splits chosen for a decode batch: about one wave of resident blocks, never more than
 // s_cap. Depends only on shapes (batch size, heads), so graph launches stay valid.
 int decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim, DType dtype,
-                      int variant, int num_sms, int s_cap);
+                      bool kv_fp8, int variant, int num_sms, int s_cap);
 int decode_num_variants();
 // Variant 0 means automatic: picks the layout from the batch and head counts (shapes only).
 int decode_resolve_variant(int variant, int batch, int num_q_heads, int num_kv_heads,
                            int num_sms);
-int decode_blocks_per_sm(DType dtype, int head_dim, int variant);
+int decode_blocks_per_sm(DType dtype, bool kv_fp8, int head_dim, int variant);
 
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream);
 cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream);

@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <optional>
 #include <utility>
 
 #include "launch.h"
@@ -35,6 +36,22 @@ void check_aligned(const at::Tensor& t, const char* name, int64_t stride_multipl
   KV_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
 }
 
+bool is_fp8(const at::Tensor& t) { return t.scalar_type() == at::kFloat8_e4m3fn; }
+
+// The float32 scales [n_slots, n_kv_heads] of an FP8 cache, one per row of head_dim values.
+void check_scales(const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                  const at::Tensor& k_cache, const char* op) {
+  KV_CHECK(k_scale.has_value() && v_scale.has_value(), op,
+           ": an FP8 (float8_e4m3fn) cache needs k_scale and v_scale");
+  for (const at::Tensor* t : {&*k_scale, &*v_scale}) {
+    KV_CHECK(t->is_cuda() && t->get_device() == k_cache.get_device(), op,
+             ": the scales must be on the cache's device");
+    KV_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous() &&
+                 t->size(0) == k_cache.size(0) && t->size(1) == k_cache.size(1),
+             op, ": the scales must be contiguous float32 [n_slots, n_kv_heads]");
+  }
+}
+
 void check_int32_vec(const at::Tensor& t, const at::Tensor& ref, int64_t min_len, const char* name) {
   check_cuda(t, ref, name);
   KV_CHECK(t.scalar_type() == at::kInt && t.dim() == 1 && t.is_contiguous(), name,
@@ -42,16 +59,28 @@ void check_int32_vec(const at::Tensor& t, const at::Tensor& ref, int64_t min_len
   KV_CHECK(t.size(0) >= min_len, name, " has ", t.size(0), " entries, need ", min_len);
 }
 
+// `fp8_op`: the op reads an FP8 cache (decode), with bf16 queries and the scales.
 kvray::PagedKV paged_kv(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                        const at::Tensor& seq_lens, int64_t batch, int64_t page_size) {
+                        const at::Tensor& seq_lens, int64_t batch, int64_t page_size,
+                        const char* fp8_op = nullptr,
+                        const std::optional<at::Tensor>& k_scale = std::nullopt,
+                        const std::optional<at::Tensor>& v_scale = std::nullopt) {
   check_cuda(k_cache, q, "k_cache");
   check_cuda(v_cache, q, "v_cache");
   KV_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                k_cache.sizes() == v_cache.sizes(),
            "k_cache and v_cache must be contiguous [n_slots, n_kv_heads, head_dim] of one shape");
-  KV_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-           "k_cache and v_cache must have q's dtype");
+  const bool fp8 = is_fp8(k_cache) && is_fp8(v_cache);
+  if (fp8) {
+    KV_CHECK(fp8_op != nullptr, "prefill_attention does not read an FP8 cache (dequantize it first)");
+    KV_CHECK(q.scalar_type() == at::kBFloat16, fp8_op, ": an FP8 cache is read with bfloat16 q");
+    check_scales(k_scale, v_scale, k_cache, fp8_op);
+  } else {
+    KV_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+             "k_cache and v_cache must have q's dtype (or both be float8_e4m3fn with scales)");
+    KV_CHECK(!k_scale.has_value() && !v_scale.has_value(), "scales are given for a cache that is not FP8");
+  }
   KV_CHECK(k_cache.size(2) == q.size(2), "head_dim of q and the cache differ");
   check_aligned(k_cache, "k_cache", 8);
   check_aligned(v_cache, "v_cache", 8);
@@ -62,10 +91,15 @@ kvray::PagedKV paged_kv(const at::Tensor& q, const at::Tensor& k_cache, const at
   check_int32_vec(req_pool_indices, q, batch, "req_pool_indices");
   check_int32_vec(seq_lens, q, batch, "seq_lens");
   KV_CHECK(page_size >= 1, "page_size must be >= 1");
-  return kvray::PagedKV{k_cache.data_ptr(),         v_cache.data_ptr(),
-                        k_cache.stride(0),          req_to_token.data_ptr<int32_t>(),
-                        req_to_token.stride(0),     req_pool_indices.data_ptr<int32_t>(),
-                        seq_lens.data_ptr<int32_t>(), static_cast<int>(page_size)};
+  kvray::PagedKV kv{k_cache.data_ptr(),         v_cache.data_ptr(),
+                    k_cache.stride(0),          req_to_token.data_ptr<int32_t>(),
+                    req_to_token.stride(0),     req_pool_indices.data_ptr<int32_t>(),
+                    seq_lens.data_ptr<int32_t>(), static_cast<int>(page_size)};
+  if (fp8) {
+    kv.k_scale = k_scale->data_ptr<float>();
+    kv.v_scale = v_scale->data_ptr<float>();
+  }
+  return kv;
 }
 
 void check_heads(const at::Tensor& q, const at::Tensor& k_cache) {
@@ -90,14 +124,22 @@ int num_sms() {
 }
 
 void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
-              const at::Tensor& v_cache, const at::Tensor& out_cache_loc) {
+              const at::Tensor& v_cache, const at::Tensor& out_cache_loc,
+              const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   KV_CHECK(k.is_cuda() && k.dim() == 3 && k.sizes() == v.sizes(), "k and v must be CUDA [T, Hkv, D]");
   const c10::cuda::CUDAGuard guard(k.device());
   const DType dt = dtype_of(k, "k");
-  KV_CHECK(v.scalar_type() == k.scalar_type() && k_cache.scalar_type() == k.scalar_type() &&
-               v_cache.scalar_type() == k.scalar_type(),
-           "k, v and the caches must share one dtype");
-  (void)dt;
+  const bool fp8 = is_fp8(k_cache) && is_fp8(v_cache);
+  KV_CHECK(v.scalar_type() == k.scalar_type() &&
+               (fp8 || (k_cache.scalar_type() == k.scalar_type() &&
+                        v_cache.scalar_type() == k.scalar_type())),
+           "k, v and the caches must share one dtype (or the caches both be float8_e4m3fn)");
+  if (fp8) {
+    check_scales(k_scale, v_scale, k_cache, "store_kv");
+    KV_CHECK(k.size(2) == 64 || k.size(2) == 128, "an FP8 cache needs head_dim 64 or 128");
+  } else {
+    KV_CHECK(!k_scale.has_value() && !v_scale.has_value(), "scales are given for a cache that is not FP8");
+  }
   check_cuda(v, k, "v");
   check_cuda(k_cache, k, "k_cache");
   check_cuda(v_cache, k, "v_cache");
@@ -118,7 +160,12 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
                        k.stride(1),        v.stride(0),        v.stride(1),
                        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
                        out_cache_loc.data_ptr<int64_t>(),      static_cast<int>(k.size(0)),
-                       static_cast<int>(k.size(1)),            static_cast<int>(k.size(2))};
+                       static_cast<int>(k.size(1)),            static_cast<int>(k.size(2)),
+                       dt};
+  if (fp8) {
+    p.k_scale = k_scale->data_ptr<float>();
+    p.v_scale = v_scale->data_ptr<float>();
+  }
   check_launch(kvray::launch_store_kv(p, c10::cuda::getCurrentCUDAStream()), "store_kv");
 }
 
@@ -131,12 +178,12 @@ int resolve_variant(int64_t variant, int64_t batch, int64_t num_q_heads, int64_t
 
 // (resolved variant, splits) that decode_attention uses for these shapes.
 std::pair<int64_t, int64_t> decode_plan(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
-                                        int64_t head_dim, bool fp16, int64_t variant,
+                                        int64_t head_dim, bool fp16, bool kv_fp8, int64_t variant,
                                         int64_t max_splits) {
   const int v = resolve_variant(variant, batch, num_q_heads, num_kv_heads);
   const int splits = kvray::decode_num_splits(
       static_cast<int>(batch), static_cast<int>(num_q_heads), static_cast<int>(num_kv_heads),
-      static_cast<int>(head_dim), fp16 ? DType::kFP16 : DType::kBF16, v, num_sms(),
+      static_cast<int>(head_dim), fp16 ? DType::kFP16 : DType::kBF16, kv_fp8, v, num_sms(),
       static_cast<int>(max_splits));
   return {v, splits};
 }
@@ -145,15 +192,18 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                       const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                       const at::Tensor& seq_lens, int64_t page_size, double sm_scale,
                       const at::Tensor& out, const at::Tensor& o_part, const at::Tensor& ml_part,
-                      int64_t num_splits, int64_t variant) {
+                      int64_t num_splits, int64_t variant, const std::optional<at::Tensor>& k_scale,
+                      const std::optional<at::Tensor>& v_scale) {
   KV_CHECK(q.is_cuda() && q.dim() == 3, "q must be a CUDA [B, Hq, D] tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const DType dt = dtype_of(q, "q");
   check_heads(q, k_cache);
   check_aligned(q, "q", 2);
   const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
-  const kvray::PagedKV kv =
-      paged_kv(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, batch, page_size);
+  const kvray::PagedKV kv = paged_kv(q, k_cache, v_cache, req_to_token, req_pool_indices,
+                                     seq_lens, batch, page_size, "decode_attention", k_scale,
+                                     v_scale);
+  const bool kv_fp8 = kv.k_scale != nullptr;
   check_cuda(out, q, "out");
   KV_CHECK(out.scalar_type() == q.scalar_type() && out.dim() == 3 && out.size(0) == batch &&
                out.size(1) == hq && out.size(2) == d,
@@ -175,8 +225,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       num_splits > 0
           ? static_cast<int>(std::min(num_splits, s_cap))
           : kvray::decode_num_splits(static_cast<int>(batch), static_cast<int>(hq),
-                                     static_cast<int>(k_cache.size(1)), static_cast<int>(d), dt, v,
-                                     num_sms(), static_cast<int>(s_cap));
+                                     static_cast<int>(k_cache.size(1)), static_cast<int>(d), dt,
+                                     kv_fp8, v, num_sms(), static_cast<int>(s_cap));
   kvray::DecodeParams p{kv,
                         q.data_ptr(),
                         q.stride(0),
@@ -194,7 +244,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                         splits,
                         static_cast<float>(sm_scale * 1.4426950408889634),
                         dt,
-                        v};
+                        v,
+                        kv_fp8};
   check_launch(kvray::launch_decode(p, c10::cuda::getCurrentCUDAStream()), "decode_attention");
 }
 
@@ -426,7 +477,7 @@ at::Tensor alias(const at::Tensor& t) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvray CUDA kernels: paged attention, the KV write, fused norm / RoPE / SiLU";
-  m.def("store_kv", &store_kv, "scatter K/V rows of new tokens into the paged cache");
+  m.def("store_kv", &store_kv, "scatter K/V rows of new tokens into the paged cache (FP8: quantized)");
   m.def("decode_attention", &decode_attention, "paged split-KV decode attention");
   m.def("prefill_attention", &prefill_attention, "paged ragged causal prefill attention");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place");
@@ -439,8 +490,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_num_variants", &kvray::decode_num_variants, "number of decode tiling variants");
   m.def(
       "decode_blocks_per_sm",
-      [](int64_t head_dim, bool fp16, int64_t variant) {
-        return kvray::decode_blocks_per_sm(fp16 ? DType::kFP16 : DType::kBF16,
+      [](int64_t head_dim, bool fp16, bool kv_fp8, int64_t variant) {
+        return kvray::decode_blocks_per_sm(fp16 ? DType::kFP16 : DType::kBF16, kv_fp8,
                                            static_cast<int>(head_dim), static_cast<int>(variant));
       },
       "resident blocks per SM of a decode variant (0 if not compiled)");

@@ -18,6 +18,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from worker.attention.kv_quant import FP8, store_rows
 from worker.batch import DecodeSteadyState, ForwardBatch
 from worker.cache_view import CacheView
 from worker.page_hash import extend_page_hashes
@@ -27,7 +28,10 @@ from worker.workspace import InferenceWorkspace
 
 
 class KVStorage:
-    """One K and one V tensor `[n_layers, n_slots, n_kv_heads, head_dim]`, zeroed (masked reads stay finite)."""
+    """One K and one V tensor `[n_layers, n_slots, n_kv_heads, head_dim]`, zeroed (masked reads stay finite).
+
+    With an FP8 dtype, float32 scales `[n_layers, n_slots, n_kv_heads]` for K and for V sit
+    beside them (worker/attention/kv_quant.py); otherwise `k_scale` and `v_scale` are None."""
 
     def __init__(
         self,
@@ -41,14 +45,21 @@ class KVStorage:
         shape = (n_layers, n_slots, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if dtype == FP8:
+            self.k_scale = torch.zeros(shape[:3], dtype=torch.float32, device=device)
+            self.v_scale = torch.zeros(shape[:3], dtype=torch.float32, device=device)
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        scales = self.k_scale.numel() * 4 if self.k_scale is not None else 0
+        return 2 * (self.k.numel() * self.k.element_size() + scales)
 
     @staticmethod
     def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * n_layers * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        row = head_dim * torch.empty((), dtype=dtype).element_size() + (4 if dtype == FP8 else 0)
+        return 2 * n_layers * n_kv_heads * row
 
 
 class ReqToTokenPool:
@@ -149,6 +160,7 @@ class KVCache(CacheView):
         workspace: InferenceWorkspace,
     ):
         self.k_cache, self.v_cache = storage.k, storage.v
+        self.k_scale, self.v_scale = storage.k_scale, storage.v_scale
         self.storage, self.req_pool, self.page_size, self.ws = (
             storage,
             req_pool,
@@ -168,6 +180,10 @@ class KVCache(CacheView):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         loc = self.batch.out_cache_loc if self.batch is not None else None
         assert loc is not None, "bind_tasks first"
+        if self.k_scale is not None and self.v_scale is not None:
+            store_rows(self.k_cache[layer], self.k_scale[layer], loc, k)
+            store_rows(self.v_cache[layer], self.v_scale[layer], loc, v)
+            return
         # index_copy_ on the layer's view: on CPU, `buf[layer, loc] = k` (index_put) is far slower.
         self.k_cache[layer].index_copy_(0, loc, k)
         self.v_cache[layer].index_copy_(0, loc, v)

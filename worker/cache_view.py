@@ -8,10 +8,14 @@ import torch
 
 
 class CacheView(ABC):
-    """K/V storage `[n_layers, n_slots, n_kv_heads, head_dim]` plus the (row, position) -> slot table."""
+    """K/V storage `[n_layers, n_slots, n_kv_heads, head_dim]` plus the (row, position) -> slot table.
+
+    An FP8 cache also has float32 scales `[n_layers, n_slots, n_kv_heads]` (kv_quant.py)."""
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    k_scale: torch.Tensor | None  # None unless the cache is FP8
+    v_scale: torch.Tensor | None
     req_to_token: torch.Tensor  # int32 [max_running, max_seq_len]
     page_size: int
 

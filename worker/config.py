@@ -8,6 +8,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDType = Literal["auto", "fp8"]
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -103,6 +104,10 @@ class EngineConfig(BaseModel):
     prefix_cache: bool = Field(
         True, description="reuse full KV pages across requests sharing a prefix (paged cache)"
     )
+    kv_cache_dtype: KVCacheDType = Field(
+        "auto",
+        description="KV cache element type; auto = the activation dtype, fp8 = e4m3 with a float32 scale per token and KV head (about half the bytes, so about twice the pages)",
+    )
     advanced: EngineAdvanced = Field(
         default_factory=EngineAdvanced, description="settings most deployments leave alone"
     )
@@ -127,6 +132,8 @@ class EngineConfig(BaseModel):
         if backend == "auto":
             backend = "cuda" if is_cuda and cache == "paged" else "torch"
         graphs = adv.cuda_graphs and backend == "cuda"
+        if self.kv_cache_dtype == "fp8" and backend == "cuda" and dtype != "bfloat16":
+            raise ValueError("kv_cache_dtype 'fp8' on the cuda backend needs dtype 'bfloat16'")
         advanced = adv.model_copy(
             update=dict(
                 cache=cache,
@@ -153,3 +160,8 @@ class EngineConfig(BaseModel):
         if self.dtype == "auto":
             raise ValueError("resolve() the config first")
         return _TORCH_DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """Element type of the KV cache tensors (FP8 comes with scale tensors beside them)."""
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else self.torch_dtype

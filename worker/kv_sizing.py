@@ -30,7 +30,7 @@ def auto_num_pages(cfg: EngineConfig, model: ModelConfig, bytes_per_token: int) 
 
 def build_cache(cfg: EngineConfig, model: ModelConfig, workspace: InferenceWorkspace) -> KVCache:
     assert cfg.max_seq_len is not None
-    device, dtype = torch.device(cfg.device), cfg.torch_dtype
+    device, dtype = torch.device(cfg.device), cfg.kv_torch_dtype
     per_token = KVStorage.bytes_per_token(
         model.num_layers, model.num_kv_heads, model.head_dim, dtype
     )
@@ -58,8 +58,9 @@ def build_cache(cfg: EngineConfig, model: ModelConfig, workspace: InferenceWorks
             storage, req_pool, cfg.advanced.page_size, num_pages, workspace, cfg.prefix_cache
         )
     log.info(
-        "KV cache: %s, %d pages of %d tokens, %.2f GiB (%d B/token)",
+        "KV cache: %s, %s, %d pages of %d tokens, %.2f GiB (%d B/token)",
         cfg.advanced.cache,
+        "fp8 e4m3 + scales" if cfg.kv_cache_dtype == "fp8" else cfg.dtype,
         cache.num_total_pages,
         cache.page_size,
         storage.nbytes / 2**30,

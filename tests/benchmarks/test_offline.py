@@ -256,3 +256,28 @@ def test_random_load_format_needs_only_a_config(tmp_path):
                 "--compare-hf",
             )
         )
+
+
+def test_greedy_agreement_counts_identical_requests_and_matching_prefixes():
+    from benchmarks.offline import greedy_agreement
+
+    got = greedy_agreement(
+        [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]], [[1, 2, 3, 4], [5, 0, 7, 8], [1, 9]]
+    )
+    assert got["identical_requests"] == 1 and got["identical_share"] == pytest.approx(1 / 3)
+    assert got["mean_matching_prefix"] == pytest.approx(5 / 3)
+    assert got["matching_prefix_share"] == pytest.approx(5 / 10)
+
+
+def test_compare_bf16_runs_the_unquantized_cache_on_the_same_work(tmp_path):
+    argv = ["--random-shape", "tiny", "--random-dir", str(tmp_path), "--num-requests", "3"]
+    argv += ["--input-len-range", "5", "20", "--output-len-range", "4", "12"]
+    argv += ["--warmup-requests", "0", "--kv-cache-dtype", "fp8", "--compare-bf16"]
+    result = run(_args(*argv))
+    unquantized = result["unquantized_kv"]
+    assert result["engine_config"]["kv_cache_dtype"] == "fp8"
+    assert unquantized["output_tokens"] == result["kvray"]["output_tokens"]
+    assert unquantized["agreement"]["requests"] == 3
+    assert 0 <= unquantized["agreement"]["matching_prefix_share"] <= 1
+    with pytest.raises(ValueError, match="compare-bf16"):
+        run(_args(*argv[:-3], "--compare-bf16"))

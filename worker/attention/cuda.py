@@ -3,6 +3,9 @@ and, for prompt chunks where it is faster, torch's FlashAttention-2 over gathere
 
 Decode writes into the workspace's `decode_out` / `decode_o_part` / `decode_ml_part` and its
 launch grid depends on shapes only, so a decode step can be captured in a CUDA graph.
+With an FP8 cache the KV store quantizes and decode reads e4m3 with its scales; the prefill
+kernels read bf16 only, so a prompt step attends over a dequantized packed copy of its
+sequences' K/V (the same GatherPlan FlashAttention uses).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import torch
 
 from worker.attention import cuda_ops, flash
 from worker.attention.base import AttentionBackend
+from worker.attention.kv_quant import dequantize_gather
 from worker.batch import ForwardBatch
 from worker.cache_view import CacheView
 from worker.workspace import InferenceWorkspace
@@ -35,7 +39,9 @@ class CudaBackend(AttentionBackend):
         if prefill_kernel == "flash" and not flash.available(workspace.decode_out.dtype, head_dim):
             raise RuntimeError("prefill_kernel=flash: torch's FlashAttention-2 does not run here")
         self._batch: ForwardBatch | None = None
-        self._plan: flash.GatherPlan | None = None
+        self._plan: flash.GatherPlan | None = None  # the prompt rows' K/V, when gathered
+        self._flash = False
+        self._packed: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     def prepare(self, batch: ForwardBatch, view: CacheView) -> None:
         self._batch = batch
@@ -44,33 +50,39 @@ class CudaBackend(AttentionBackend):
         # scheduler puts decodes first) to the decode kernel, since the prefill kernel would
         # give each a 64-query tile per head that is almost all idle.
         self._num_leading_decodes = 0
-        self._plan = None
-        if not self._decode:
-            d = 0
-            for n in batch.q_lens:
-                if n != 1:
-                    break
-                d += 1
-            self._num_leading_decodes = d
-            self._rest_qo_indptr = batch.qo_indptr[d:] - d if d else batch.qo_indptr
-            self._plan = self._gather_plan(batch, view, d)
+        self._plan, self._flash, self._packed = None, False, None
+        if self._decode:
+            return
+        d = 0
+        for n in batch.q_lens:
+            if n != 1:
+                break
+            d += 1
+        self._num_leading_decodes = d
+        self._rest_qo_indptr = batch.qo_indptr[d:] - d if d else batch.qo_indptr
+        self._flash = self._wants_flash(batch.q_lens[d:], view)
+        if self._flash or view.k_scale is not None:
+            self._plan = flash.GatherPlan.build(
+                view.req_to_token,
+                batch.req_pool_indices[d:],
+                batch.seq_lens[d:],
+                self._rest_qo_indptr,
+                batch.q_lens[d:],
+                batch.seq_lens_host[d:],
+            )
+        if self._plan is not None and not self._flash:
+            # kvray's kernel over the packed copy: one page per sequence, longer than any of
+            # them, whose first slot is where the sequence starts in the copy.
+            table = self._plan.cu_k[:-1].view(-1, 1)
+            rows = torch.arange(table.shape[0], dtype=torch.int32, device=table.device)
+            self._packed = table, rows, self._plan.max_k + 1
 
-    def _gather_plan(self, batch: ForwardBatch, view: CacheView, d: int) -> flash.GatherPlan | None:
-        """The packed K/V layout for FlashAttention when this step's prompt rows go to it."""
-        q_lens = batch.q_lens[d:]
-        mode, dtype, head_dim = self.prefill_kernel, view.k_cache.dtype, view.k_cache.shape[-1]
+    def _wants_flash(self, q_lens: list[int], view: CacheView) -> bool:
+        mode = self.prefill_kernel
         if mode == "kvray" or (mode == "auto" and not flash.prefers_flash(q_lens)):
-            return None
-        if not flash.available(dtype, head_dim):
-            return None
-        return flash.GatherPlan.build(
-            view.req_to_token,
-            batch.req_pool_indices[d:],
-            batch.seq_lens[d:],
-            self._rest_qo_indptr,
-            q_lens,
-            batch.seq_lens_host[d:],
-        )
+            return False
+        dtype = self.ws.decode_out.dtype
+        return flash.available(dtype, view.k_cache.shape[-1])
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: CacheView,
@@ -79,7 +91,17 @@ class CudaBackend(AttentionBackend):
         """As the protocol's; `out` `[T, Hq, D]` receives the result (the piecewise prompt
         graphs read it from a fixed address)."""
         assert self._batch is not None
-        cuda_ops.store_kv(k, v, view.k_cache[layer], view.v_cache[layer], self._batch.out_cache_loc)
+        k_scale, v_scale = _scales(view, layer)
+        # fmt: skip
+        cuda_ops.store_kv(
+            k,
+            v,
+            view.k_cache[layer],
+            view.v_cache[layer],
+            self._batch.out_cache_loc,
+            k_scale,
+            v_scale,
+        )
         if self._decode:
             return self.fwd_decode(layer, q, view, out)
         return self.fwd_prefill(layer, q, view, out)
@@ -87,65 +109,87 @@ class CudaBackend(AttentionBackend):
     def fwd_decode(
         self, layer: int, q: torch.Tensor, view: CacheView, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        b, ws = self._batch, self.ws
+        b = self._batch
         assert b is not None
         if out is None:
-            out = ws.decode_out[: q.shape[0]]
+            out = self.ws.decode_out[: q.shape[0]]
+        self._decode_rows(layer, q, view, out, b.req_pool_indices, b.seq_lens)
+        return out
+
+    def _decode_rows(
+        self, layer: int, q: torch.Tensor, view: CacheView, out: torch.Tensor,
+        rows: torch.Tensor, seq_lens: torch.Tensor,
+    ) -> None:  # fmt: skip
+        k_scale, v_scale = _scales(view, layer)
         # fmt: skip
         cuda_ops.decode_attention(
             q,
             view.k_cache[layer],
             view.v_cache[layer],
             view.req_to_token,
-            b.req_pool_indices,
-            b.seq_lens,
+            rows,
+            seq_lens,
             view.page_size,
             self.scale,
             out,
-            ws.decode_o_part,
-            ws.decode_ml_part,
+            self.ws.decode_o_part,
+            self.ws.decode_ml_part,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
-        return out
 
     def fwd_prefill(
         self, layer: int, q: torch.Tensor, view: CacheView, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        b, ws, d = self._batch, self.ws, self._num_leading_decodes
+        b, d, plan = self._batch, self._num_leading_decodes, self._plan
         assert b is not None
-        k_cache, v_cache = view.k_cache[layer], view.v_cache[layer]
-        if self._plan is not None and d == 0 and out is None:
-            return flash.prefill(q, k_cache, v_cache, self._plan, self.scale)
+        if self._flash and plan is not None and d == 0 and out is None:
+            return flash.attend(q, *self._gathered(layer, view, q.dtype), plan, self.scale)
         if out is None:
             out = torch.empty_like(q)
         if d:
-            # fmt: skip
-            cuda_ops.decode_attention(
-                q[:d],
-                k_cache,
-                v_cache,
-                view.req_to_token,
-                b.req_pool_indices[:d],
-                b.seq_lens[:d],
-                view.page_size,
-                self.scale,
-                out[:d],
-                ws.decode_o_part,
-                ws.decode_ml_part,
-            )
-        if self._plan is not None:
-            out[d:].copy_(flash.prefill(q[d:], k_cache, v_cache, self._plan, self.scale))
+            self._decode_rows(layer, q[:d], view, out[:d], b.req_pool_indices[:d], b.seq_lens[:d])
+        if self._flash and plan is not None:
+            k, v = self._gathered(layer, view, q.dtype)
+            out[d:].copy_(flash.attend(q[d:], k, v, plan, self.scale))
             return out
+        if self._packed is not None:
+            k, v = self._gathered(layer, view, q.dtype)
+            table, rows, page = self._packed
+        else:
+            k, v, table = view.k_cache[layer], view.v_cache[layer], view.req_to_token
+            rows, page = b.req_pool_indices[d:], view.page_size
         # fmt: skip
         cuda_ops.prefill_attention(
             q[d:],
-            k_cache,
-            v_cache,
-            view.req_to_token,
-            b.req_pool_indices[d:],
+            k,
+            v,
+            table,
+            rows,
             b.seq_lens[d:],
             self._rest_qo_indptr,
-            view.page_size,
+            page,
             self.scale,
             out[d:],
         )
         return out
+
+    def _gathered(
+        self, layer: int, view: CacheView, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt rows' K/V packed by the step's plan; dequantized from an FP8 cache."""
+        plan = self._plan
+        assert plan is not None
+        k_scale, v_scale = _scales(view, layer)
+        if k_scale is None or v_scale is None:
+            return plan.gather(view.k_cache[layer], view.v_cache[layer])
+        k = dequantize_gather(view.k_cache[layer], k_scale, plan.slots, dtype)
+        v = dequantize_gather(view.v_cache[layer], v_scale, plan.slots, dtype)
+        return k, v
+
+
+def _scales(view: CacheView, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """This layer's K and V scales of an FP8 cache, else (None, None)."""
+    if view.k_scale is None or view.v_scale is None:
+        return None, None
+    return view.k_scale[layer], view.v_scale[layer]

@@ -10,7 +10,9 @@ All ops write into caller-provided tensors (or in place) and allocate nothing, s
 can be captured in CUDA graphs. The fused layer ops (norm, RoPE, SiLU·mul) give the same
 bits as HF transformers' torch op sequence on the GPU (see csrc/fused.cu). Layouts: per layer, `k_cache` / `v_cache` are contiguous
 `[n_slots, n_kv_heads, head_dim]`; the slot of (request row r, position p) is
-`req_to_token[r, p // page_size * page_size] + p % page_size`.
+`req_to_token[r, p // page_size * page_size] + p % page_size`. An FP8 cache
+(float8_e4m3fn) comes with float32 `k_scale` / `v_scale` `[n_slots, n_kv_heads]`
+(worker/attention/kv_quant.py); store_kv and decode_attention take them, prefill does not.
 """
 
 from __future__ import annotations
@@ -137,11 +139,18 @@ def recommended_max_splits(max_seq_len: int) -> int:
 
 
 def decode_plan(
-    batch: int, n_q_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, max_splits: int
+    batch: int,
+    n_q_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    max_splits: int,
+    *,
+    kv_fp8: bool = False,
 ) -> tuple[int, int]:
     """(kernel variant, split count) decode_attention uses for this batch: shapes only."""
     variant, splits = load().decode_plan(
-        batch, n_q_heads, n_kv_heads, head_dim, dtype == torch.float16, 0, max_splits
+        batch, n_q_heads, n_kv_heads, head_dim, dtype == torch.float16, kv_fp8, 0, max_splits
     )
     return int(variant), int(splits)
 
@@ -152,9 +161,14 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     out_cache_loc: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """k_cache[out_cache_loc] = k and v_cache[out_cache_loc] = v in one launch (slots < 0 skipped)."""
-    load().store_kv(k, v, k_cache, v_cache, out_cache_loc)
+    """k_cache[out_cache_loc] = k and v_cache[out_cache_loc] = v in one launch (slots < 0 skipped).
+
+    With an FP8 cache each row is quantized (kv_quant.quantize_rows, the same bytes) and its
+    scale written to k_scale / v_scale."""
+    load().store_kv(k, v, k_cache, v_cache, out_cache_loc, k_scale, v_scale)
 
 
 def decode_attention(
@@ -172,13 +186,16 @@ def decode_attention(
     *,
     num_splits: int = 0,
     variant: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """One query token per request over its paged KV; writes out[B, Hq, D].
 
     o_part [>=B, Hq, S, D] and ml_part [>=B, Hq, S, 2] (float32) hold split partials
     (size S with recommended_max_splits). The kernel layout and split count are chosen
     from B and the shapes (see decode_plan); `num_splits` / `variant` force them, for
-    tests and benchmarks (variant 0 = automatic).
+    tests and benchmarks (variant 0 = automatic; an FP8 cache has variants 1 and 5 only).
+    An FP8 cache needs k_scale / v_scale and bf16 q.
     """
     # fmt: skip
     load().decode_attention(
@@ -195,6 +212,8 @@ def decode_attention(
         ml_part,
         num_splits,
         variant,
+        k_scale,
+        v_scale,
     )
 
 
@@ -309,6 +328,8 @@ def decode_variants() -> int:
     return int(load().decode_num_variants())
 
 
-def decode_blocks_per_sm(head_dim: int, dtype: torch.dtype, variant: int = 0) -> int:
+def decode_blocks_per_sm(
+    head_dim: int, dtype: torch.dtype, variant: int = 0, *, kv_fp8: bool = False
+) -> int:
     """Resident blocks per SM of a decode variant on this GPU (0 if not compiled)."""
-    return int(load().decode_blocks_per_sm(head_dim, dtype == torch.float16, variant))
+    return int(load().decode_blocks_per_sm(head_dim, dtype == torch.float16, kv_fp8, variant))

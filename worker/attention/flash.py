@@ -71,19 +71,27 @@ class GatherPlan:
         slots = req_to_token[rows.long()[seq], pos].long()
         return GatherPlan(slots, cu_q, cu_k, max(q_lens), max(kv_lens))
 
+    def gather(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plan's K/V rows of one layer's cache, packed."""
+        return k_cache.index_select(0, self.slots), v_cache.index_select(0, self.slots)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: GatherPlan, scale: float
+) -> torch.Tensor:
+    """Causal attention of packed q `[T, Hq, D]` over the plan's gathered K/V `[total_kv,
+    Hkv, D]` (`GatherPlan.gather`); query i of a sequence sees its keys up to
+    kv_len - q_len + i (bottom-right)."""
+    return _forward(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale)
+
 
 def prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    plan: GatherPlan,
-    scale: float,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: GatherPlan, scale: float
 ) -> torch.Tensor:
-    """Causal attention of packed q `[T, Hq, D]` over the plan's gathered K/V `[slots, Hkv,
-    D]`; query i of a sequence sees its keys up to kv_len - q_len + i (bottom-right)."""
-    k = k_cache.index_select(0, plan.slots)
-    v = v_cache.index_select(0, plan.slots)
-    return _forward(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale)
+    """`attend` over K/V gathered from one layer's cache `[n_slots, Hkv, D]`."""
+    return attend(q, *plan.gather(k_cache, v_cache), plan, scale)
 
 
 def _forward(

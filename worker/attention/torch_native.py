@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.attention.base import AttentionBackend
+from worker.attention.kv_quant import dequantize_gather
 from worker.batch import ForwardBatch
 from worker.cache_view import CacheView
 
@@ -80,8 +81,8 @@ class TorchNativeBackend(AttentionBackend):
             self._attend_decode(layer, q, view, out)
         for s in self._seqs:
             qs = q[s.start : s.start + s.q_len].transpose(0, 1)  # [Hq, q_len, D]
-            ks = view.k_cache[layer].index_select(0, s.slots).transpose(0, 1)  # [Hkv, kv_len, D]
-            vs = view.v_cache[layer].index_select(0, s.slots).transpose(0, 1)
+            k, v = _gather(view, layer, s.slots, q.dtype)
+            ks, vs = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, kv_len, D]
             o = F.scaled_dot_product_attention(
                 qs,
                 ks,
@@ -102,10 +103,8 @@ class TorchNativeBackend(AttentionBackend):
         qd = q if g.token_index is None else q[g.token_index]
         b, n_kv = qd.shape[0], view.k_cache.shape[2]
         shape = (*g.slots.shape, n_kv, view.k_cache.shape[3])
-        # index_select on the layer's view: `buf[layer, slots]` takes a slow path in torch.
-        # [Bd, Hkv, L, D]
-        k = view.k_cache[layer].index_select(0, g.slots.view(-1)).view(shape).transpose(1, 2)
-        v = view.v_cache[layer].index_select(0, g.slots.view(-1)).view(shape).transpose(1, 2)
+        k, v = _gather(view, layer, g.slots.view(-1), q.dtype)
+        k, v = k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)  # [Bd, Hkv, L, D]
         # One query token per request: the query heads sharing a KV head become that head's query
         # rows, so GQA needs no repeated K/V (cheaper than enable_gqa with a mask).
         grouped = qd.view(b, n_kv, -1, qd.shape[-1])
@@ -116,3 +115,14 @@ class TorchNativeBackend(AttentionBackend):
             out.copy_(o)
         else:
             out[g.token_index] = o
+
+
+def _gather(
+    view: CacheView, layer: int, slots: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V rows `[len(slots), Hkv, D]` of one layer, dequantized when the cache is FP8."""
+    if view.k_scale is not None and view.v_scale is not None:
+        k = dequantize_gather(view.k_cache[layer], view.k_scale[layer], slots, dtype)
+        return k, dequantize_gather(view.v_cache[layer], view.v_scale[layer], slots, dtype)
+    # index_select on the layer's view: `buf[layer, slots]` takes a slow path in torch.
+    return view.k_cache[layer].index_select(0, slots), view.v_cache[layer].index_select(0, slots)
