@@ -61,7 +61,7 @@ def _greedy(llm: LLM) -> list[list[int]]:
 def _matching_prefix_share(a: list[list[int]], b: list[list[int]]) -> float:
     same = 0
     for x, y in zip(a, b, strict=True):
-        same += next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x))
+        same += next((i for i, (p, q) in enumerate(zip(x, y, strict=True)) if p != q), len(x))
     return same / sum(len(x) for x in a)
 
 
