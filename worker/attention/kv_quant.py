@@ -33,7 +33,9 @@ def dequantize_gather(
 ) -> torch.Tensor:
     """Rows `slots` of one layer's cache `[n_slots, Hkv, D]` (scales `[n_slots, Hkv]`),
     dequantized into a new contiguous `[len(slots), Hkv, D]` tensor of `dtype`."""
-    return dequantize(cache_layer.index_select(0, slots), scale_layer.index_select(0, slots), dtype)
+    # Through uint8: not every torch build has index_select for float8 on every device.
+    rows = cache_layer.view(torch.uint8).index_select(0, slots).view(FP8)
+    return dequantize(rows, scale_layer.index_select(0, slots), dtype)
 
 
 def store_rows(
