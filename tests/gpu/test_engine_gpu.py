@@ -345,8 +345,7 @@ def test_cuda_backend_matches_torch_backend_at_logits_level(graph_engine, shape_
 
 @pytest.mark.parametrize("kernel", ["kvray", "flash"])
 def test_each_prefill_kernel_matches_the_torch_backend(kernel, shape_dir):
-    """Forced either way (auto picks per batch): whole prompts, a prompt behind a prefix-cache
-    hit (the second call's prompts share the first's), and a chunk beside decodes."""
+    """Forced either way (auto picks per batch): whole prompts, then a chunk beside decodes."""
     from worker.attention import flash
 
     if kernel == "flash" and not flash.available(torch.bfloat16, 64):
@@ -354,12 +353,10 @@ def test_each_prefill_kernel_matches_the_torch_backend(kernel, shape_dir):
     ours_engine = _engine(shape_dir, cuda_graphs=False, max_running=8, prefill_kernel=kernel)
     torch_engine = _engine(shape_dir, backend="torch", cuda_graphs=False, max_running=8)
     prompts = random_prompts([3, 40, 17, 129, 64], vocab=49152, seed=11)
-    longer = [p + random_prompts([50], vocab=49152, seed=12 + i)[0] for i, p in enumerate(prompts)]
-    for batch in (prompts, longer):
-        for ours, ref in zip(
-            _step_logits(ours_engine, batch), _step_logits(torch_engine, batch), strict=True
-        ):
-            assert (ours - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    for ours, ref in zip(
+        _step_logits(ours_engine, prompts), _step_logits(torch_engine, prompts), strict=True
+    ):
+        assert (ours - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
     chunk = random_prompts([77], vocab=49152, seed=13)[0]
     for chunk_first in (False, True):
         ours = _mixed_logits(ours_engine, prompts, chunk, chunk_first)

@@ -94,12 +94,14 @@ class TorchOps(ModelOps):
 
 class CudaOps(ModelOps):
     """csrc's fused kernels: norms and RoPE in place, outputs of the others allocated here
-    (inside a captured graph they come from the graph's pool). Linear layers of decode-sized
-    batches (up to `gemv_max_rows` tokens) run kvray's GEMV, one pass over the weights,
-    which cuBLAS streams at 3.2-3.6 TB/s on the 8B shape's qkv, o and down projections at
-    B=1 (docs/performance.md); larger batches stay on cuBLAS."""
+    (inside a captured graph they come from the graph's pool). A linear layer runs kvray's
+    GEMV (one pass over the weights) where it measured faster than cuBLAS on one H200
+    (`kvray bench kernels --only gemv`, docs/performance.md): one token with rows up to
+    8,192 long, and up to four tokens on matrices of at most 4 Mi weights (the demo's);
+    everything else stays on cuBLAS."""
 
-    gemv_max_rows = 8
+    gemv_max_rows = 4
+    gemv_small_weights = 4 << 20
 
     def __init__(self) -> None:
         from worker.attention import cuda_ops
@@ -133,8 +135,11 @@ class CudaOps(ModelOps):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         m, k = x.shape
+        fits = (m == 1 and k <= 8192) or (
+            m <= self.gemv_max_rows and weight.numel() <= self.gemv_small_weights
+        )
         if (
-            m > self.gemv_max_rows
+            not fits
             or k % 8
             or x.stride(1) != 1
             or (x.stride(0) % 8 and m > 1)
