@@ -74,8 +74,10 @@ __global__ void __launch_bounds__(256) store_kv_fp8_kernel(const StoreParams p) 
     for (int off = kLanes / 2; off >= 1; off /= 2)
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     if (slot < 0) continue;
-    // IEEE divisions (not reciprocal products), as torch's x / scale computes them.
-    const float scale = fmaxf(amax, kScaleFloor) / kFp8Max;
+    // The scale is a product by the float reciprocal of 448 (torch divides by a scalar that
+    // way on CUDA, so kv_quant.py multiplies explicitly on every device); x / scale is an
+    // IEEE division, as torch's tensor / tensor.
+    const float scale = fmaxf(amax, kScaleFloor) * (1.0f / kFp8Max);
     uint16_t q[4];
 #pragma unroll
     for (int w = 0; w < 4; ++w)

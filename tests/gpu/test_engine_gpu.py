@@ -282,9 +282,9 @@ def _step_logits(engine: Engine, prompts: list[list[int]]) -> tuple[torch.Tensor
     for r in reqs:  # admit may find a cached prefix (from an earlier call): pending is the rest
         assert cache.admit(r) and cache.reserve(r, r.num_pending)
     prefill = ex.forward(cache.bind_tasks([ScheduledTask(r, r.num_pending) for r in reqs]))
-    for r, row in zip(reqs, prefill, strict=True):
+    for r in reqs:
         r.num_computed = len(r.prompt_ids)
-        r.output_ids.append(int(row.argmax()))
+        r.output_ids.append(r.prompt_ids[0])  # the same next token for every engine
         assert cache.reserve(r, 1)
     decode = ex.forward(cache.bind_tasks([ScheduledTask(r, 1) for r in reqs])).clone()
     for r in reqs:
@@ -301,10 +301,10 @@ def _mixed_logits(
     reqs = [Request(f"d{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
     for r in reqs:  # admit may find a cached prefix (from an earlier call): pending is the rest
         assert cache.admit(r) and cache.reserve(r, r.num_pending)
-    prefill = ex.forward(cache.bind_tasks([ScheduledTask(r, r.num_pending) for r in reqs]))
-    for r, row in zip(reqs, prefill, strict=True):
+    ex.forward(cache.bind_tasks([ScheduledTask(r, r.num_pending) for r in reqs]))
+    for r in reqs:
         r.num_computed = len(r.prompt_ids)
-        r.output_ids.append(int(row.argmax()))
+        r.output_ids.append(r.prompt_ids[0])  # the same next token for every engine
         assert cache.reserve(r, 1)
     new = Request("c", chunk, SamplingParams())
     assert cache.admit(new) and cache.reserve(new, new.num_pending) and new.num_pending > 1

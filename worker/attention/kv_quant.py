@@ -18,7 +18,8 @@ SCALE_FLOOR = 1e-12  # amax floor: an all-zero row gets a finite scale (and stay
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x `[..., D]` -> (e4m3 `[..., D]`, float32 scales `[...]`); round to nearest, saturating."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp_min(SCALE_FLOOR) / FP8_MAX
+    # times the reciprocal: what torch's division by a scalar does on CUDA, and the kernel
+    scale = xf.abs().amax(dim=-1).clamp_min(SCALE_FLOOR) * (1.0 / FP8_MAX)
     q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 
