@@ -395,9 +395,9 @@ def test_gemv_matches_a_float32_matmul(dtype, k: int, n: int, m: int) -> None:
 
 def test_gemv_refuses_what_it_cannot_run() -> None:
     w = torch.randn(16, 64, device=DEV, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+    with pytest.raises(ValueError, match="1 to 8 rows"):
         cuda_ops.gemv(torch.randn(9, 64, device=DEV, dtype=torch.bfloat16), w, None,
                       torch.empty(9, 16, device=DEV, dtype=torch.bfloat16))  # fmt: skip
-    with pytest.raises(RuntimeError, match="K % 8"):
+    with pytest.raises(ValueError, match="K % 8"):
         cuda_ops.gemv(torch.randn(1, 60, device=DEV, dtype=torch.bfloat16), w[:, :60], None,
                       torch.empty(1, 16, device=DEV, dtype=torch.bfloat16))  # fmt: skip

@@ -314,6 +314,12 @@ GEMV_MAX_ROWS = 8
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     """out [M, N] = x [M, K] @ w [N, K].T (+ bias) for M <= GEMV_MAX_ROWS: one pass over w."""
+    # Checked here too: on the H200 a refusal raised inside the extension crashed the process
+    # (2026-12-03, not understood yet; the other ops' refusals raise normally).
+    if not 1 <= x.shape[0] <= GEMV_MAX_ROWS:
+        raise ValueError(f"gemv takes 1 to {GEMV_MAX_ROWS} rows, got {x.shape[0]}")
+    if x.shape[-1] % 8 or w.shape[-1] != x.shape[-1] or not w.is_contiguous():
+        raise ValueError("gemv: w must be contiguous [N, K] with K % 8 == 0 and x [M, K]")
     load().gemv(x, w, bias, out)
 
 
