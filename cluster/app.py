@@ -22,7 +22,7 @@ from cluster.api import Ingress
 from cluster.autoscaling import POLICY_PATH
 from cluster.config import ClusterConfig, usable_cores
 from cluster.deployment import WorkerDeployment
-from cluster.router import ROUTER_CLASS_PATH
+from cluster.router import ROUTER_CLASS_PATHS
 
 log = logging.getLogger(__name__)
 
@@ -159,13 +159,16 @@ def _autoscaling(config: ClusterConfig) -> AutoscalingConfig | None:
 
 def _worker(config: ClusterConfig, fault_injection: bool = False) -> Any:
     adv, router = config.advanced, config.advanced.router
-    router_options: dict[str, Any] = {
-        "request_router_class": ROUTER_CLASS_PATH,
-        "request_router_kwargs": {
+    kwargs: dict[str, Any] = {}
+    if router.policy == "prefix_load":  # the baselines take no settings
+        kwargs = {
             "imbalance_threshold": router.imbalance_threshold,
             "imbalance_ratio": router.imbalance_ratio,
             "stalled_after_s": adv.stall_reroute_s,
-        },
+        }
+    router_options: dict[str, Any] = {
+        "request_router_class": ROUTER_CLASS_PATHS[router.policy],
+        "request_router_kwargs": kwargs,
         "request_routing_stats_period_s": router.stats_period_s,
         "request_routing_stats_timeout_s": max(5.0, 4 * router.stats_period_s),
     }

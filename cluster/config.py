@@ -59,11 +59,20 @@ class AutoscalingSettings(BaseModel):
         return self
 
 
+RouterPolicy = Literal["prefix_load", "power_of_two", "round_robin"]
+
+
 class RouterSettings(BaseModel):
     """How the ingress picks a worker replica and batches calls to it."""
 
     model_config = _FROZEN
 
+    policy: RouterPolicy = Field(
+        "prefix_load",
+        description="how a worker replica is chosen: prefix_load (kvray's: prefix affinity, "
+        "then load), power_of_two (Serve's default: of two random replicas, the one with fewer "
+        "ongoing calls) or round_robin (each in turn); the last two are baselines",
+    )
     batch_window_ms: float = Field(
         2.0, ge=0, description="requests arriving this close together travel in one call; 0 = off"
     )
@@ -90,6 +99,11 @@ class RouterSettings(BaseModel):
     prefix_affinity: bool = Field(
         True, description="send prompts where their prefix is cached; False = route on load alone"
     )
+
+    @property
+    def hashes_prompts(self) -> bool:
+        """Whether the ingress hashes prompt pages for the router (only prefix_load reads them)."""
+        return self.policy == "prefix_load" and self.prefix_affinity
 
 
 class RequestLimits(BaseModel):
