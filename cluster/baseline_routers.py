@@ -36,9 +36,9 @@ class PowerOfTwoRouter(KvrayRouter):
         hint: RouteHint | None,
         pending_request: PendingRequest | None,
     ) -> list[list[RunningReplica]]:
-        if len(candidates) <= 2:
-            return [list(candidates)]
-        return [self._rng.sample(candidates, 2)]
+        # Serve takes the first of a rank on a tie (as it is at idle, or with one session
+        # open on each): the order must be random too, or one replica takes every tie.
+        return [self._rng.sample(candidates, min(2, len(candidates)))]
 
 
 class RoundRobinRouter(KvrayRouter):
