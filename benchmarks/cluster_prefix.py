@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 import uuid
 from typing import Any
@@ -252,6 +253,8 @@ def staleness_probe(
         "probes_per_trial": probes,
         "stats_period_s": config.advanced.router.stats_period_s,
         "engine_summary_refresh_s": SUMMARY_REFRESH_S,
+        # Serve's controller loop, which collects and broadcasts the reports (Serve: 0.1 s)
+        "control_loop_s": float(os.environ.get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", 0.1)),
     }
 
 
