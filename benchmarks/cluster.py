@@ -11,6 +11,9 @@ scenario overrides only what it varies (`--scenarios`, in this order):
   requests sharing a few long system prompts, `router.prefix_affinity` on, then off (fresh
   system prompts, so the first run's cache does not help the second): prefix hit rate and
   throughput side by side.
+- prefix: the router policies side by side on tenants' shared contexts that overflow one
+  replica's KV cache, and a low-reuse control; the router view's staleness
+  (benchmarks/cluster_prefix.py).
 - engine: Serve stopped, the latency and saturation loads against an in-process Engine of
   the same EngineConfig on the same device; the 1-replica latency load less this one is
   what the ingress, the router and Serve add to TTFT.
@@ -40,6 +43,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from benchmarks import cluster_prefix
 from benchmarks.common import write_result
 from benchmarks.serve import drive, engine_run, http_client, http_request, http_run
 from benchmarks.stats import (
@@ -66,8 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scenarios",
         default="scaling,engine",
-        help="comma-separated: scaling (1 and N replicas), affinity, engine (in-process); "
-        "or router alone (the routing decision's cost, no Ray)",
+        help="comma-separated: scaling (1 and N replicas), affinity, prefix (router policies "
+        "on a shared-prefix workload), engine (in-process); or router alone (the routing "
+        "decision's cost, no Ray)",
     )
     p.add_argument("--replicas", type=int, default=2, help="the scaled-out replica count")
     p.add_argument("--input-len", type=int, default=512)
@@ -124,6 +129,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-prompt-pages", type=int, default=256, help="pages hashed a prompt")
     p.add_argument("--router-calls", type=int, default=2000)
     p.add_argument("--result-json", help="write the results to this file")
+    cluster_prefix.add_arguments(p)
 
 
 # -- processes ----------------------------------------------------------------------------------
@@ -397,7 +403,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from ray import serve
 
-    from cluster.app import cluster_runtime_env, load_config, set_serve_env
+    from cluster.app import cluster_runtime_env, load_config, resolve_http_proxy, set_serve_env
     from worker.model.demo import resolve_model_path
     from worker.tokenizer import Tokenizer
 
@@ -409,6 +415,8 @@ def run(args: argparse.Namespace) -> int:
         advanced = engine.advanced.model_copy(update={"load_format": args.load_format})
         engine = engine.model_copy(update={"advanced": advanced})
     config = config.model_copy(update={"engine": engine})
+    if set(args.scenarios.split(",")) & {"scaling", "affinity", "prefix"}:  # a Ray of its own
+        config = resolve_http_proxy(config, own_ray=True, nodes=args.ray_nodes)
     model_dir = resolve_model_path(engine.model)
     if args.tokenizer_from:
         _copy_tokenizer(resolve_model_path(args.tokenizer_from), model_dir)
@@ -448,7 +456,7 @@ def run(args: argparse.Namespace) -> int:
         write_result(args.result_json, "cluster", results)
 
     phases = set(args.scenarios.split(","))
-    if phases & {"scaling", "affinity"}:
+    if phases & {"scaling", "affinity", "prefix"}:
         set_serve_env()
         with ray_session(nodes=args.ray_nodes, num_cpus=args.ray_num_cpus, runtime_env=cluster_runtime_env(config),
                          include_dashboard=False, log_to_driver=False):  # fmt: skip
@@ -468,6 +476,9 @@ def run(args: argparse.Namespace) -> int:
                     _scaling_phase(args, base, port, url, name, loads, results, save)
                 if "affinity" in phases:
                     results["affinity"] = _affinity_phase(args, base, port, url, name, vocab)
+                    save()
+                if "prefix" in phases:
+                    results["prefix"] = cluster_prefix.prefix_scenario(args, base, port, url, vocab)
                     save()
             finally:
                 serve.shutdown()

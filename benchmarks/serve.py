@@ -277,11 +277,12 @@ def local_app(config: Any) -> Iterator[str]:
     import ray
     from ray import serve
 
-    from cluster.app import build_app, cluster_runtime_env, set_serve_env
+    from cluster.app import build_app, cluster_runtime_env, resolve_http_proxy, set_serve_env
     from cluster.local_ray import set_own_ray_env
 
     set_serve_env()
     set_own_ray_env()  # as `kvray serve` does
+    config = resolve_http_proxy(config, own_ray=True)
     # "local": a fresh Ray instance, never another process's cluster on this machine
     ray.init(
         address="local",

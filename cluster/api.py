@@ -320,7 +320,7 @@ class Ingress:
                 one = base.model_copy(update={"seed": seed}) if seed != base.seed else base
                 requests.append(EngineRequest(f"{rid}-{p}-{i}", prompt, one))
         hashes: tuple[tuple[int, ...], ...] = ()
-        if info.get("prefix_cache") and self._config.advanced.router.prefix_affinity:
+        if info.get("prefix_cache") and self._config.advanced.router.hashes_prompts:
             pages = self._config.advanced.router.prompt_pages
             hashes = tuple(
                 tuple(page_hashes(prompt, info["page_size"], max_pages=pages)) for prompt in prompts

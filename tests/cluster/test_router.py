@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
+
+import pytest
 
 from cluster.router import ReplicaView, RouteHint, matched_pages, rank_replicas
 from worker.page_hash import page_hashes
@@ -159,3 +162,83 @@ def test_a_senders_count_missing_from_reports_weighs_only_its_recent_sends(monke
     assert router._view(replica).load == 1  # type: ignore[arg-type]
     replica.routing_stats = {"time": clock[0], "answered": {"ingress-1": 6}}
     assert router._view(replica).load == 0  # type: ignore[arg-type]
+
+
+# -- the policies side by side (advanced.router.policy) ----------------------------------------
+
+
+def _replicas(*names: str) -> list[Any]:
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    replica_key = namedtuple("replica_key", "unique_id")  # hashable, like Serve's ReplicaID
+    return [SimpleNamespace(replica_id=replica_key(n), routing_stats={}) for n in names]
+
+
+def _router(policy: str) -> Any:
+    import importlib
+
+    from cluster.router import ROUTER_CLASS_PATHS
+
+    module, name = ROUTER_CLASS_PATHS[policy].split(":")
+    router = object.__new__(getattr(importlib.import_module(module), name))
+    router.initialize_state()
+    return router
+
+
+def _choose(router: Any, replicas: list[Any], hint: RouteHint | None, i: int = 0) -> list[list]:
+    from types import SimpleNamespace
+
+    call = SimpleNamespace(args=[hint], metadata=SimpleNamespace(internal_request_id=f"r{i}"))
+    ranks = asyncio.run(router.choose_replicas(replicas, call))
+    return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+
+def test_every_policy_is_a_router_class_and_prefix_load_is_the_default() -> None:
+    from typing import get_args
+
+    from cluster.config import RouterPolicy, RouterSettings
+    from cluster.router import ROUTER_CLASS_PATHS, KvrayRouter
+
+    assert set(ROUTER_CLASS_PATHS) == set(get_args(RouterPolicy))
+    assert all(isinstance(_router(p), KvrayRouter) for p in ROUTER_CLASS_PATHS)
+    assert RouterSettings().policy == "prefix_load" and RouterSettings().hashes_prompts
+    # only kvray's policy reads page hashes: the ingress does not compute them for the others
+    assert not RouterSettings(policy="round_robin").hashes_prompts
+    assert not RouterSettings(prefix_affinity=False).hashes_prompts
+
+
+@pytest.mark.parametrize("policy", ["prefix_load", "power_of_two", "round_robin"])
+def test_every_policy_sends_a_call_naming_a_replica_to_it_alone(policy: str) -> None:
+    router, replicas = _router(policy), _replicas("a", "b", "c")
+    assert _choose(router, replicas, RouteHint(replica_id="b")) == [["b"]]
+    # a replica that is gone: any will do (it answers "gone")
+    assert _choose(router, replicas, RouteHint(replica_id="x")) == [["a", "b", "c"]]
+
+
+def test_power_of_two_offers_two_random_replicas_as_one_rank() -> None:
+    """Serve then takes the one with fewer ongoing calls; every pair comes up."""
+    router, replicas = _router("power_of_two"), _replicas("a", "b", "c", "d")
+    hint = RouteHint(page_hashes=(tuple(KEYS),), num_requests=1)
+    pairs = set()
+    for i in range(300):
+        (rank,) = _choose(router, replicas, hint, i)
+        assert len(rank) == 2 and rank[0] != rank[1]
+        pairs.add(frozenset(rank))
+    assert len(pairs) == 6  # all pairs of four: the prompt's pages play no part
+    # Serve takes the first of a rank on a tie: with two replicas, either comes first
+    orders = {tuple(_choose(router, replicas[:2], hint, i)[0]) for i in range(50)}
+    assert orders == {("a", "b"), ("b", "a")}
+    assert _choose(router, replicas[:1], hint) == [["a"]]
+
+
+def test_round_robin_takes_each_replica_in_turn_with_the_rest_as_fallbacks() -> None:
+    router = _router("round_robin")
+    replicas = _replicas("c", "a", "b")  # Serve's order does not matter: ids do
+    firsts = [_choose(router, replicas, RouteHint(num_requests=1), i)[0][0] for i in range(6)]
+    assert firsts == ["a", "b", "c", "a", "b", "c"]
+    assert _choose(router, replicas, None) == [["a"], ["b"], ["c"]]
+    assert _choose(router, replicas, None) == [["b"], ["c"], ["a"]]
+    # a replica that leaves: the turn goes on over those left
+    assert _choose(router, replicas[1:], None) == [["a"], ["b"]]
+    assert _choose(router, [], None) == []

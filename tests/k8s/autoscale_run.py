@@ -16,8 +16,11 @@ and the KV cache is tiny. Then:
 3. once the new replica has served a few requests, the load stops; the deployment goes back
    to one replica while the light client keeps streaming.
 
-It records (does not judge) the replica counts over time, which replica served each
-request, every failed request, and the times; the test asserts on that record.
+It records (does not judge) the replica counts over time, the autoscaling signal the
+replicas report (engine requests and KV usage, as EngineLoadPolicy reads them), which
+replica served each request, every failed request, and the times, among them the time
+from overload (the first signal past its target) to the new replica's first answer; the
+test asserts on that record.
 """
 
 from __future__ import annotations
@@ -81,17 +84,26 @@ class Record:
     setup_s: float = 0.0
     initial_replica: str = ""
     initial_states: dict[str, int] = field(default_factory=dict)
+    autoscaling_policy: str | None = None  # the worker deployment's, as Serve runs it
+    load_start_s: float | None = None
+    overload_s: float | None = None  # first sample of the signal past its target
     two_running_s: float | None = None
     new_replica: str | None = None
-    new_replica_serving_s: float | None = None
+    new_replica_serving_s: float | None = None  # its first request answered
+    overload_to_serving_s: float | None = None  # new_replica_serving_s - overload_s
     fake_gpus_total: float = 0.0
     fake_gpus_free_at_two: float | None = None
     load_stop_s: float | None = None
     back_to_one_s: float | None = None
     final_states: dict[str, int] = field(default_factory=dict)
     timeline: list[tuple[float, dict[str, int]]] = field(default_factory=list)
+    # (time, engine requests summed over the replicas, mean KV usage, replicas reporting)
+    signal: list[tuple[float, float, float, int]] = field(default_factory=list)
+    requests_sent: int = 0
     served: list[tuple[float, float, str, str]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    stopped_replica: str | None = None  # the one scale-in took away
+    served_while_stopping: int = 0  # its requests that ended after it began to stop
 
 
 def serve_config(port: int) -> dict[str, Any]:
@@ -134,9 +146,12 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = PHASE_TIMEOUT_S) 
 class Run:
     """One autoscaling run against a running cluster; fills a Record."""
 
-    def __init__(self, base_url: str, record: Record) -> None:
+    def __init__(self, base_url: str, record: Record, autoscaling: dict[str, Any]) -> None:
+        """`autoscaling`: the app's ClusterConfig `autoscaling` section (the targets)."""
         self.base_url = base_url
         self.record = record
+        self.target_requests = float(autoscaling["target_ongoing_requests"])
+        self.target_kv = float(autoscaling.get("target_kv_usage", 0.9))
         self.t0 = time.monotonic()
         self.load_on = threading.Event()
         self.stop = threading.Event()
@@ -154,7 +169,7 @@ class Run:
         return {str(k): v for k, v in app.deployments[WORKER].replica_states.items()}
 
     def watch(self) -> None:
-        """Record every change of the worker deployment's replica states."""
+        """Record every change of the worker deployment's replica states, and the signal."""
         last: dict[str, int] | None = None
         while not self.stop.is_set():
             states = self.replica_states()
@@ -162,7 +177,32 @@ class Run:
                 with self.lock:
                     self.record.timeline.append((self.now(), states))
                 last = states
+            self.sample_signal()
             time.sleep(0.25)
+
+    def sample_signal(self) -> None:
+        """What EngineLoadPolicy reads, as the replicas report it on /metrics now (no Serve
+        handle here: its background tasks would reconnect to Ray after the run's shutdown);
+        the first sample past a target (mean requests per replica, or mean KV usage) while
+        the load runs is the overload."""
+        try:
+            text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        except httpx.HTTPError:  # a replica starting or stopping: the next sample
+            return
+        per_replica = _engine_gauges(text)
+        if not per_replica:
+            return
+        requests = sum(g["requests"] for g in per_replica.values())
+        kv = sum(g["kv_usage"] for g in per_replica.values()) / len(per_replica)
+        with self.lock:
+            self.record.signal.append((self.now(), requests, round(kv, 3), len(per_replica)))
+            over = requests / len(per_replica) > self.target_requests or kv > self.target_kv
+            if over and self.load_on.is_set() and self.record.overload_s is None:
+                self.record.overload_s = self.now()
+
+    def sent(self) -> None:
+        with self.lock:
+            self.record.requests_sent += 1
 
     def served(self, start: float, replica: str, kind: str) -> None:
         with self.lock:
@@ -177,6 +217,7 @@ class Run:
         with httpx.Client(base_url=self.base_url, timeout=180) as client:
             while self.load_on.is_set():
                 start = self.now()
+                self.sent()
                 try:
                     response = client.post("/v1/completions", json=body)
                     if response.status_code != 200 or not response.json()["choices"][0]["text"]:
@@ -193,6 +234,7 @@ class Run:
         with httpx.Client(base_url=self.base_url, timeout=180) as client:
             while not self.stop.is_set():
                 start = self.now()
+                self.sent()
                 try:
                     self._stream_once(client, body, start)
                 except httpx.HTTPError as exc:
@@ -218,6 +260,26 @@ class Run:
         return next(iter(others), None)
 
 
+_GAUGES = {
+    "kvray:num_requests_running": "requests",
+    "kvray:num_requests_waiting": "requests",
+    "kvray:kv_cache_usage_perc": "kv_usage",
+}
+
+
+def _engine_gauges(text: str) -> dict[str, dict[str, float]]:
+    """Engine requests (running + waiting) and KV usage per worker replica from /metrics."""
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name not in _GAUGES or 'replica="' not in line:
+            continue
+        replica = line.split('replica="', 1)[1].split('"', 1)[0]
+        gauges = out.setdefault(replica, {"requests": 0.0, "kv_usage": 0.0})
+        gauges[_GAUGES[name]] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def _is_error_event(line: str) -> bool:
     """An SSE data line that is an error object, or not JSON at all (a chunk whose token reads
     `"error"` is neither: a substring test took one for an error once)."""
@@ -233,6 +295,7 @@ def scale_up_and_down(run: Run) -> None:
 
     record = run.record
     load = [threading.Thread(target=run.load_client, args=(i,)) for i in range(LOAD_CLIENTS)]
+    record.load_start_s = run.now()
     run.load_on.set()
     for thread in load:
         thread.start()
@@ -243,6 +306,10 @@ def scale_up_and_down(run: Run) -> None:
         new = record.new_replica = run.new_replica() or ""
         with run.lock:
             record.new_replica_serving_s = min(s[1] for s in record.served if s[2] == new)
+            if record.overload_s is not None:
+                record.overload_to_serving_s = round(
+                    record.new_replica_serving_s - record.overload_s, 2
+                )
         wait_for(lambda: run.served_by(new) >= NEW_REPLICA_REQUESTS)
     run.load_on.clear()
     for thread in load:
@@ -253,6 +320,38 @@ def scale_up_and_down(run: Run) -> None:
         done = len(record.served)
         wait_for(lambda: len(record.served) >= done + 2, timeout_s=60)  # one replica still serves
     record.final_states = run.replica_states()
+    _note_scale_in(record)
+
+
+def _note_scale_in(record: Record) -> None:
+    """Which replica scale-in stopped (the one of the two that served nothing after the
+    count was back to one), and how many of its requests ended once it was stopping."""
+    if record.back_to_one_s is None or record.new_replica is None or record.load_stop_s is None:
+        return
+    after = {s[2] for s in record.served if s[0] >= record.back_to_one_s}
+    gone = {record.initial_replica, record.new_replica} - after
+    if len(gone) != 1:
+        return
+    record.stopped_replica = gone.pop()
+    stopping = [
+        t for t, states in record.timeline if t >= record.load_stop_s and "STOPPING" in states
+    ]
+    if stopping:
+        record.served_while_stopping = sum(
+            1 for s in record.served if s[2] == record.stopped_replica and s[1] >= stopping[0]
+        )
+
+
+def deployed_policy(dashboard: str) -> str | None:
+    """The worker deployment's autoscaling policy as the dashboard reports the deployed app."""
+    response = httpx.get(
+        f"{dashboard}/api/serve/applications/", headers=_auth_headers(), timeout=30
+    )
+    response.raise_for_status()
+    app = response.json()["applications"][APP]
+    auto = app["deployments"][WORKER]["deployment_config"].get("autoscaling_config") or {}
+    policy = auto.get("policy") or {}
+    return policy.get("policy_function") if isinstance(policy, dict) else None
 
 
 def start_cluster() -> Any:
@@ -337,12 +436,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ray.init(address=cluster.address, logging_level=logging.WARNING)
         cluster.wait_for_nodes()
-        deploy(f"http://{cluster.webui_url}", serve_config(port))
+        config = serve_config(port)
+        deploy(f"http://{cluster.webui_url}", config)
         base_url = f"http://127.0.0.1:{port}"
         record.initial_replica = first_response(base_url)
+        record.autoscaling_policy = deployed_policy(f"http://{cluster.webui_url}")
         record.setup_s = round(time.monotonic() - started, 1)
         record.fake_gpus_total = ray.cluster_resources().get("fake_gpu", 0.0)
-        run = Run(base_url, record)
+        run = Run(base_url, record, config["applications"][0]["args"]["autoscaling"])
         record.initial_states = run.replica_states()
         watcher = threading.Thread(target=run.watch, daemon=True)
         light = threading.Thread(target=run.light_client)
@@ -354,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             run.stop.set()
             run.load_on.clear()
             light.join()
+            watcher.join()
     finally:
         ray.shutdown()
         cluster.shutdown()  # ends Serve with the nodes; a graceful serve.shutdown costs ~10 s

@@ -11,6 +11,7 @@ one Ray runtime per process, and other test modules keep theirs in this one.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from cluster.autoscaling import POLICY_PATH
 from tests.k8s.autoscale_run import NEW_REPLICA_REQUESTS
 from tests.k8s.manifests import REPO
 
@@ -59,6 +61,26 @@ def test_sustained_load_adds_a_replica_on_the_second_worker_node(record: dict[st
     assert len(served_by_new) >= NEW_REPLICA_REQUESTS
 
 
+def test_the_scale_up_follows_the_engine_load_signal(record: dict[str, Any]) -> None:
+    """Serve runs kvray's policy (engine requests and KV usage, not its count of ongoing
+    calls), and the signal passed its target before the second replica came."""
+    assert record["autoscaling_policy"] == POLICY_PATH
+    assert record["overload_s"] is not None, record["signal"]
+    assert record["load_start_s"] <= record["overload_s"] <= record["two_running_s"]
+    # one replica's engine held more requests than target_ongoing_requests before it scaled
+    before = [s for s in record["signal"] if s[0] <= record["overload_s"] and s[3] == 1]
+    assert any(requests > 2 for _, requests, _, _ in before), record["signal"]
+
+
+def test_the_time_from_overload_to_the_new_replica_serving_is_reported(
+    record: dict[str, Any],
+) -> None:
+    took = record["overload_to_serving_s"]
+    assert took is not None and math.isfinite(took), record
+    assert took == pytest.approx(record["new_replica_serving_s"] - record["overload_s"], abs=0.01)
+    assert 0 < took < RUN_TIMEOUT_S
+
+
 def test_idle_returns_to_one_replica(record: dict[str, Any]) -> None:
     assert record["back_to_one_s"] is not None, record["timeline"]
     assert record["back_to_one_s"] > record["load_stop_s"]
@@ -73,6 +95,9 @@ def _first(record: dict[str, Any], after: float, predicate: Any) -> float:
 
 def test_no_request_fails_across_either_transition(record: dict[str, Any]) -> None:
     assert record["failures"] == []
+    # none lost either: every request sent was answered (a hang would be a failure at 180 s)
+    assert len(record["served"]) == record["requests_sent"]
+    assert record["stopped_replica"] in (record["initial_replica"], record["new_replica"])
     # The light client streamed back to back all along: some of its requests overlapped the
     # start of the second replica and the stop of one, and none failed.
     up = (_first(record, 0, lambda s: sum(s.values()) == 2), record["two_running_s"])

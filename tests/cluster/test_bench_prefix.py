@@ -1,0 +1,92 @@
+"""`kvray bench cluster --scenarios prefix` at a tiny size on the local Ray: two worker
+replicas whose KV caches the tenants' contexts overflow one by one, kvray's policy and
+power-of-two choices, each with the control, and the staleness probe. The figures are CPU figures of a 135M model: the test
+checks the result's shape and what must hold whatever the machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from benchmarks import cluster as bench
+from benchmarks.cluster_prefix import prefix_scenario
+from cluster.config import ClusterConfig
+from tests.cluster.conftest import ENGINE, RayHarness
+
+TENANTS, QUESTIONS = 4, 3
+ARGV = [
+    "--replicas", "2",
+    # round_robin is left to the unit tests: each policy redeploys (~25 s on two cores)
+    "--policies", "prefix_load,power_of_two",
+    "--tenants", str(TENANTS),
+    "--tenant-context-len", "64",  # 4 pages of 16: one replica holds 12 pages, all four need 16
+    "--tenant-questions", str(QUESTIONS),
+    "--question-len", "8",
+    "--answer-len", "2",
+    "--tenant-rate", "16",
+    "--tenant-concurrency", "8",
+    "--staleness-trials", "3",
+    "--router-replicas", "64",
+    "--router-calls", "200",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def result(ray_harness: RayHarness) -> Iterator[dict[str, Any]]:
+    port = ray_harness.local_ray()
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(ARGV)
+    base = ClusterConfig.model_validate(
+        {
+            "engine": {**ENGINE, "max_waiting": 64},
+            "advanced": {"worker_cpu_threads": 1},  # two replicas on two cores
+        }
+    ).model_dump(mode="json")
+    try:
+        yield prefix_scenario(args, base, port, f"http://127.0.0.1:{port}", vocab=49152)
+    finally:
+        ray_harness.release_local()  # the shared app was replaced by this one
+
+
+def test_every_policy_answers_every_request_of_both_loads(result: dict[str, Any]) -> None:
+    json.dumps(result)  # the result file is plain JSON
+    assert result["requests"] == TENANTS * QUESTIONS
+    assert result["kv_tokens_per_replica"] < result["shared_context_tokens"]
+    assert list(result["policies"]) == ["prefix_load", "power_of_two"]
+    for policy, runs in result["policies"].items():
+        for load in ("tenants", "control"):
+            run = runs[load]
+            assert (run["completed"], run["failed"]) == (result["requests"], 0), (policy, load)
+            assert run["output_throughput"] > 0 and run["request_throughput"] > 0
+            assert run["ttft_ms"]["p50"] <= run["ttft_ms"]["p90"]
+            assert run["itl_ms"]["p50"] <= run["itl_ms"]["p99"]
+            rates = [run["prefix_hit_rate"], *run["per_replica_hit_rate"]]
+            assert len(rates) == 3 and all(0.0 <= r <= 1.0 for r in rates), (policy, load, rates)
+
+
+def test_kvrays_policy_hits_the_cache_at_least_as_often_as_power_of_two(
+    result: dict[str, Any],
+) -> None:
+    runs = result["policies"]
+    kvray, p2c = runs["prefix_load"], runs["power_of_two"]
+    assert kvray["tenants"]["prefix_hit_rate"] >= p2c["tenants"]["prefix_hit_rate"], runs
+    # the tenants' contexts are what hits: the control shares nothing past a stray page
+    assert kvray["tenants"]["prefix_hit_rate"] > kvray["control"]["prefix_hit_rate"] + 0.2
+
+
+def test_the_router_views_staleness_and_decision_cost_are_reported(
+    result: dict[str, Any],
+) -> None:
+    staleness = result["staleness"]
+    assert staleness["trials"] == len(staleness["samples_ms"]) == 3
+    assert all(0 < ms < 30_000 and math.isfinite(ms) for ms in staleness["samples_ms"])
+    assert staleness["ms"]["p50"] <= staleness["ms"]["max"]
+    decision = result["router_decision"]
+    assert decision["replicas"] == 64
+    assert 0 < decision["decision_us_p50"] <= decision["decision_us_p99"]
