@@ -16,33 +16,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "common.cuh"
 #include "launch.h"
 
 namespace kvray {
 namespace {
 
 constexpr int kMaxThreads = 512;  // torch's reduce block size (mnt_wrapper<float>)
-
-template <typename T>
-struct Num;
-
-template <>
-struct Num<float> {
-  static __device__ __forceinline__ float to_f(float v) { return v; }
-  static __device__ __forceinline__ float from_f(float v) { return v; }
-};
-
-template <>
-struct Num<__nv_bfloat16> {
-  static __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-  static __device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16_rn(v); }
-};
-
-template <>
-struct Num<__half> {
-  static __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-  static __device__ __forceinline__ __half from_f(float v) { return __float2half_rn(v); }
-};
 
 // fp32 value of x after a round trip through T: the rounding torch applies after each op.
 template <typename T>

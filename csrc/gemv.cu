@@ -26,28 +26,6 @@ __device__ __forceinline__ void unpack8(const uint4& v, float f[8]) {
   }
 }
 
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half from_float(float v) {
-  return __float2half_rn(v);
-}
-
-template <typename T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <>
-__device__ __forceinline__ float to_float(__half v) {
-  return __half2float(v);
-}
-
 template <typename T, int M>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
@@ -104,9 +82,9 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   for (int r = 0; r < kRows; ++r) {
     const int row = row0 + r;
     if (row >= p.n) break;
-    const float b = bias != nullptr ? to_float(bias[row]) : 0.f;  // added before the rounding
+    const float b = bias != nullptr ? Num<T>::to_f(bias[row]) : 0.f;  // added before the rounding
 #pragma unroll
-    for (int m = 0; m < M; ++m) out[m * p.out_stride + row] = from_float<T>(acc[m][r] + b);
+    for (int m = 0; m < M; ++m) out[m * p.out_stride + row] = Num<T>::from_f(acc[m][r] + b);
   }
 }
 
