@@ -52,6 +52,11 @@ class Tokenizer:
             log.warning("no EOS token id in %s: generations end only at max_tokens or stop", path)
         return cls(hf, eos)
 
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer underneath (the grammar compiler reads its vocabulary)."""
+        return self._hf
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
 
