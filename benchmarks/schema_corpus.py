@@ -204,3 +204,20 @@ SCHEMAS: dict[str, Schema] = {
     "plain_integer": {"type": "integer", "minimum": 10, "maximum": 20},
     "plain_enum_array": {"type": "array", "items": _COLOR, "minItems": 1, "maxItems": 2},
 }
+
+
+# For throughput benchmarks: a JSON array whose EOS stays masked for 100,000 items of
+# bounded objects, so a constrained request runs to its max_tokens like an `ignore_eos` one
+# while its masks walk through keys, integers, strings and enums.
+ENDLESS: Schema = {
+    "type": "array",
+    "minItems": 100_000,
+    "items": _obj(
+        {
+            "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+            "name": {"type": "string", "maxLength": 16},
+            "tags": {"type": "array", "items": _COLOR, "maxItems": 3},
+            "ok": _FLAG,
+        }
+    ),
+}

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from benchmarks.offline import CpuWatch, add_arguments, engine_options, make_workload, run
+from benchmarks.offline import CpuWatch, _params, add_arguments, engine_options, make_workload, run
 from worker.model.config import ModelConfig
 from worker.model.loader import weight_files
 from worker.model.random_model import (
@@ -256,3 +256,12 @@ def test_random_load_format_needs_only_a_config(tmp_path):
                 "--compare-hf",
             )
         )
+
+
+def test_the_constrained_share_is_spread_over_the_workload() -> None:
+    workload = make_workload(8, IN_RANGE, OUT_RANGE, 512, 0)
+    flags = [p.guided is not None for p in _params(workload, 0.0, 0.5)]
+    assert flags == [False, True] * 4
+    assert not any(p.guided for p in _params(workload, 0.0, 0.0))
+    assert all(p.guided and p.ignore_eos for p in _params(workload, 0.0, 1.0))
+    assert [p.max_tokens for p in _params(workload, 0.0, 0.5)] == workload.output_lens
