@@ -348,6 +348,8 @@ class Engine:
     def _await_grammars(self) -> None:
         """While the only work is requests whose grammars compile, wait (at most a second, so
         the stats stay fresh and no compile looks like a stalled step) instead of spinning."""
+        if not self._compiling:  # the usual case, without the lock (a set's size is atomic)
+            return
         with self._cv:
             if self._compiling and not self._has_steps:
                 self._cv.wait_for(lambda: self._stopped or self._has_steps, timeout=1.0)
