@@ -157,7 +157,7 @@ def test_a_tool_calling_round_trip(client: OpenAI) -> None:
         tools=[WEATHER],
         tool_choice="none",
         temperature=0,
-        max_tokens=16,
+        max_tokens=8,
     )
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
 
