@@ -100,3 +100,15 @@ def write_result(path: str | Path | None, benchmark: str, data: dict[str, Any]) 
     result = {"benchmark": benchmark, **environment(), **data}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """Give a random-weights model directory (which has none) the tokenizer of `src`, for
+    what needs one (grammars); ids beyond the borrowed vocabulary are never allowed by a
+    grammar, and decode to nothing."""
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file() and not (dst / name).is_file():
+            (dst / name).write_bytes((src / name).read_bytes())

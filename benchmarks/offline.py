@@ -21,6 +21,12 @@ engine with the unquantized cache (kv_cache_dtype auto: bf16 on CUDA, the dtype 
 reports both throughputs and the greedy agreement: the share of requests whose tokens are
 all the same, and the mean length of the matching prefix.
 
+`--constrained-fraction F` constrains that share of the requests (every 1/F-th, warm-up
+included) by a JSON schema that never lets them end before their length
+(benchmarks/schema_corpus.py: ENDLESS), beside unconstrained ones: what structured output
+costs a batch. A random-weights model borrows `--tokenizer-from`'s tokenizer for it (the
+demo's by default).
+
 Runs as `kvray bench offline ...` or `python -m benchmarks.offline ...`.
 """
 
@@ -40,9 +46,11 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import environment
+from benchmarks.common import copy_tokenizer, environment
+from benchmarks.schema_corpus import ENDLESS
 from worker.config import EngineAdvanced, EngineConfig
 from worker.engine import StepRecord
+from worker.guided import GuidedDecoding
 from worker.llm import LLM
 from worker.model.config import ModelConfig
 from worker.model.demo import demo_model_dir, resolve_model_path
@@ -128,6 +136,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="transformers group size (default: the engine's max_running)",
     )
+    parser.add_argument(
+        "--constrained-fraction",
+        type=float,
+        default=0.0,
+        help="share of the requests constrained by a JSON schema (0 to 1)",
+    )
+    parser.add_argument(
+        "--tokenizer-from",
+        default="demo",
+        help="model dir (or 'demo') lending its tokenizer to a random model, for the grammars",
+    )
     parser.add_argument("--result-json", help="write the full result to this file")
     engine = parser.add_argument_group("engine options (EngineConfig; unset = its default)")
     for name, info in _engine_fields().items():
@@ -191,7 +210,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     num_pages = llm.engine.executor.cache.num_total_pages
     _warm_up(llm, args, vocab)
-    kvray = _bench_engine(llm, workload, args.temperature)
+    kvray = _bench_engine(llm, workload, args.temperature, args.constrained_fraction)
     outputs = kvray.pop("token_ids")
     del llm
     _release_memory()  # before transformers loads: the engine's KV cache holds most of a GPU
@@ -246,6 +265,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(
             "--compare-hf needs the weights on disk: transformers cannot use --load-format random"
         )
+    if not 0 <= args.constrained_fraction <= 1:
+        raise ValueError("--constrained-fraction is a share, from 0 to 1")
     for name in ("input_len_range", "output_len_range"):
         lo, hi = getattr(args, name)
         if not 1 <= lo <= hi:
@@ -262,9 +283,12 @@ def _model_path(args: argparse.Namespace) -> Path:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # that engine draws its own: config.json is enough
     weights = getattr(args, "load_format", None) != "random"
-    return ensure_random_model(
+    path = ensure_random_model(
         root, args.random_shape, args.random_dtype, device=device, weights=weights
     )
+    if args.constrained_fraction > 0:
+        copy_tokenizer(resolve_model_path(args.tokenizer_from), path)
+    return path
 
 
 def _warm_up(llm: LLM, args: argparse.Namespace, vocab: int) -> None:
@@ -275,11 +299,9 @@ def _warm_up(llm: LLM, args: argparse.Namespace, vocab: int) -> None:
     warm = make_workload(
         args.warmup_requests, tuple(args.input_len_range), out, vocab, args.prompt_seed + 1_000_003
     )
+    params = _params(warm, args.temperature, args.constrained_fraction)
     llm.generate(
-        warm.prompts,
-        SamplingParams(
-            temperature=args.temperature, max_tokens=WARMUP_OUTPUT_TOKENS, ignore_eos=True
-        ),
+        warm.prompts, [p.model_copy(update={"max_tokens": WARMUP_OUTPUT_TOKENS}) for p in params]
     )
 
 
@@ -290,7 +312,7 @@ def _bench_unquantized(
     llm = LLM(str(path), **{**engine_options(args), "kv_cache_dtype": "auto"})
     print(f"unquantized KV cache: {llm.engine.executor.cache.num_total_pages} pages", flush=True)
     _warm_up(llm, args, vocab)
-    result = _bench_engine(llm, workload, args.temperature)
+    result = _bench_engine(llm, workload, args.temperature, args.constrained_fraction)
     result["num_pages"] = llm.engine.executor.cache.num_total_pages
     return result
 
@@ -312,11 +334,25 @@ def greedy_agreement(ours: list[list[int]], ref: list[list[int]]) -> dict[str, f
     }
 
 
-def _bench_engine(llm: LLM, workload: Workload, temperature: float) -> dict[str, Any]:
-    params = [
-        SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True)
-        for n in workload.output_lens
+def _params(workload: Workload, temperature: float, constrained: float) -> list[SamplingParams]:
+    """Each request's parameters: request i is constrained when (i + 1) x share passes a
+    whole number (every 1/share-th, spread over the workload)."""
+    guided = GuidedDecoding.from_schema(ENDLESS)
+    return [
+        SamplingParams(
+            temperature=temperature,
+            max_tokens=n,
+            ignore_eos=True,
+            guided=guided if int((i + 1) * constrained) > int(i * constrained) else None,
+        )
+        for i, n in enumerate(workload.output_lens)
     ]
+
+
+def _bench_engine(
+    llm: LLM, workload: Workload, temperature: float, constrained: float = 0.0
+) -> dict[str, Any]:
+    params = _params(workload, temperature, constrained)
     before = llm.engine.stats()
     _sync(llm.engine.config.device)
     steps: list[StepRecord] = []
@@ -338,6 +374,7 @@ def _bench_engine(llm: LLM, workload: Workload, temperature: float) -> dict[str,
         )
     tokens = sum(len(o.token_ids) for o in outputs)
     return {
+        "constrained_requests": sum(p.guided is not None for p in params),
         "output_tokens": tokens,
         "seconds": seconds,
         "output_tok_s": tokens / seconds,
@@ -499,7 +536,8 @@ def _model_info(path: Path, args: argparse.Namespace) -> dict[str, Any]:
 def _print_summary(r: dict[str, Any]) -> None:
     k, w = r["kvray"], r["workload"]
     print(
-        f"requests {w['num_requests']}, input tokens {w['input_tokens']}, output tokens {k['output_tokens']}"
+        f"requests {w['num_requests']} ({k['constrained_requests']} constrained), input tokens "
+        f"{w['input_tokens']}, output tokens {k['output_tokens']}"
     )
     print(
         f"kvray:        {k['seconds']:8.2f} s  {k['output_tok_s']:10.1f} output tok/s  ({k['steps']} steps, "

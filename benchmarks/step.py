@@ -15,6 +15,13 @@ Mixed: B requests decode while each timed step also prefills one whole P-token p
 the scheduler packs a chunk beside decodes; prompt CUDA graphs against eager, and the
 decode-only step of the same batch. B = 0 is a lone prompt step.
 
+`--constrained F`: each decode row is timed once more in the default variant (graphs and
+overlap) with F of its B requests (at least one) constrained by a JSON schema that never
+lets them end (benchmarks/schema_corpus.py: ENDLESS), and reports the step's overhead over
+the unconstrained one. The grammars need a tokenizer: `--tokenizer-from` (the demo's by
+default; on a machine without it, the `.tok/` that scripts/prepare-wheels writes), whose
+vocabulary the grammar then works over.
+
 `--profile`: where eager steps spend their time (GPU time and kernels per category: GEMM,
 attention, KV store, norm/rope/activation, sampling; and the host time the GPU does not
 cover) for decode at the smallest and largest batch and for one lone prompt.
@@ -31,9 +38,19 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import BF16_TFLOPS, COPY_TBPS, environment, hardware_text, write_result
+from benchmarks.common import (
+    BF16_TFLOPS,
+    COPY_TBPS,
+    copy_tokenizer,
+    environment,
+    hardware_text,
+    write_result,
+)
+from benchmarks.schema_corpus import ENDLESS
 from worker.config import EngineConfig
 from worker.engine import Engine, EngineRequest
+from worker.guided import GuidedDecoding
+from worker.model.demo import resolve_model_path
 from worker.model.random_model import get_shape, hf_config
 from worker.sampling import SamplingParams
 
@@ -55,6 +72,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", nargs="+", type=int, default=[32, 128, 512, 1024])
     parser.add_argument("--mixed-steps", type=int, default=10, help="timed mixed steps a row")
     parser.add_argument("--profile", action="store_true", help="print step breakdowns too")
+    parser.add_argument(
+        "--constrained",
+        type=float,
+        default=0.0,
+        help="also time decode with this share of the batch constrained by a JSON schema",
+    )
+    parser.add_argument(
+        "--tokenizer-from", default="demo", help="model dir (or 'demo') lending its tokenizer"
+    )
     parser.add_argument("--result-json", help="write the rows to this file")
 
 
@@ -74,12 +100,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def make_engine(
-    shape: str, max_running: int, context: int, steps: int, extra_tokens: int = 0
+    shape: str,
+    max_running: int,
+    context: int,
+    steps: int,
+    extra_tokens: int = 0,
+    tokenizer_from: str | None = None,
 ) -> Engine:
     """An engine of random bf16 weights of `shape`, room for `max_running` requests of
-    `context` + `steps` tokens and `extra_tokens` more (other prompts beside the batch)."""
+    `context` + `steps` tokens and `extra_tokens` more (other prompts beside the batch);
+    with the tokenizer of `tokenizer_from`, if given."""
     path = Path(tempfile.mkdtemp(prefix=f"kvray-{shape}-"))
     (path / "config.json").write_text(json.dumps(hf_config(get_shape(shape), "bfloat16")))
+    if tokenizer_from is not None:
+        copy_tokenizer(resolve_model_path(tokenizer_from), path)
     pages = max_running * ((context + steps + 64) // 16 + 1) + extra_tokens // 16 + 16
     config = EngineConfig(
         model=str(path),
@@ -97,7 +131,7 @@ def make_engine(
 def run_until_decoding(engine: Engine) -> None:
     """Step until every submitted request has finished its prompt and decodes one token a step."""
     engine.step()  # drains the inbox into the scheduler
-    while engine.scheduler.waiting or any(
+    while engine.stats().num_waiting or any(
         r.num_pending > 1 or not r.output_ids for r in engine.scheduler.running
     ):
         engine.step()
@@ -118,7 +152,8 @@ def _set(engine: Engine, graphs: Any, overlap: bool) -> None:
 
 
 def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) -> None:
-    engine = make_engine(shape, max(args.batches), args.context, args.steps)
+    tokenizer = args.tokenizer_from if args.constrained > 0 else None
+    engine = make_engine(shape, max(args.batches), args.context, args.steps, 0, tokenizer)
     params = list(engine.executor.model.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
     kv_per_token = 2 * engine.model_config.num_layers * engine.model_config.kv_size * 2
@@ -133,6 +168,18 @@ def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) 
             row[key], gpu_ms = _time_decode(engine, batch, args.context, args.steps, seed, replay)
             if gpu_ms is not None:
                 row["gpu_replay_ms"] = gpu_ms
+        if args.constrained > 0:
+            _set(engine, graphs, True)
+            row["constrained"] = n = max(1, round(args.constrained * batch))
+            row["graph_constrained_ms"], _ = _time_decode(
+                engine, batch, args.context, args.steps, 100 * number + 9, False, n
+            )
+            row["constrained_overhead"] = row["graph_constrained_ms"] / row["graph_ms"] - 1
+            print(
+                f"{shape:14s} B={batch:4d}  {n} constrained: {row['graph_constrained_ms']:7.3f} ms "
+                f"({100 * row['constrained_overhead']:+.1f} % over unconstrained)",
+                flush=True,
+            )
         kv_bytes = batch * (args.context + args.steps // 2) * kv_per_token
         row["floor_ms"] = (weights + kv_bytes) / (COPY_TBPS * 1e12) * 1e3
         row["of_floor"] = row["floor_ms"] / row["graph_ms"]
@@ -159,14 +206,22 @@ def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) 
 
 
 def _time_decode(
-    engine: Engine, batch: int, context: int, steps: int, seed: int, replay: bool
+    engine: Engine,
+    batch: int,
+    context: int,
+    steps: int,
+    seed: int,
+    replay: bool,
+    constrained: int = 0,
 ) -> tuple[float, float | None]:
-    """ms per steady decode step of `batch` requests; with `replay`, also the GPU time alone."""
+    """ms per steady decode step of `batch` requests, the first `constrained` of them by a
+    grammar; with `replay`, also the GPU time alone."""
     # Prompts finish prefill over several steps, and the first ones decode meanwhile: room for
     # that skew, so no request ends in the timed window.
     params = SamplingParams(temperature=0, max_tokens=steps + 48, ignore_eos=True)
+    guided = params.model_copy(update={"guided": GuidedDecoding.from_schema(ENDLESS)})
     requests = [
-        EngineRequest(f"d{seed}-{i}", p, params)
+        EngineRequest(f"d{seed}-{i}", p, guided if i < constrained else params)
         for i, p in enumerate(_prompts(batch, context, seed))
     ]
     stream = engine.submit(requests)

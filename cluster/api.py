@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import functools
 import hmac
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -27,7 +28,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from cluster import limits
+from cluster import limits, tools
 from cluster.config import ClusterConfig
 from cluster.dispatch import CallError, Dispatcher, Group, in_own_context
 from cluster.errors import ApiError, from_call, from_validation
@@ -36,6 +37,7 @@ from cluster.metrics import CONTENT_TYPE, Metrics, rss_bytes
 from cluster.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    FieldError,
     ModelCard,
     ModelList,
     new_id,
@@ -44,6 +46,7 @@ from cluster.protocol import (
 )
 from cluster.responses import ChunkWriter, Collector, usage_of
 from cluster.router import RouteHint
+from worker.guided import GuidedDecoding, check_guided
 from worker.heap import freeze_heap
 from worker.model.demo import resolve_model_path
 from worker.page_hash import page_hashes
@@ -59,6 +62,7 @@ _MODELS_INFO_TIMEOUT_S = 2.0  # /v1/models answers without the context length ra
 _INLINE_TOKENIZE_CHARS = 16_384
 _STATS_TIMEOUT_S = 5.0
 _TEMPLATE_CHARS_PER_MESSAGE = 32  # what a chat template adds around each message, roughly
+_INLINE_GRAMMAR_CHARS = 16_384  # longer grammars are checked in a thread
 
 ParsedRequest = ChatCompletionRequest | CompletionRequest
 
@@ -164,9 +168,13 @@ class Ingress:
         arrival = time.perf_counter()
         req = await self._parse(request, ChatCompletionRequest)
         assert isinstance(req, ChatCompletionRequest)
-        messages = req.template_messages()
-        size = sum(len(m["content"]) for m in messages)
-        prompt = await self._tokenize(size, self._tokenizer.apply_chat_template, messages)
+        takes_tools = self._tokenizer.template_takes_tools
+        messages, shown = tools.template_inputs(
+            req.template_messages(with_tools=takes_tools), req.functions, takes_tools
+        )
+        size = sum(len(m["content"]) for m in messages) + len(json.dumps(shown or []))
+        render = functools.partial(self._tokenizer.apply_chat_template, tools=shown)
+        prompt = await self._tokenize(size, render, messages)
         return await self._generate(req, [list(prompt)], req.sampling_params(), arrival, chat=True)
 
     async def completions(self, request: Request) -> Response:
@@ -218,10 +226,33 @@ class Ingress:
         await self._check_fan_out(req)
         req = limits.with_default_max_tokens(req, self._limits.max_tokens)
         try:  # what the protocol lets through must also make valid SamplingParams
-            req.sampling_params()
+            params = req.sampling_params()
         except ValidationError as exc:
             raise from_validation(exc) from None
+        except FieldError as exc:
+            raise ApiError(400, exc.message, param=exc.param, code="invalid_value") from None
+        await self._check_grammars(req, params.guided)
         return req
+
+    async def _check_grammars(self, req: ParsedRequest, guided: GuidedDecoding | None) -> None:
+        """Every schema, regex or grammar of the request compiles (the engine's own check):
+        a tool's parameters, and what the output must match."""
+        specs: list[tuple[GuidedDecoding, str | None]] = []
+        if isinstance(req, ChatCompletionRequest):
+            for i, tool in enumerate(req.tools or []):
+                if tool.function.parameters is not None:
+                    schema = GuidedDecoding.from_schema(tool.function.parameters)
+                    specs.append((schema, f"tools.{i}.function.parameters"))
+        if guided is not None:
+            specs.append((guided, req.guided_param()))
+        for spec, param in specs:
+            try:
+                if len(spec.spec) > _INLINE_GRAMMAR_CHARS:
+                    await asyncio.to_thread(check_guided, spec)
+                else:
+                    check_guided(spec)
+            except ValueError as exc:
+                raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
 
     async def _generate(
         self,
@@ -257,13 +288,18 @@ class Ingress:
             stream.close()
             raise
         headers = {REPLICA_HEADER: replica_id}
+        calls = req.parses_tool_calls
         if req.stream:
-            writer = ChunkWriter(rid, now(), model, chat, self._token_text, req.include_usage)
+            writer = ChunkWriter(
+                rid, now(), model, chat, self._token_text, req.include_usage, tool_calls=calls
+            )
             body = self._sse(gen, writer, len(stream.group.requests))
             return ClosingStreamingResponse(
                 body, gen.stream.close, media_type="text/event-stream", headers=headers
             )
-        collector = Collector(len(stream.group.requests), params.logprobs is not None)
+        collector = Collector(
+            len(stream.group.requests), params.logprobs is not None, tool_calls=calls
+        )
         try:
             async for deltas in gen.deltas():
                 for delta in deltas:

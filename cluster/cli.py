@@ -17,7 +17,7 @@ from typing import Any
 
 BENCH_MODULES = {
     name: f"benchmarks.{name}"
-    for name in ("offline", "serve", "kernels", "step", "cluster", "soak")
+    for name in ("offline", "serve", "kernels", "step", "cluster", "soak", "grammar")
 }
 
 

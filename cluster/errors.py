@@ -88,16 +88,21 @@ def from_validation(exc: ValidationError) -> ApiError:
 
 def _is_type_tag(part: str | int, position: int) -> bool:
     """Union members in an error's location (`prompt.list[int].2`, a message's role in
-    `messages.0.user.content`) are no part of the field."""
+    `messages.0.user.content`, a response format's type in `response_format.json_schema.
+    json_schema`) are no part of the field."""
     if isinstance(part, int):
         return False
     if position == 2 and part in _MESSAGE_ROLES:
         return True
-    return part in _TYPE_TAGS or "[" in part or "(" in part
+    if position == 1 and part in _FORMAT_TAGS:  # response_format's `type`
+        return True
+    # a model's class name (`tool_choice.NamedToolChoice.function`): fields are lower case
+    return part in _TYPE_TAGS or "[" in part or "(" in part or part[:1].isupper()
 
 
 _TYPE_TAGS = frozenset({"body", "str", "int", "float", "bool", "list", "dict", "none"})
 _MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_FORMAT_TAGS = frozenset({"text", "json_object", "json_schema"})
 
 
 def from_call(error: CallError, retry_after: int) -> ApiError:

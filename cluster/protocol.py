@@ -4,8 +4,12 @@ Requests are validated here, so a bad field is a 400 naming that field before an
 reaches a worker. Types are strict, as OpenAI's are (`"n": "2"` or `"n": true` is an
 error, not a 2 or a 1); integers that reach a worker are bounded so they fit its wire
 format. Unknown fields are ignored (clients send fields of newer API versions); fields
-that ask for a feature kvray lacks (tools, echo, logit_bias, ...) are refused. Limits an
-operator sets (stop list size, prompt count, ...) are checked by `cluster.limits`.
+that ask for a feature kvray lacks (echo, logit_bias, legacy functions, ...) are refused.
+Limits an operator sets (stop list size, prompt count, ...) are checked by `cluster.limits`.
+
+Structured output (`response_format`, and vLLM's `guided_json` / `guided_regex` /
+`guided_grammar`) and a `required` or named `tool_choice` become one `GuidedDecoding` for
+the engine (`guided()`); the ingress checks that it compiles (cluster/api.py).
 """
 
 from __future__ import annotations
@@ -17,9 +21,26 @@ from typing import Annotated, Any, Literal, cast
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 from pydantic.json_schema import models_json_schema
 
+from cluster.formats import (
+    DeltaToolCall,
+    JsonObject,
+    JsonObjectFormat,
+    JsonSchemaResponseFormat,
+    NamedToolChoice,
+    ResponseFormat,
+    ToolCall,
+    ToolCallParam,
+    ToolChoice,
+    ToolParam,
+    is_none,
+    schema_text,
+    template_call,
+)
+from cluster.tools import Function, call_text, calls_grammar
+from worker.guided import GuidedDecoding
 from worker.sampling import MAX_LOGPROBS, SamplingParams
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 _INT32 = 2**31  # token ids, top_k and min_tokens stay below this (int32 on the worker)
 
 
@@ -47,6 +68,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class FieldError(ValueError):
+    """A request whose fields are each valid but do not go together; `param` names one."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
@@ -71,6 +100,12 @@ class _Request(BaseModel):
     stop_token_ids: list[Int32] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    guided_json: JsonObject | str | None = Field(None, description="a JSON schema (vLLM's name)")
+    guided_regex: str | None = Field(None, description="the output matches this regex")
+    guided_grammar: str | None = Field(
+        None, description="the output matches this grammar (Lark, or GBNF / EBNF)"
+    )
 
     @field_validator("stop")
     @classmethod
@@ -89,17 +124,49 @@ class _Request(BaseModel):
         return None
 
     def _refused_extras(self) -> dict[str, Any]:
-        return {
-            "logit_bias": {},
-            "tools": [],
-            "functions": [],
-            "function_call": "none",
-            "response_format": {"type": "text"},
-        }
+        return {"logit_bias": {}, "functions": [], "function_call": "none"}
+
+    def guided(self) -> GuidedDecoding | None:
+        """What the output must match, from whichever field asks; FieldError when more than
+        one does."""
+        asked = self._guided_fields()
+        if len(asked) > 1:
+            first, second = [name.split(".")[0] for name in list(asked)[:2]]
+            raise FieldError(f"'{first}' and '{second}' cannot be combined", param=second)
+        if asked and self.min_tokens:  # a finished grammar allows only EOS
+            raise FieldError("min_tokens cannot be combined with structured output", "min_tokens")
+        return next(iter(asked.values()), None)
+
+    def _guided_fields(self) -> dict[str, GuidedDecoding]:
+        """The structured-output fields set, each as a spec, keyed by the field to name."""
+        asked: dict[str, GuidedDecoding] = {}
+        fmt = self.response_format
+        if isinstance(fmt, JsonObjectFormat):
+            asked["response_format"] = GuidedDecoding.any_object()
+        elif isinstance(fmt, JsonSchemaResponseFormat):
+            asked["response_format.json_schema.schema"] = GuidedDecoding.from_schema(
+                schema_text(fmt.json_schema.schema_)
+            )
+        if self.guided_json is not None:
+            asked["guided_json"] = GuidedDecoding.from_schema(schema_text(self.guided_json))
+        if self.guided_regex is not None:
+            asked["guided_regex"] = GuidedDecoding.from_regex(self.guided_regex)
+        if self.guided_grammar is not None:
+            asked["guided_grammar"] = GuidedDecoding.from_grammar(self.guided_grammar)
+        return asked
+
+    def guided_param(self) -> str | None:
+        """The field a bad spec is reported under."""
+        return next(iter(self._guided_fields()), None)
 
     @property
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Is the output read for tool calls (chat with tools, tool_choice not none)?"""
+        return False
 
     @property
     def include_usage(self) -> bool:
@@ -107,6 +174,7 @@ class _Request(BaseModel):
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
+            guided=self.guided(),
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
@@ -162,11 +230,11 @@ class UserMessageParam(_Message):
 
 
 class AssistantMessageParam(_Message):
-    """Content may be null: OpenAI allows it beside `tool_calls` (refused here, see
-    `ChatCompletionRequest.refused_field`)."""
+    """Content may be null beside `tool_calls`."""
 
     role: Literal["assistant"]
     content: Content | None = None
+    tool_calls: list[ToolCallParam] | None = None
 
 
 class ToolMessageParam(_Message):
@@ -192,23 +260,67 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
-
-    def _refused_extras(self) -> dict[str, Any]:
-        return {**super()._refused_extras(), "tool_choice": "none"}
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, else none")
+    parallel_tool_calls: bool = True
 
     def refused_field(self) -> str | None:
-        """Tool calls replayed in the history are refused too: the template would drop them."""
+        """Legacy function calls replayed in the history are refused too: templates drop them."""
         for i, message in enumerate(self.messages):
-            for name in ("tool_calls", "function_call"):
-                if (message.model_extra or {}).get(name) not in (None, []):
-                    return f"messages.{i}.{name}"
+            if (message.model_extra or {}).get("function_call") not in (None, []):
+                return f"messages.{i}.function_call"
         return super().refused_field()
 
-    def template_messages(self) -> list[dict[str, str]]:
+    @property
+    def functions(self) -> list[Function]:
+        """The tools the model is shown (none with `tool_choice: none`)."""
+        if not self.tools or self.tool_choice == "none":
+            return []
         return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
+            Function(t.function.name, t.function.description, t.function.parameters)
+            for t in self.tools
         ]
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.functions)
+
+    def _guided_fields(self) -> dict[str, GuidedDecoding]:
+        asked = super()._guided_fields()
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return asked
+        functions = self.functions
+        if not functions:
+            raise FieldError("tool_choice names a tool, but no tools are given", "tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            functions = [f for f in functions if f.name == choice.function.name]
+            if not functions:
+                message = f"tool_choice names '{choice.function.name}', which is not in tools"
+                raise FieldError(message, "tool_choice.function.name")
+        one = isinstance(choice, NamedToolChoice) or not self.parallel_tool_calls
+        return {"tool_choice": calls_grammar(functions, one_call=one), **asked}
+
+    def template_messages(self, with_tools: bool = True) -> list[dict[str, Any]]:
+        """The messages as chat templates take them: a past call's `arguments` parsed (most
+        templates write them out as JSON themselves). `with_tools` False: calls and tool
+        results as plain text, for a template that knows neither."""
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            role = "system" if m.role == "developer" else m.role
+            message: dict[str, Any] = {"role": role, "content": m.text()}
+            if isinstance(m, AssistantMessageParam) and m.tool_calls:
+                if with_tools:
+                    message["tool_calls"] = [template_call(c) for c in m.tool_calls]
+                else:
+                    calls = [call_text(c.function.name, c.function.arguments) for c in m.tool_calls]
+                    message["content"] = "\n".join([message["content"], *calls]).strip()
+            if isinstance(m, ToolMessageParam) and with_tools:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+            out.append(message)
+        return out
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
@@ -283,7 +395,8 @@ class CompletionLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=is_none)
 
 
 class ChatChoice(BaseModel):
@@ -305,6 +418,7 @@ class ChatCompletion(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = Field(None, exclude_if=is_none)
 
 
 class ChatChunkChoice(BaseModel):

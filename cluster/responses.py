@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cluster import tools
+from cluster.formats import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from cluster.generation import ChoiceDelta, Generation
 from cluster.protocol import (
     AssistantMessage,
@@ -83,13 +85,20 @@ class _Collected:
     finish_reason: FinishReason | None = None
 
 
+def _finish(reason: FinishReason | None, called: bool) -> FinishReason | None:
+    """A choice that ended by itself after calling tools finished with `tool_calls`."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 @dataclass
 class Collector:
-    """Gathers every delta of a non-streaming request."""
+    """Gathers every delta of a non-streaming request; with `tool_calls`, a chat reply's
+    text is split into content and calls."""
 
     num_choices: int
     wants_logprobs: bool
     choices: dict[int, _Collected] = field(default_factory=dict)
+    tool_calls: bool = False
 
     def __post_init__(self) -> None:
         self.choices = {
@@ -108,15 +117,28 @@ class Collector:
     def chat(
         self, rid: str, created: int, model: str, usage: Usage, token_text: TokenText
     ) -> ChatCompletion:
-        choices = [
-            ChatChoice(
-                index=i,
-                message=AssistantMessage(content="".join(c.text)),
-                logprobs=chat_logprobs(token_text, c.logprobs),
-                finish_reason=c.finish_reason,
+        choices = []
+        for i, c in sorted(self.choices.items()):
+            content: str | None = "".join(c.text)
+            calls: list[tools.ParsedCall] = []
+            if self.tool_calls:
+                content, calls = tools.split_calls(content or "")
+            message = AssistantMessage(
+                content=content,
+                tool_calls=[
+                    ToolCall(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
+                    for t in calls
+                ]
+                or None,
             )
-            for i, c in sorted(self.choices.items())
-        ]
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=chat_logprobs(token_text, c.logprobs),
+                    finish_reason=_finish(c.finish_reason, bool(calls)),
+                )
+            )
         return ChatCompletion(id=rid, created=created, model=model, choices=choices, usage=usage)
 
     def completion(
@@ -136,7 +158,8 @@ class Collector:
 
 @dataclass
 class ChunkWriter:
-    """Turns deltas into SSE `data:` lines for a streaming request."""
+    """Turns deltas into SSE `data:` lines for a streaming request; with `tool_calls`, each
+    chat choice's text goes through a `tools.CallParser`, and each call is one delta."""
 
     rid: str
     created: int
@@ -144,7 +167,9 @@ class ChunkWriter:
     chat: bool
     token_text: TokenText
     include_usage: bool
+    tool_calls: bool = False
     _offsets: dict[int, int] = field(default_factory=dict)
+    _parsers: dict[int, tools.CallParser] = field(default_factory=dict)
 
     def start(self, num_choices: int) -> list[str]:
         """Chat streams open each choice with the assistant role."""
@@ -164,15 +189,7 @@ class ChunkWriter:
 
     def deltas(self, deltas: list[ChoiceDelta]) -> list[str]:
         if self.chat:
-            chat_choices = [
-                ChatChunkChoice(
-                    index=d.index,
-                    delta=DeltaMessage(content=d.text),
-                    logprobs=chat_logprobs(self.token_text, d.logprobs),
-                    finish_reason=d.finish_reason,
-                )
-                for d in deltas
-            ]
+            chat_choices = [self._chat_choice(d) for d in deltas]
             return [
                 self._sse(
                     ChatCompletionChunk(
@@ -197,6 +214,35 @@ class ChunkWriter:
                 Completion(id=self.rid, created=self.created, model=self.model, choices=choices)
             )
         ]
+
+    def _chat_choice(self, d: ChoiceDelta) -> ChatChunkChoice:
+        logprobs = chat_logprobs(self.token_text, d.logprobs)
+        if not self.tool_calls:
+            delta = DeltaMessage(content=d.text)
+            return ChatChunkChoice(
+                index=d.index, delta=delta, logprobs=logprobs, finish_reason=d.finish_reason
+            )
+        parser = self._parsers.setdefault(d.index, tools.CallParser())
+        before = len(parser.calls)
+        content, calls = parser.push(d.text)
+        if d.finish_reason is not None:
+            more, last = parser.finish()
+            content, calls = content + more, calls + last
+        delta = DeltaMessage(
+            content=content,
+            tool_calls=[
+                DeltaToolCall(
+                    index=before + k,
+                    id=c.id,
+                    type="function",
+                    function=DeltaFunctionCall(name=c.name, arguments=c.arguments),
+                )
+                for k, c in enumerate(calls)
+            ]
+            or None,
+        )
+        finish = _finish(d.finish_reason, bool(parser.calls))
+        return ChatChunkChoice(index=d.index, delta=delta, logprobs=logprobs, finish_reason=finish)
 
     def usage(self, usage: Usage) -> list[str]:
         if not self.include_usage:

@@ -11,15 +11,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from worker.config import EngineConfig
+    from worker.guided import GuidedDecoding
     from worker.llm import LLM
     from worker.outputs import RequestOutput
     from worker.sampling import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "GuidedDecoding", "RequestOutput", "SamplingParams"]
 
 _HOMES = {
     "LLM": "worker.llm",
     "EngineConfig": "worker.config",
+    "GuidedDecoding": "worker.guided",
     "RequestOutput": "worker.outputs",
     "SamplingParams": "worker.sampling",
 }

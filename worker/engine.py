@@ -8,21 +8,24 @@ there is work, publishing each step's deltas to the streams that wait for them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
 from worker.config import EngineConfig
 from worker.executor import Executor, PendingStep, StepResult
+from worker.grammar import CompiledGrammar, GrammarCompiler
 from worker.model.config import ModelConfig
 from worker.model.demo import resolve_model_path
 from worker.outputs import FinishReason, RequestDelta
-from worker.request import Request, ScheduledTask, Status
+from worker.request import PENDING, Request, ScheduledTask, Status
 from worker.scheduler import Scheduler
 from worker.stats import EngineStats, StepObserver, StepRecord, request_metrics
 from worker.streams import OutputStream
@@ -31,8 +34,6 @@ from worker.validation import EngineRequest, check_request
 
 log = logging.getLogger("kvray.engine")
 
-# an output token still on the device: sampled by a step whose results are not read yet
-PENDING = -1
 SUMMARY_PAGES = 4096  # most prefix-cache keys a replica reports to the router
 SUMMARY_REFRESH_S = 0.05
 
@@ -65,6 +66,8 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._streams: dict[str, OutputStream] = {}
         self._inbox: list[Request] = []
+        self._compiling: set[Request] = set()  # held back until their grammar is compiled
+        self._grammars: GrammarCompiler | None = None  # made for the first constrained request
         self._inflight: PendingStep | None = None  # launched on the device, results not yet read
         self._aborts: list[str] = []
         self._cv = threading.Condition()
@@ -99,17 +102,21 @@ class Engine:
     ) -> OutputStream:
         """Queue requests (thread-safe). Validates all first: bad input raises ValueError, nothing queued.
 
-        Their deltas go to a new stream, or to `into`, a stream that earlier submits made."""
+        Their deltas go to a new stream, or to `into`, a stream that earlier submits made. A
+        request with a grammar waits (outside the scheduler) until a compile thread has it."""
         new = [self._validate(r) for r in requests]
         ids = [r.request_id for r in new]
         if len(set(ids)) != len(ids):
             raise ValueError("duplicate request_id in one submit")
+        guided = [r for r in new if r.params.guided is not None]
+        grammars = self._grammar_compiler() if guided else None
         with self._cv:
             if any(rid in self._requests for rid in ids):
                 raise ValueError("request_id already in use")
             # the scheduler's queue read live, as `stats` does: the last step's snapshot would
             # miss what this step took from the inbox, and let a burst in past the limit
-            if len(self.scheduler.waiting) + len(self._inbox) + len(new) > self.config.max_waiting:
+            queued = len(self.scheduler.waiting) + len(self._inbox) + len(self._compiling)
+            if queued + len(new) > self.config.max_waiting:
                 raise EngineFull(
                     f"more than max_waiting={self.config.max_waiting} requests are waiting"
                 )
@@ -124,9 +131,39 @@ class Engine:
             for r in new:
                 self._requests[r.request_id] = r
                 self._streams[r.request_id] = stream
-            self._inbox.extend(new)
+            self._inbox.extend(r for r in new if r.params.guided is None)
+            for r in guided:
+                r.status = Status.COMPILING
+            self._compiling.update(guided)
             self._cv.notify_all()
+        for r in guided:  # a cached grammar calls back at once, on this thread
+            assert grammars is not None and r.params.guided is not None
+            grammars.compile(r.params.guided).add_done_callback(
+                functools.partial(self._grammar_ready, r)
+            )
         return stream
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.tokenizer is None:
+            raise ValueError("guided decoding needs the model's tokenizer, and this model has none")
+        with self._cv:
+            if self._grammars is None:
+                hf = self.tokenizer.hf_tokenizer
+                vocab = self.model_config.vocab_size
+                self._grammars = GrammarCompiler(hf, vocab, self.eos_token_ids)
+            return self._grammars
+
+    def _grammar_ready(self, request: Request, compiled: Future[CompiledGrammar]) -> None:
+        """A compile thread's callback: the request joins the inbox, with its grammar or the
+        reason it has none (it then fails at the next step)."""
+        try:
+            request.grammar = compiled.result().state()
+        except Exception as exc:
+            request.error = f"the grammar did not compile: {exc}"
+        with self._cv:
+            self._compiling.discard(request)
+            self._inbox.append(request)
+            self._cv.notify_all()
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the request's pages are free after the next step."""
@@ -149,12 +186,18 @@ class Engine:
     # -- stepping ------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
+        return bool(self._compiling) or self._has_steps
+
+    @property
+    def _has_steps(self) -> bool:
+        """Work a step can do now (requests whose grammar compiles are not that)."""
         return bool(
             self._inbox or self._aborts or self.scheduler.has_work or self._inflight is not None
         )
 
     def step(self) -> list[RequestDelta]:
         """One engine iteration; returns (and publishes) every delta it produced."""
+        self._await_grammars()
         started = time.perf_counter()
         deltas = self._drain()
         if self.config.advanced.overlap:
@@ -302,15 +345,30 @@ class Engine:
             deltas.append(self._finish(request, "length"))
         return tasks or None
 
+    def _await_grammars(self) -> None:
+        """While the only work is requests whose grammars compile, wait (at most a second, so
+        the stats stay fresh and no compile looks like a stalled step) instead of spinning."""
+        if not self._compiling:  # the usual case, without the lock (a set's size is atomic)
+            return
+        with self._cv:
+            if self._compiling and not self._has_steps:
+                self._cv.wait_for(lambda: self._stopped or self._has_steps, timeout=1.0)
+
     def _drain(self) -> list[RequestDelta]:
         """New requests into the scheduler; aborted ones finished (their pages freed)."""
         with self._cv:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+        deltas = []
         for r in inbox:
+            if r.status is Status.FINISHED:  # aborted while its grammar compiled
+                continue
+            if r.params.guided is not None and r.grammar is None:
+                deltas.append(self._finish(r, "error", r.error))
+                continue
+            r.status = Status.WAITING
             self.scheduler.add(r)
             self._num_penalized += r.params.has_penalties
-        deltas = []
         for rid in aborts:
             request = self._requests.get(rid)
             if request is not None and request.status is not Status.FINISHED:
@@ -346,6 +404,10 @@ class Engine:
                 self.observer.prompt_tokens += len(request.prompt_ids)
             if lp is not None:
                 request.logprobs = (request.logprobs or []) + [lp]
+            grammar = request.grammar
+            if grammar is not None and grammar.error is not None:
+                deltas.append(self._finish(request, "error", grammar.error, [token], lp))
+                continue
             reason = self._stop_reason(request, token)
             if reason is None:
                 deltas.append(self._delta(request, [token], lp))
@@ -373,7 +435,7 @@ class Engine:
         new_tokens: list[int] | None = None,
         lp=None,
     ) -> RequestDelta:
-        if request.status is not Status.FINISHED:
+        if request.status in (Status.WAITING, Status.RUNNING):  # in the scheduler
             self.scheduler.remove(request)
             self._num_penalized -= request.params.has_penalties
         request.status, request.finish_reason, request.error = Status.FINISHED, reason, error
@@ -443,6 +505,8 @@ class Engine:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self._grammars is not None:
+            self._grammars.shutdown()
 
     def _loop(self) -> None:
         while True:
@@ -483,7 +547,7 @@ class Engine:
         """The last step's snapshot, with the request counts read live: a step that hangs
         must not make a busy replica look idle (a `len` is atomic; the rest needs the step)."""
         with self._cv:
-            pending = len(self._inbox)
+            pending = len(self._inbox) + len(self._compiling)
         alive = self._thread is not None and self._thread.is_alive()
         sched = self.scheduler
         return dataclasses.replace(

@@ -18,14 +18,15 @@ from worker.attention import BACKENDS
 from worker.attention.cuda import CudaBackend
 from worker.batch import ForwardBatch
 from worker.config import EngineConfig
+from worker.grammar import GrammarState, MaskBuilder
 from worker.graphs import DecodeGraphRunner, PromptGraphRunner
 from worker.kv_sizing import build_cache
 from worker.model.config import ModelConfig
 from worker.model.loader import load_model
 from worker.model.ops import OPS
 from worker.outputs import TokenLogprobs
-from worker.request import ScheduledTask
-from worker.sampling import SamplerOutput, SamplingBatchInfo, sample
+from worker.request import PENDING, ScheduledTask
+from worker.sampling import SamplerOutput, SamplingBatchInfo, TokenMask, sample
 from worker.workspace import InferenceWorkspace
 
 log = logging.getLogger("kvray.executor")
@@ -124,6 +125,8 @@ class Executor:
         self._started = [torch.cuda.Event(enable_timing=True) if timed else None for _ in range(2)]
         self._done = [torch.cuda.Event(enable_timing=timed) if cuda else None for _ in range(2)]
         self._flip = 0
+        self._previous: PendingStep | None = None  # the last step launched
+        self._masks: MaskBuilder | None = None  # built at the first step with a grammar
         self.graphs: DecodeGraphRunner | None = None
         self.prompt_graphs: PromptGraphRunner | None = None
         if config.advanced.cuda_graphs and self.backend.supports_graph:
@@ -195,6 +198,7 @@ class Executor:
         """After a failed step: the next bind rebuilds all metadata and the sampling batch."""
         self.cache.invalidate_bind()
         self._sampling = None
+        self._previous = None
 
     def _launch(
         self, tasks: list[ScheduledTask], carried: Sequence[tuple[int, int]]
@@ -213,22 +217,20 @@ class Executor:
         rows = [i for i, t in enumerate(tasks) if t.samples]
         if not rows:
             self._sampling = None
-            return PendingStep(tasks, rows)
+            self._previous = PendingStep(tasks, rows)
+            return self._previous
         if len(rows) < len(tasks):
             assert batch.sample_rows is not None and len(batch.sample_rows) == len(rows)
             logits = logits.index_select(0, batch.sample_rows)
         info = self._sampling_info(tasks, rows, batch.steady is not None)
+        # the host fills the grammars' masks while the device runs the forward queued above
+        mask = self._grammar_mask(tasks, rows, info) if info.grammar_rows else None
         next_ids = ws.next_token_ids[: len(rows)]
         sampled = None
-        if (
-            info.all_greedy
-            and info.penalties is None
-            and info.min_tokens is None
-            and info.max_logprobs is None
-        ):
-            torch.argmax(logits, dim=-1, out=next_ids)  # plain greedy: no sampler, no allocation
+        if info.plain_greedy:  # no sampler, and no allocation without a grammar
+            torch.argmax(logits if mask is None else mask.apply(logits), dim=-1, out=next_ids)
         else:
-            out = sample(logits, info)
+            out = sample(logits, info, mask)
             info.record(out.token_ids)
             next_ids.copy_(out.token_ids)
             sampled = out if info.max_logprobs is not None else None
@@ -240,7 +242,42 @@ class Executor:
         done = self._done[slot]
         if done is not None:
             done.record()
-        return PendingStep(tasks, rows, self._host_ids[slot], done, sampled, started=started)
+        pending = PendingStep(tasks, rows, self._host_ids[slot], done, sampled, started=started)
+        self._previous = pending
+        return pending
+
+    def _grammar_mask(
+        self, tasks: list[ScheduledTask], rows: list[int], info: SamplingBatchInfo
+    ) -> TokenMask:
+        """This step's masks of the rows with a grammar, each grammar first brought up to date
+        with its request's output. A token the step in flight sampled is not on the host yet
+        (PENDING, overlapped scheduling): it is read from that step's copy, which the device
+        finishes before the forward just queued."""
+        if self._masks is None:
+            vocab, rows_max = self.model_config.vocab_size, self.config.max_running
+            self._masks = MaskBuilder(vocab, rows_max, self.device)
+        states: list[GrammarState] = []
+        pending: dict[int, int] | None = None
+        for row in info.grammar_rows:
+            request = tasks[rows[row]].request
+            state = request.grammar
+            assert state is not None, "a constrained request reached a step before its grammar"
+            new = request.output_ids[state.consumed :]
+            if new and new[-1] == PENDING:
+                pending = pending if pending is not None else self._previous_ids()
+                new[-1] = pending[id(request)]
+            state.consume(new)
+            states.append(state)
+        return self._masks.build(states, info.grammar_rows, len(rows))
+
+    def _previous_ids(self) -> dict[int, int]:
+        """The sampled ids of the step launched before this one, by id() of their request."""
+        prev = self._previous
+        assert prev is not None and prev.host_ids is not None
+        if prev.done is not None:
+            prev.done.synchronize()
+        ids = prev.host_ids[: len(prev.rows)].tolist()
+        return {id(prev.tasks[i].request): ids[j] for j, i in enumerate(prev.rows)}
 
     def _sampling_info(
         self, tasks: list[ScheduledTask], rows: list[int], steady: bool

@@ -5,14 +5,22 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from worker.outputs import FinishReason, TokenLogprobs
 from worker.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from worker.grammar import GrammarState
+
+# an output token still on the device: sampled by a step whose results are not read yet
+PENDING = -1
+
 
 class Status(enum.Enum):
+    COMPILING = "compiling"  # its grammar is compiling: not yet in the scheduler
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -40,6 +48,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    grammar: GrammarState | None = None  # set once its grammar (params.guided) is compiled
 
     @property
     def num_tokens(self) -> int:

@@ -2,6 +2,8 @@
 
 The engine builds a SamplingBatchInfo once per set of running requests (host data copied to
 the device in one go), calls `sample` every step and `SamplingBatchInfo.record` after it.
+Constrained requests (`SamplingParams.guided`) add a `TokenMask` of this step's grammar
+bits, built by worker/grammar.py; rows without a grammar are left as they are.
 Neither of those two touches the host: the engine's one copy of the sampled ids is the only
 sync of a step. Work a batch does not need (penalties, sorting, log-softmax, noise) is left
 out when the batch is built, by plain Python decisions on the host-side parameters.
@@ -16,7 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from worker.guided import GuidedDecoding
 
 MAX_LOGPROBS = 20
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed accepts
@@ -73,6 +77,9 @@ class SamplingParams(BaseModel):
     include_stop_str_in_output: bool = Field(
         False, description="keep the matched stop string in the text"
     )
+    guided: GuidedDecoding | None = Field(
+        None, description="constrain the output to a JSON schema, a regex or a grammar"
+    )
 
     @field_validator("seed")
     @classmethod
@@ -102,6 +109,13 @@ class SamplingParams(BaseModel):
         if any(i < 0 for i in ids):
             raise ValueError("stop token ids must be >= 0")
         return ids
+
+    @model_validator(mode="after")
+    def _guided_without_min_tokens(self) -> SamplingParams:
+        # a finished grammar allows only EOS, which min_tokens would forbid
+        if self.guided is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with guided decoding")
+        return self
 
     @property
     def greedy(self) -> bool:
@@ -236,6 +250,7 @@ class SamplingBatchInfo:
     any_unseeded: bool  # some sampling row draws from default_generator
     default_generator: torch.Generator | None  # None = torch's default generator of the device
     max_logprobs: int | None  # most top alternatives asked for; None = nobody wants logprobs
+    grammar_rows: tuple[int, ...] = ()  # rows with a grammar: each step brings their TokenMask
 
     @classmethod
     def build(
@@ -279,6 +294,17 @@ class SamplingBatchInfo:
             any_unseeded=any(s and g is None for s, g in zip(sampling, generators, strict=True)),
             default_generator=default_generator,
             max_logprobs=min(max(logprobs), vocab_size) if logprobs else None,
+            grammar_rows=tuple(i for i, p in enumerate(params) if p.guided is not None),
+        )
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row takes the argmax of its (masked) logits and nothing else is asked."""
+        return (
+            self.all_greedy
+            and self.penalties is None
+            and self.min_tokens is None
+            and self.max_logprobs is None
         )
 
     def record(self, token_ids: torch.Tensor) -> None:
@@ -418,26 +444,52 @@ def _build_top_k(
     return _TopK(ints[:, 0:1], ints[:, 1:2], ints[:, 2:3].bool(), max_k, ranks)
 
 
-def penalized_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """`logits` after penalties and min_tokens: what greedy rows take the argmax of.
+@dataclass(eq=False)
+class TokenMask:
+    """One step's grammar masks, on the device: bit t of `bitmask[k]` allows token t in batch
+    row `rows[k]` (`rows` None: row k itself, every row constrained)."""
 
-    Returns `logits` itself (as float32) when the batch has neither; never modifies it.
+    bitmask: torch.Tensor  # [K, ceil(V / 32)] int32
+    rows: torch.Tensor | None  # [K] int64 batch rows, or None
+    bits: torch.Tensor  # [32] int32: 1 << b
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` ([B, V]) with the tokens the grammars forbid at -inf, as a new tensor."""
+        k, vocab = self.bitmask.shape[0], x.shape[1]
+        blocked = (self.bitmask.unsqueeze(-1) & self.bits).eq(0).view(k, -1)[:, :vocab]
+        if self.rows is None:
+            return x.masked_fill(blocked, _NEG_INF)
+        masked = x.index_select(0, self.rows).masked_fill_(blocked, _NEG_INF)
+        return x.index_copy(0, self.rows, masked)
+
+
+def penalized_logits(
+    logits: torch.Tensor, info: SamplingBatchInfo, mask: TokenMask | None = None
+) -> torch.Tensor:
+    """`logits` after penalties, min_tokens and the grammars' mask: what greedy rows take
+    the argmax of.
+
+    Returns `logits` itself (as float32) when the batch has none of them; never modifies it.
     """
     if logits.shape != (info.batch_size, info.vocab_size):
         shape = tuple(logits.shape)
         raise ValueError(f"logits {shape} do not match batch {info.batch_size} x {info.vocab_size}")
     x = logits.float()
     x = x if info.penalties is None else info.penalties.apply(x)
-    return x if info.min_tokens is None else info.min_tokens.apply(x)
+    x = x if info.min_tokens is None else info.min_tokens.apply(x)
+    return x if mask is None else mask.apply(x)
 
 
-def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor, info: SamplingBatchInfo, mask: TokenMask | None = None
+) -> SamplerOutput:
     """Pick one token per row of `logits` ([B, V], row i = request i); no host sync.
 
-    Order: penalties, min_tokens, temperature, top-k, top-p, min-p, then a draw. Greedy
-    rows take the argmax after penalties and min_tokens. `logits` is left unmodified.
+    Order: penalties, min_tokens, the grammars' mask, temperature, top-k, top-p, min-p,
+    then a draw. Greedy rows take the argmax after the first three. `logits` is left
+    unmodified, and logprobs are the model's own (before any of this).
     """
-    x = penalized_logits(logits, info)
+    x = penalized_logits(logits, info, mask)
     ids = x.argmax(dim=-1) if info.all_greedy else _sample_rows(x, info)
     return _with_logprobs(logits.float(), ids, info)
 

@@ -52,25 +52,42 @@ class Tokenizer:
             log.warning("no EOS token id in %s: generations end only at max_tokens or stop", path)
         return cls(hf, eos)
 
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer underneath (the grammar compiler reads its vocabulary)."""
+        return self._hf
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
 
+    @property
+    def template_takes_tools(self) -> bool:
+        """Does the chat template render a `tools` list (and calls in the history)?"""
+        template = self._hf.chat_template
+        return isinstance(template, str) and "tools" in template
+
     def chat_prompt_text(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render messages with the model's chat template."""
+        """Render messages (and `tools`, OpenAI's tool dicts) with the model's chat template."""
         if not self._hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use a plain prompt")
         text = self._hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
         return str(text)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat; the template itself places any BOS, so none is added."""
-        text = self.chat_prompt_text(messages, add_generation_prompt)
+        text = self.chat_prompt_text(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from worker.guided import check_guided
 from worker.sampling import SamplingParams
 
 MAX_REQUEST_ID_CHARS = 256
@@ -76,7 +77,8 @@ def check_context(
 
 def check_request(request: EngineRequest, vocab_size: int, max_seq_len: int) -> None:
     """Everything the engine relies on: an id, a prompt of the vocabulary that fits the
-    context with its `max_tokens`, and sampling parameters that passed their own checks."""
+    context with its `max_tokens`, sampling parameters that passed their own checks, and a
+    grammar (if any) that compiles."""
     rid = request.request_id
     if type(rid) is not str or not 0 < len(rid) <= MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(
@@ -89,3 +91,8 @@ def check_request(request: EngineRequest, vocab_size: int, max_seq_len: int) -> 
         raise InvalidRequest("the prompt is a list of token ids", param="prompt")
     check_prompt_ids(request.prompt_token_ids, vocab_size)
     check_context(len(request.prompt_token_ids), request.params.max_tokens, max_seq_len)
+    if request.params.guided is not None:
+        try:
+            check_guided(request.params.guided)
+        except ValueError as exc:
+            raise InvalidRequest(f"invalid guided decoding: {exc}", param="guided") from None

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from benchmarks.offline import CpuWatch, add_arguments, engine_options, make_workload, run
+from benchmarks.offline import CpuWatch, _params, add_arguments, engine_options, make_workload, run
 from worker.model.config import ModelConfig
 from worker.model.loader import weight_files
 from worker.model.random_model import (
@@ -281,3 +281,12 @@ def test_compare_bf16_runs_the_unquantized_cache_on_the_same_work(tmp_path):
     assert 0 <= unquantized["agreement"]["matching_prefix_share"] <= 1
     with pytest.raises(ValueError, match="compare-bf16"):
         run(_args(*argv[:-3], "--compare-bf16"))
+
+
+def test_the_constrained_share_is_spread_over_the_workload() -> None:
+    workload = make_workload(8, IN_RANGE, OUT_RANGE, 512, 0)
+    flags = [p.guided is not None for p in _params(workload, 0.0, 0.5)]
+    assert flags == [False, True] * 4
+    assert not any(p.guided for p in _params(workload, 0.0, 0.0))
+    assert all(p.guided and p.ignore_eos for p in _params(workload, 0.0, 1.0))
+    assert [p.max_tokens for p in _params(workload, 0.0, 0.5)] == workload.output_lens

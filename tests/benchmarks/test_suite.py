@@ -23,8 +23,16 @@ def test_every_benchmark_answers_help(name: str, capsys: pytest.CaptureFixture[s
     assert callable(module.add_arguments) and callable(module.run)
 
 
-def test_the_suite_is_the_six_lasting_benchmarks() -> None:
-    assert sorted(BENCH_MODULES) == ["cluster", "kernels", "offline", "serve", "soak", "step"]
+def test_the_suite_is_the_seven_lasting_benchmarks() -> None:
+    assert sorted(BENCH_MODULES) == [
+        "cluster",
+        "grammar",
+        "kernels",
+        "offline",
+        "serve",
+        "soak",
+        "step",
+    ]
 
 
 def test_shared_prompt_requests_open_with_one_of_the_groups_system_prompts() -> None:

@@ -508,7 +508,7 @@ def streaming(b: _Builder) -> None:
         ("n-too-big", b.chat(n=b.t.max_n + 1), 400, "n"),
         ("context", b.chat(messages=[{"role": "user", "content": over}]), 400, "messages"),
         ("max_tokens-over-context", b.chat(max_tokens=b.t.max_seq_len), 400, "max_tokens"),
-        ("tools", b.chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+        ("guided-bad-regex", b.chat(guided_regex="(("), 400, "guided_regex"),
         ("stream-options-bad", b.chat(stream_options={"include_usage": 1}), 400, ANY),
     ]:
         b.add(name, {**body, "stream": True}, status, param)
@@ -565,33 +565,111 @@ def roles(b: _Builder) -> None:
 
 
 def unsupported(b: _Builder) -> None:
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    function = {"name": "f", "parameters": {"type": "object"}}
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     for name, value in {
-        "tools": [tool],
-        "functions": [tool["function"]],
-        "tool_choice": "auto",
+        "functions": [function],
         "function_call": "auto",
         "logit_bias": {"50256": -100},
-        "response_format": {"type": "json_object"},
     }.items():
         b.add(name, b.chat(**{name: value}), param=name)
-    b.add(
-        "tool_choice-object",
-        b.chat(tool_choice={"type": "function", "function": {"name": "f"}}),
-        param="tool_choice",
-    )
-    b.add(
-        "response_format-json_schema",
-        b.chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
-        param="response_format",
-    )
-    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [call]}]
-    b.add("history-tool_calls", b.chat(messages=history), param="messages.1.tool_calls")
     legacy = [{"role": "assistant", "content": None, "function_call": call["function"]}]
     b.add("history-function_call", b.chat(messages=legacy), param="messages.0.function_call")
     for name, value in {"echo": True, "suffix": "x", "best_of": 3, "logit_bias": {"1": 5}}.items():
         b.add(f"completion-{name}", b.completion(**{name: value}), param=name, path=COMPLETIONS)
+
+
+def structured_output(b: _Builder) -> None:
+    """Schemas, regexes, grammars and tool choices that no engine could follow."""
+
+    def schema_format(schema: Any, name: str = "x") -> dict[str, Any]:
+        return {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+
+    fmt = "response_format"
+    schema = "response_format.json_schema.schema"
+    for name, value, param in [
+        ("format-type-bogus", {"type": "xml"}, "response_format.type"),
+        ("format-no-type", {}, "response_format.type"),
+        ("format-no-json_schema", {"type": "json_schema"}, "response_format.json_schema"),
+        ("format-no-schema", {"type": "json_schema", "json_schema": {"name": "x"}}, schema),
+        ("format-schema-number", schema_format(5), schema),
+        ("format-bad-type", schema_format({"type": "strin"}), schema),
+        ("format-unsupported-keyword", schema_format({"uniqueItems": True}), schema),
+        (
+            "format-unsatisfiable",
+            schema_format({"type": "integer", "minimum": 2, "maximum": 1}),
+            schema,
+        ),
+        ("format-bad-pattern", schema_format({"type": "string", "pattern": "(("}), schema),
+        ("format-dangling-ref", schema_format({"$ref": "#/$defs/nope"}), schema),
+        (
+            "format-bad-name",
+            schema_format({}, name="has space"),
+            "response_format.json_schema.name",
+        ),
+    ]:
+        b.add(name, b.chat(**{fmt: value}), param=param)
+    b.add(
+        "completion-format-bad-type",
+        b.completion(**{fmt: schema_format({"type": 1})}),
+        param=schema,
+        path=COMPLETIONS,
+    )
+    b.add("guided_regex-unclosed", b.chat(guided_regex="(("), param="guided_regex")
+    b.add("guided_grammar-unclosed", b.chat(guided_grammar="root ::= ("), param="guided_grammar")
+    b.add("guided_json-not-json", b.chat(guided_json="{nope"), param="guided_json")
+    b.add("guided_regex-number", b.chat(guided_regex=5), param="guided_regex")
+    b.add(
+        "two-guided-fields",
+        b.chat(response_format={"type": "json_object"}, guided_regex="a+"),
+        param="guided_regex",
+    )
+    b.add(
+        "guided-with-min_tokens",
+        b.chat(guided_regex="a+", min_tokens=1),
+        param="min_tokens",
+    )
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    b.add("tool_choice-without-tools", b.chat(tool_choice="required"), param="tool_choice")
+    b.add("tool_choice-bogus", b.chat(tools=[tool], tool_choice="always"), param="tool_choice")
+    b.add(
+        "tool_choice-unknown-function",
+        b.chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "g"}}),
+        param="tool_choice.function.name",
+    )
+    b.add(
+        "tool_choice-no-name",
+        b.chat(tools=[tool], tool_choice={"type": "function", "function": {}}),
+        param="tool_choice.function.name",
+    )
+    bad_params = {"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}
+    b.add("tool-bad-parameters", b.chat(tools=[bad_params]), param="tools.0.function.parameters")
+    b.add(
+        "tool-bad-name",
+        b.chat(tools=[{"type": "function", "function": {"name": "a b"}}]),
+        param="tools.0.function.name",
+    )
+    b.add("tool-no-function", b.chat(tools=[{"type": "function"}]), param="tools.0.function")
+    b.add(
+        "tool-and-format-required",
+        b.chat(tools=[tool], tool_choice="required", response_format={"type": "json_object"}),
+        param="response_format",
+    )
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]},
+    ]
+    b.add(
+        "history-call-no-function",
+        b.chat(messages=history),
+        param="messages.1.tool_calls.0.function",
+    )
+    history[1] = {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f"}}]}
+    b.add(
+        "history-call-no-arguments",
+        b.chat(messages=history),
+        param="messages.1.tool_calls.0.function.arguments",
+    )
 
 
 def content_types(b: _Builder) -> None:
@@ -805,6 +883,7 @@ FAMILIES: list[Callable[[_Builder], None]] = [
     streaming,
     roles,
     unsupported,
+    structured_output,
     content_types,
     methods,
     unknown_paths,

@@ -52,7 +52,10 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
         ({"messages": None}, "messages"),
         ({"stop": [""]}, "stop"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}},
+            "response_format.json_schema.schema",
+        ),
     ],
 )
 def test_invalid_fields_are_400_naming_the_field(

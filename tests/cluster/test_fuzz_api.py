@@ -69,7 +69,14 @@ def narrowed(spec: dict[str, Any], model: str) -> dict[str, Any]:
         props["stop"]["anyOf"][1]["maxItems"] = 4
         props["stop_token_ids"]["anyOf"][0]["maxItems"] = 4
         body["required"] = sorted({*body.get("required", []), "max_tokens"})
-        body["additionalProperties"] = False  # extra fields are refused tools, logit_bias, ...
+        body["additionalProperties"] = False  # extra fields are refused functions, logit_bias, ...
+        # a schema, regex or grammar valid JSON may still not compile (400): test_structured
+        for name in ("guided_json", "guided_regex", "guided_grammar", "tools", "tool_choice"):
+            props.pop(name, None)
+        formats = ("TextFormat", "JsonObjectFormat")
+        props["response_format"] = {
+            "anyOf": [{"$ref": f"#/components/schemas/{f}"} for f in formats] + [{"type": "null"}]
+        }
     chat = schemas["ChatCompletionRequest"]["properties"]
     chat["max_completion_tokens"] = {"type": "integer", "minimum": 1, "maximum": 4}
     chat["messages"]["maxItems"] = 2

@@ -255,10 +255,12 @@ def test_union_errors_name_the_closest_member() -> None:
     assert error_of(CompletionRequest, {"model": "demo", "prompt": [[[1]]]}).param == "prompt.0.0"
 
 
-def test_tool_calls_in_the_history_are_refused() -> None:
+def test_legacy_function_calls_are_refused_and_tool_calls_accepted() -> None:
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     req = chat(messages=[*MESSAGES, {"role": "assistant", "tool_calls": [call]}])
-    assert req.refused_field() == "messages.1.tool_calls"
+    assert req.refused_field() is None
+    legacy = [*MESSAGES, {"role": "assistant", "function_call": call["function"]}]
+    assert chat(messages=legacy).refused_field() == "messages.1.function_call"
     assert chat(function_call="auto").refused_field() == "function_call"
     assert (
         chat(messages=[{"role": "assistant", "content": "x", "tool_calls": []}]).refused_field()

@@ -52,8 +52,8 @@ def test_completion_prompts_take_every_openai_shape() -> None:
 def test_unsupported_features_are_named() -> None:
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     assert (
-        ChatCompletionRequest.model_validate({**base, "tool_choice": "auto"}).refused_field()
-        == "tool_choice"
+        ChatCompletionRequest.model_validate({**base, "functions": [{"name": "f"}]}).refused_field()
+        == "functions"
     )
     assert (
         ChatCompletionRequest.model_validate(
@@ -90,9 +90,24 @@ def test_each_role_is_validated_by_its_own_schema_naming_the_field(
     assert from_validation(caught.value).param == param
 
 
-def test_an_assistant_turn_may_be_empty_and_its_tool_calls_are_named_as_refused() -> None:
+def test_an_assistant_turn_may_be_empty_and_its_tool_calls_reach_the_template() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant"}]}
     req = ChatCompletionRequest.model_validate(body)
     assert req.template_messages()[1] == {"role": "assistant", "content": ""}
-    body["messages"][1] = {"role": "assistant", "tool_calls": [{"id": "c1"}]}
-    assert ChatCompletionRequest.model_validate(body).refused_field() == "messages.1.tool_calls"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    body["messages"][1] = {"role": "assistant", "content": None, "tool_calls": [call]}
+    body["messages"].append({"role": "tool", "content": "42", "tool_call_id": "c1"})
+    req = ChatCompletionRequest.model_validate(body)
+    assert req.refused_field() is None
+    assistant, tool = req.template_messages()[1:]
+    assert assistant["tool_calls"] == [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+    ]
+    assert tool == {"role": "tool", "content": "42", "tool_call_id": "c1"}
+    plain = req.template_messages(with_tools=False)[1]  # for a template without tools
+    assert plain == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
+    }
+    body["messages"][1] = {"role": "assistant", "function_call": call["function"]}
+    assert ChatCompletionRequest.model_validate(body).refused_field() == "messages.1.function_call"

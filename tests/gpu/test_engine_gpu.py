@@ -5,15 +5,19 @@ with transformers in bf16."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.schema_corpus import ENDLESS
 from tests.factories.tiny_models import random_prompts
 from worker import LLM, SamplingParams
 from worker.config import EngineConfig
 from worker.engine import Engine, EngineRequest
 from worker.graphs import graph_buckets, prompt_graph_buckets
+from worker.guided import GuidedDecoding
 from worker.model.random_model import get_shape, hf_config
 from worker.request import Request, ScheduledTask
 
@@ -537,3 +541,55 @@ def test_fp8_cuda_backend_matches_the_torch_backend(shape_dir, prompt_graph_toke
     for ours, ref in pairs:
         assert ours.shape == ref.shape
         assert (ours - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+
+
+def _tokenizer_source() -> Path | None:
+    """The demo tokenizer: .tok/ (scripts/prepare-wheels carries it here) or the demo model."""
+    carried = Path(__file__).resolve().parents[2] / ".tok"
+    if (carried / "tokenizer.json").is_file():
+        return carried
+    try:
+        from worker.model.demo import resolve_model_path
+
+        return resolve_model_path("demo")
+    except Exception:
+        return None
+
+
+def test_constrained_rows_keep_to_their_grammar_with_graphs_and_overlap(shape_dir, tmp_path):
+    """Grammar masks beside free rows: the same tokens with graphs and overlap (the default),
+    graphs stepping in turn, and eagerly; the constrained ones spell their JSON."""
+    source = _tokenizer_source()
+    if source is None:
+        pytest.skip("no demo tokenizer here (.tok/ from scripts/prepare-wheels)")
+    shutil.copy(shape_dir / "config.json", tmp_path / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, tmp_path / name)
+    guided = GuidedDecoding.from_schema(ENDLESS)
+    prompts = random_prompts([5 + (11 * i) % 70 for i in range(8)], vocab=49152, seed=5)
+
+    def run(engine: Engine) -> list[list[int]]:
+        free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        params = [free.model_copy(update={"guided": guided if i % 2 else None}) for i in range(8)]
+        requests = [EngineRequest(f"c{i}", p, params[i]) for i, p in enumerate(prompts)]
+        stream = engine.submit(requests)
+        out: dict[str, list[int]] = {}
+        while not stream.finished:
+            engine.step()
+        for frame in stream.poll():
+            for d in frame:
+                out.setdefault(d.request_id, []).extend(d.new_token_ids)
+        engine.shutdown()
+        return [out[r.request_id] for r in requests]
+
+    default = _engine(tmp_path)
+    got = run(default)
+    assert default.num_overlapped_steps > 20
+    assert got == run(_engine(tmp_path, overlap=False))
+    assert got == run(_engine(tmp_path, overlap=False, cuda_graphs=False))
+    tokenizer = default.tokenizer
+    assert tokenizer is not None
+    for i, tokens in enumerate(got):
+        text = tokenizer.decode(tokens)
+        assert len(tokens) == 40
+        assert text.startswith('[{"id": ') == bool(i % 2), text

@@ -1,0 +1,187 @@
+"""Constrained decoding: compiled grammars (off the engine thread, cached by spec) and the
+per-step token bitmasks the sampler applies on the device.
+
+- `GrammarCompiler` compiles a `GuidedDecoding` into an llguidance matcher for one
+  tokenizer, in a small thread pool, and keeps the result (or its error) per spec, most
+  recently used first. `compile` returns a Future at once: the engine holds a request
+  back until its grammar is ready, and never waits for one on its loop thread.
+- `GrammarState` is one request's matcher (a copy of the compiled one) and how many of its
+  output tokens it has consumed.
+- `MaskBuilder` fills, each step, one row of bits per constrained request into pinned host
+  memory and copies the rows to the device in one copy, as a `worker.sampling.TokenMask`.
+  The executor calls it after the step's forward is queued, so on CUDA the host work
+  overlaps the device's, and there the rows are filled in parallel (llguidance's thread
+  pool, without the GIL). On CPU they are filled one by one: the cores that would fill
+  them in parallel are the forward's.
+
+llguidance builds a grammar's lexer lazily, during the first masks rather than at compile
+time; copies of one compiled matcher share what it has built.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from worker.guided import GuidedDecoding
+from worker.sampling import TokenMask
+
+log = logging.getLogger("kvray.grammar")
+
+COMPILE_THREADS = 2
+CACHE_SIZE = 256  # compiled grammars kept per engine
+
+
+class GrammarError(ValueError):
+    """A spec that passed the check but that the tokenizer-bound compile refused."""
+
+
+class CompiledGrammar:
+    """A spec's matcher in its initial state; every request starts from a copy of it."""
+
+    def __init__(self, matcher: Any, seconds: float):
+        self._matcher = matcher
+        self.seconds = seconds  # what compiling it took
+
+    def state(self) -> GrammarState:
+        return GrammarState(self._matcher.deep_copy())
+
+
+class GrammarState:
+    """One request's place in its grammar: it has consumed `consumed` output tokens."""
+
+    def __init__(self, matcher: Any):
+        self.matcher = matcher
+        self.consumed = 0
+        self.error: str | None = None  # set when a token was refused: the request fails
+
+    def consume(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            self.consumed += 1
+            if self.error is None and not self.matcher.consume_token(token):
+                self.error = self.matcher.get_error() or f"the grammar refused token {token}"
+
+    @property
+    def done(self) -> bool:
+        """The grammar admits nothing but the end of the output."""
+        return bool(self.matcher.is_stopped())
+
+
+class GrammarCompiler:
+    """Compiles specs for one tokenizer; thread-safe. The tokenizer's llguidance tables are
+    built on first use (about a second for a 50k vocabulary), in the pool, not at start."""
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Iterable[int],
+        threads: int = COMPILE_THREADS,
+        capacity: int = CACHE_SIZE,
+    ):
+        self._hf, self.vocab_size = hf_tokenizer, vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._capacity = capacity
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvray-grammar")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()
+        self._tokenizer: Any = None
+        self._tokenizer_lock = threading.Lock()
+
+    def compile(self, guided: GuidedDecoding) -> Future[CompiledGrammar]:
+        """The compiled grammar of `guided`, cached or on its way (a failed compile raises
+        GrammarError from `result()`)."""
+        key = (guided.kind, guided.spec)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            future = self._pool.submit(self._compile, guided)
+            self._cache[key] = future
+            if len(self._cache) > self._capacity:
+                self._cache.popitem(last=False)
+        return future
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, guided: GuidedDecoding) -> CompiledGrammar:
+        import llguidance
+
+        tokenizer = self.tokenizer()
+        start = time.perf_counter()
+        matcher = llguidance.LLMatcher(tokenizer, guided.grammar_text(), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return CompiledGrammar(matcher, time.perf_counter() - start)
+
+    def tokenizer(self) -> Any:
+        """llguidance's view of the tokenizer, built once."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+
+                start = time.perf_counter()
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf, n_vocab=self.vocab_size, eos_token=self._eos
+                )
+                log.info("grammar tokenizer tables built in %.2fs", time.perf_counter() - start)
+            return self._tokenizer
+
+
+class MaskBuilder:
+    """Fixed buffers for the masks of up to `max_rows` constrained requests a step: two
+    pinned host buffers used in turn (a step's copy may still read the other one) and one
+    device buffer. Each holds the rows' bits, then their batch row indices, so one copy
+    moves both."""
+
+    def __init__(self, vocab_size: int, max_rows: int, device: torch.device):
+        import llguidance
+
+        self.vocab_size, self.width, self.max_rows = vocab_size, (vocab_size + 31) // 32, max_rows
+        size = max_rows * (self.width + 1)
+        pin = device.type == "cuda"
+        self._host = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._device = torch.zeros(size, dtype=torch.int32, device=device)
+        # bit b of an int32 word, as int32 (bit 31 is the sign bit)
+        bits = [1 << b for b in range(31)] + [-(1 << 31)]
+        self._bits = torch.tensor(bits, dtype=torch.int32, device=device)
+        self._executor = llguidance.LLExecutor() if device.type == "cuda" else None
+        self._turn = 0
+
+    def build(self, states: Sequence[GrammarState], rows: Sequence[int], batch: int) -> TokenMask:
+        """The mask of batch rows `rows` (in order), state k constraining row rows[k]."""
+        k, width = len(states), self.width
+        self._turn ^= 1
+        host = self._host[self._turn]
+        masks = host[: k * width].view(k, width)
+        self._fill(states, masks)
+        host[k * width : k * width + k] = torch.tensor(rows, dtype=torch.int32)
+        device = self._device[: k * width + k]
+        device.copy_(host[: k * width + k], non_blocking=True)
+        all_rows = k == batch  # rows are 0..k-1 in order: no gather needed
+        return TokenMask(
+            device[: k * width].view(k, width),
+            None if all_rows else device[k * width :].long(),
+            self._bits,
+        )
+
+    def _fill(self, states: Sequence[GrammarState], masks: torch.Tensor) -> None:
+        row_bytes, base = self.width * 4, masks.data_ptr()
+        if self._executor is not None and len(states) > 1:
+            pairs = [(s.matcher, k) for k, s in enumerate(states)]
+            self._executor.unsafe_compute_mask_ptr(pairs, base, row_bytes, len(states))
+        else:
+            for k, s in enumerate(states):
+                s.matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
+        for k, s in enumerate(states):
+            if s.error is not None:  # a failed request samples freely until it is ended
+                masks[k].fill_(-1)

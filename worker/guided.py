@@ -1,0 +1,105 @@
+"""What a constrained request's output must match: a JSON schema, any JSON object, a regular
+expression or a grammar (`GuidedDecoding`), and the check both the ingress and the worker
+run on it before anything is queued.
+
+The spec is plain text (a schema travels as its JSON), so it crosses the wire in a request's
+msgpack row as it is and is the key of the worker's cache of compiled grammars
+(worker/grammar.py). llguidance turns it into a grammar; the check compiles that grammar
+without a tokenizer, which catches what the engine would refuse (bad JSON, an unsupported
+keyword, an unsatisfiable schema, a regex or grammar that does not parse) in well under a
+millisecond for the usual schema, and remembers its answer per spec.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+GuidedKind = Literal["json_object", "json_schema", "regex", "grammar"]
+MAX_SPEC_CHARS = 262_144
+# Compact separators as json.dumps writes them, and no free whitespace: a small model that
+# may emit spaces or newlines at will can spend its whole budget on them.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GuidedDecoding(BaseModel):
+    """The output of a request must match this: `json_schema` (spec: the schema's JSON),
+    `json_object` (any JSON object; no spec), `regex` (the whole output matches it) or
+    `grammar` (Lark, or GBNF / EBNF as llama.cpp writes it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: GuidedKind
+    spec: str = Field("", max_length=MAX_SPEC_CHARS, description="schema JSON, regex or grammar")
+
+    @model_validator(mode="after")
+    def _spec_matches_kind(self) -> GuidedDecoding:
+        if self.kind == "json_object" and self.spec:
+            raise ValueError("json_object takes no spec")
+        if self.kind != "json_object" and not self.spec:
+            raise ValueError(f"a {self.kind} needs a spec")
+        return self
+
+    @classmethod
+    def from_schema(cls, schema: dict[str, Any] | str) -> GuidedDecoding:
+        """Output valid under this JSON schema (a dict, or its JSON text)."""
+        text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
+        return cls(kind="json_schema", spec=text)
+
+    @classmethod
+    def any_object(cls) -> GuidedDecoding:
+        return cls(kind="json_object")
+
+    @classmethod
+    def from_regex(cls, pattern: str) -> GuidedDecoding:
+        return cls(kind="regex", spec=pattern)
+
+    @classmethod
+    def from_grammar(cls, text: str) -> GuidedDecoding:
+        return cls(kind="grammar", spec=text)
+
+    def grammar_text(self) -> str:
+        """llguidance's grammar for this spec; ValueError when the spec cannot be read."""
+        from llguidance import LLMatcher, grammar_from
+
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.spec)
+        if self.kind == "grammar":
+            return grammar_from("grammar", self.spec)  # Lark, or GBNF converted to Lark
+        schema = '{"type": "object"}' if self.kind == "json_object" else self.spec
+        try:
+            parsed = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the schema is not JSON: {exc}") from None
+        if not isinstance(parsed, dict | bool):
+            raise ValueError("a JSON schema is an object (or true / false)")
+        if isinstance(parsed, bool):
+            schema = "{}" if parsed else '{"not": {}}'
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+
+
+_CACHED_SPEC_CHARS = 16_384  # longer specs are checked every time: the memo stays small
+
+
+def check_guided(guided: GuidedDecoding) -> None:
+    """Raise ValueError naming the problem when no engine could compile `guided`."""
+    check = _memo_error if len(guided.spec) <= _CACHED_SPEC_CHARS else _grammar_error
+    error = check(guided.kind, guided.spec)
+    if error:
+        raise ValueError(error)
+
+
+def _grammar_error(kind: GuidedKind, spec: str) -> str:
+    from llguidance import LLMatcher
+
+    try:
+        text = GuidedDecoding(kind=kind, spec=spec).grammar_text()
+    except ValueError as exc:
+        return str(exc)
+    return LLMatcher.validate_grammar(text).strip()
+
+
+_memo_error = functools.lru_cache(maxsize=512)(_grammar_error)
