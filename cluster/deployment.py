@@ -203,11 +203,13 @@ class WorkerDeployment:
         try:
             steps = self._engine.stats_snapshot.num_steps
             idle_since: float | None = None
+            spoke = time.monotonic()  # of the last frame or heartbeat
             while box.session == number:
                 wake.clear()
                 frames, finished = box.stream.drain()
                 if frames:
                     idle_since, steps = None, self._engine.stats_snapshot.num_steps
+                    spoke = time.monotonic()
                     yield encode_deltas(frames[0] if len(frames) == 1 else merge_steps(frames))
                     continue
                 if finished:  # nothing left: linger a moment for the ingress's next submit
@@ -222,11 +224,16 @@ class WorkerDeployment:
                 try:
                     await asyncio.wait_for(wake.wait(), wait_s)
                 except TimeoutError:
-                    # two steps on: the engine publishes a step's frames after its snapshot,
-                    # so only then has a whole step surely gone by with nothing of ours
+                    # Two steps on, a whole step surely went by with nothing of ours (the
+                    # engine publishes a step's frames after its snapshot). One step is
+                    # enough after two periods of silence: slow steps are not a stall.
                     now_steps = self._engine.stats_snapshot.num_steps
-                    if not finished and now_steps - steps >= 2:
-                        steps = now_steps
+                    silent_s = time.monotonic() - spoke
+                    moved = now_steps - steps
+                    if not finished and (
+                        moved >= 2 or (moved >= 1 and silent_s >= 2 * self._heartbeat_s)
+                    ):
+                        steps, spoke = now_steps, time.monotonic()
                         yield HEARTBEAT  # queued behind others: not a stalled worker
             ended = True  # replaced by a newer session
         finally:

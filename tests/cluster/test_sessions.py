@@ -241,6 +241,34 @@ def test_heartbeats_come_while_a_request_waits_and_not_while_its_frames_flow(mak
     assert tokens_by_request([d for f in frames for d in f]) == {"a0": 20}
 
 
+def test_a_request_behind_slow_steps_hears_from_its_worker_every_step(make_worker) -> None:
+    """Steps six heartbeat periods long are slow, not stalled: a waiting request gets a
+    heartbeat after each step, not only after every second one (the ingress's stall
+    timeout is four periods)."""
+    worker = make_worker(heartbeat_s=0.05, linger_s=0.2, fault_injection=True)
+    worker._faults.arm(steps=10_000, stall_s=0.3)
+
+    async def run() -> tuple[int, int]:
+        for prefix in ("b", "c"):  # 8 requests of another ingress fill every running slot
+            await submit(worker, payload(prefix, 4, max_tokens=6), "ing-other")
+        await submit(worker, payload("a", 1, max_tokens=2))
+        frames = worker.session(HERE, "ing-a")
+        await anext(frames)  # accept
+        start, heartbeats = worker._engine.stats_snapshot.num_steps, 0
+        async for frame in frames:
+            if decode_deltas(frame):
+                break
+            heartbeats += 1
+        waited = worker._engine.stats_snapshot.num_steps - start
+        async for _ in frames:
+            pass
+        return heartbeats, waited
+
+    heartbeats, waited = asyncio.run(run())
+    assert waited >= 6
+    assert heartbeats >= waited - 2, (heartbeats, waited)
+
+
 # -- what a worker takes from a caller that skipped the ingress ---------------------------
 
 
