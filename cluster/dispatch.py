@@ -15,7 +15,9 @@ replica and the next accepted submit opens a new one.
 Failures never hang a client: a refused submit, a replica that dies, a submit not
 accepted within `accept_timeout_s`, or a session silent for `stall_timeout_s` ends the
 groups concerned with a `CallError`. A submit that fails before it is accepted is sent once
-more (the router picks again). While the ingress drains (shutdown), `draining` is set and
+more (the router picks again). Nor does a client that left keep a request running: a
+request whose deltas still come `REABORT_S` after no stream wants them (an abort lost, or
+sent before its submit's duplicate was accepted) is aborted again. While the ingress drains (shutdown), `draining` is set and
 `num_open` counts the groups still being served.
 """
 
@@ -39,6 +41,8 @@ from worker.validation import EngineRequest
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# A request no stream wants that still steps this long after is aborted again.
+REABORT_S = 1.0
 ErrorKind = Literal["full", "invalid", "internal", "unavailable"]
 
 
@@ -104,6 +108,10 @@ class GroupStream:
             self._dispatcher.send_abort(self._accepted.result(), live)
         if not self._unfinished:
             self._queue.put_nowait(_END)
+
+    def wants(self, request_id: str) -> bool:
+        """Whether this stream still waits for deltas of `request_id`."""
+        return request_id in self._unfinished
 
     def close(self) -> None:
         """The client is gone or done: abort whatever is unfinished."""
@@ -218,6 +226,9 @@ class _Session:
         self.replica_id = replica_id
         self.request_ids: set[str] = set()  # accepted here, not yet finished on the worker
         self._task: asyncio.Task[None] | None = None
+        # requests still stepping that no stream wants (aborted, or their client left):
+        # when one was first seen so, or its abort last sent again
+        self._unwanted: dict[str, float] = {}
 
     def add(self, streams: list[GroupStream]) -> None:
         """Requests accepted by this replica (those whose last delta came already excepted:
@@ -250,6 +261,7 @@ class _Session:
             self._fail(CallError("unavailable", f"worker failed: {type(exc).__name__}: {exc}"))
         finally:
             self._task = None
+            self._unwanted.clear()
             self.dispatcher.session_ended(self)
 
     async def _read(self) -> bool:
@@ -305,8 +317,13 @@ class _Session:
     def _deliver(self, deltas: list[RequestDelta]) -> None:
         live = self.dispatcher.live
         per_stream: dict[GroupStream, list[RequestDelta]] = {}
+        unwanted: list[str] = []
         for delta in deltas:
             stream = live.get(delta.request_id)
+            if delta.finished:
+                self._unwanted.pop(delta.request_id, None)
+            elif stream is None or not stream.wants(delta.request_id):
+                unwanted.append(delta.request_id)
             if stream is None:
                 continue
             per_stream.setdefault(stream, []).append(delta)
@@ -317,6 +334,25 @@ class _Session:
         # own chunk, so a first token behind N streams under way would wait N writes.
         for stream, mine in sorted(per_stream.items(), key=lambda item: item[0].started):
             stream._on_deltas(mine)
+        if unwanted:
+            self._abort_again(unwanted)
+
+    def _abort_again(self, request_ids: list[str]) -> None:
+        """Abort again what still steps `REABORT_S` after no stream wanted it: its abort
+        was lost or raced its submit, and it would otherwise run to `max_tokens`."""
+        now, again = time.monotonic(), []
+        for rid in request_ids:
+            since = self._unwanted.setdefault(rid, now)
+            if now - since >= REABORT_S:
+                self._unwanted[rid] = now
+                again.append(rid)
+        if again:
+            log.warning(
+                "%d requests still ran on %s after their abort: aborting them again",
+                len(again),
+                self.replica_id,
+            )
+            self.dispatcher.send_abort(self.replica_id, again)
 
     def _fail(self, error: CallError) -> None:
         live = self.dispatcher.live

@@ -196,3 +196,42 @@ def test_draining_dispatcher_counts_open_requests_until_closed() -> None:
         return counts
 
     assert asyncio.run(run()) == [0, 1, 0]
+
+
+def test_a_request_still_stepping_after_its_abort_is_aborted_again(monkeypatch) -> None:
+    """An abort that never landed (lost, or raced its submit): the request's next frames
+    after REABORT_S send it again, once per period; a finished request is let go."""
+    import cluster.dispatch as dispatch
+
+    class NoHandle:
+        def options(self, **_: object) -> NoHandle:
+            return self
+
+    clock = [100.0]
+    monkeypatch.setattr(dispatch.time, "monotonic", lambda: clock[0])
+
+    async def scenario() -> list[list[str]]:
+        dispatcher = Dispatcher(NoHandle(), 0.0, 8, 60.0, 300.0)
+        sent: list[list[str]] = []
+        dispatcher.send_abort = lambda replica_id, ids: sent.append(ids)  # type: ignore[method-assign]
+        stream = GroupStream(dispatcher, group_of("a", "b"))
+        stream._on_accept("replica-1")
+        for rid in ("a", "b", "ghost"):
+            dispatcher.live[rid] = stream
+        del dispatcher.live["ghost"]  # a request nobody here waits on (a retried submit's twin)
+        session = dispatcher.session("replica-1")
+        stream.close()  # the client left: the first abort goes out from the stream
+        assert [sorted(ids) for ids in sent] == [["a", "b"]]
+        step = [RequestDelta(rid, [1]) for rid in ("a", "b", "ghost")]
+        session._deliver(step)  # in flight when the abort was sent: nothing again yet
+        clock[0] += 0.5
+        session._deliver(step)
+        clock[0] += 0.6
+        session._deliver(step)  # 1.1 s on: all three again
+        clock[0] += 0.5
+        session._deliver([RequestDelta("a", [], finish_reason="abort"), *step[1:]])
+        clock[0] += 0.6
+        session._deliver(step[1:])  # "a" finished; the others go again a period after
+        return sent[1:]
+
+    assert asyncio.run(scenario()) == [["a", "b", "ghost"], ["b", "ghost"]]
