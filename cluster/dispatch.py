@@ -84,7 +84,9 @@ class GroupStream:
 
     async def accepted(self) -> str:
         """Wait until a worker queued the requests; its replica id. Raises CallError."""
-        return await self._accepted
+        # shielded: a cancelled waiter (the client left) must not cancel the shared future,
+        # or `_on_accept` could no longer tell an accepted-then-closed group from a failed one
+        return await asyncio.shield(self._accepted)
 
     def __aiter__(self) -> AsyncIterator[list[RequestDelta]]:
         return self._frames()

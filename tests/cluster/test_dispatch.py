@@ -19,6 +19,7 @@ class RecordingDispatcher:
 
     def __init__(self) -> None:
         self.aborted: list[tuple[str, list[str]]] = []
+        self.open_streams: set[GroupStream] = set()
 
     def send_abort(self, replica_id: str, request_ids: list[str]) -> None:
         self.aborted.append((replica_id, request_ids))
@@ -235,3 +236,23 @@ def test_a_request_still_stepping_after_its_abort_is_aborted_again(monkeypatch) 
         return sent[1:]
 
     assert asyncio.run(scenario()) == [["a", "b", "ghost"], ["b", "ghost"]]
+
+
+def test_a_client_that_leaves_while_its_call_is_routed_gets_it_aborted_on_accept() -> None:
+    """The handler awaiting `accepted()` is cancelled: closing then must not raise, and the
+    accept that follows sends the abort."""
+
+    async def scenario() -> RecordingDispatcher:
+        dispatcher = RecordingDispatcher()
+        stream = GroupStream(dispatcher, group_of("a"))  # type: ignore[arg-type]
+        waiter = asyncio.ensure_future(stream.accepted())
+        await asyncio.sleep(0)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        stream.close()
+        assert dispatcher.aborted == []
+        stream._on_accept("replica-1")
+        return dispatcher
+
+    assert asyncio.run(scenario()).aborted == [("replica-1", ["a"])]
