@@ -16,10 +16,11 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from worker.model.base import CausalLM
 from worker.model.config import ModelConfig
 from worker.model.layers import MergedLinear, RotaryEmbedding
-from worker.model.llama import MODEL_CLASSES, LlamaForCausalLM
 from worker.model.ops import ModelOps
+from worker.model.registry import MODEL_CLASSES
 
 log = logging.getLogger("kvray.loader")
 
@@ -82,9 +83,7 @@ def _count_tensors(files: list[Path]) -> int:
     return total
 
 
-def _target(
-    model: LlamaForCausalLM, name: str
-) -> tuple[str, torch.nn.Parameter, tuple[int, int] | None]:
+def _target(model: CausalLM, name: str) -> tuple[str, torch.nn.Parameter, tuple[int, int] | None]:
     """The parameter (and its row range, for merged projections) an HF tensor name fills."""
     parts = name.split(".")
     shard = None
@@ -102,9 +101,7 @@ def _target(
     return name, params[name], shard
 
 
-def load_weights(
-    model: LlamaForCausalLM, path: Path, dtype: torch.dtype, device: torch.device
-) -> None:
+def load_weights(model: CausalLM, path: Path, dtype: torch.dtype, device: torch.device) -> None:
     files = weight_files(path)
     expected = {n: p.shape for n, p in model.named_parameters()}
     filled: dict[str, int] = {}  # parameter name -> rows filled
@@ -134,7 +131,7 @@ def load_weights(
             )
 
 
-def random_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
+def random_weights(model: CausalLM, seed: int = 0) -> None:
     """Small normal weights, unit norms: finite activations in bf16, for benchmarks of shape."""
     gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
@@ -153,7 +150,7 @@ def load_model(
     *,
     random: bool = False,
     ops: ModelOps | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Build the model for `path` on `device` in `dtype`, with RoPE tables for `max_len` positions.
 
     `ops` computes its norms, RoPE and SiLU·mul (default TorchOps, the torch op sequence).
@@ -164,7 +161,7 @@ def load_model(
     cfg = ModelConfig.from_dir(path)
     start = time.perf_counter()
     with torch.device("meta"):
-        model = MODEL_CLASSES[cfg.architecture](cfg, max_len=1, ops=ops)
+        model = MODEL_CLASSES[cfg.architecture](cfg, 1, ops)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.rotary = RotaryEmbedding(cfg, max_len).to(device)
     if random:
