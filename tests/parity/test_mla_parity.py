@@ -4,7 +4,7 @@ hits). The MoE specs run every mode; the dense-only ones the two cache layouts."
 
 import pytest
 import torch
-from transformers import GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from tests.conftest import MLA_ARCHS
 from tests.factories.logits import packed_logits
@@ -13,6 +13,9 @@ from tests.parity.test_generate_parity import GREEDY, LENGTHS, MODES, NEW_TOKENS
 from tests.parity.test_model_parity import LENGTHS as LOGIT_LENGTHS
 from tests.parity.test_model_parity import _executor
 from worker import LLM
+from worker.config import EngineConfig
+from worker.executor import Executor
+from worker.model.config import ModelConfig
 
 MOE_ARCHS = [a for a in MLA_ARCHS if a.endswith("-moe")]
 DENSE_ARCHS = [a for a in MLA_ARCHS if a.endswith("-dense")]
@@ -72,6 +75,25 @@ def test_packed_logits_match_transformers(tiny_model, arch, cache):
         with torch.no_grad():
             want = hf(torch.tensor([prompt])).logits[0].float()
         assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item(), arch
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_bf16_packed_logits_equal_transformers_bit_for_bit(tiny_model, arch):
+    """bf16 too: transformers keeps the routers in float32 and sums each token's experts in
+    float32 (its default grouped_mm experts), and so does kvray; on this CPU every logit of
+    a packed batch has transformers' bits."""
+    path, _ = tiny_model(arch)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    prompts = random_prompts(LOGIT_LENGTHS)
+    mcfg = ModelConfig.from_dir(path)
+    cfg = EngineConfig.from_flat(model=str(path), device="cpu", dtype="bfloat16", max_running=8,
+                                 max_seq_len=128, num_pages=64, page_size=4)  # fmt: skip
+    ex = Executor(cfg.resolve(model_max_len=mcfg.max_len), path, mcfg, frozenset({2}))
+    ours = packed_logits(ex, prompts)
+    for prompt, got in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0].float()
+        assert torch.equal(got, want), (arch, (got - want).abs().max().item())
 
 
 @pytest.mark.parametrize(

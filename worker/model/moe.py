@@ -1,10 +1,11 @@
 """DeepSeek's mixture of experts: a router picks top-k routed experts per token, and shared
 experts see every token. Written op for op as transformers 5.24 computes it.
 
-The routed experts run as a loop over the experts that received tokens, in expert order,
-each on its own tokens (transformers' order of additions, so float32 results match). That
-loop reads the routing on the host, so an MoE layer cannot sit inside a CUDA graph; a
-grouped GEMM over tokens sorted by expert is the GPU form still to write.
+The routed experts run as transformers' default (`grouped_mm`) computes them: tokens sorted
+by expert, one GEMM per expert over its rows, the k weighted outputs of a token summed in
+float32 (so bf16 results match too, not only float32). The per-expert loop reads the
+expert counts on the host, so an MoE layer cannot sit inside a CUDA graph; one grouped
+GEMM kernel over the sorted rows is the GPU form still to write.
 """
 
 from __future__ import annotations
@@ -80,13 +81,21 @@ class MoE(nn.Module):
         self.shared_experts = MLP(cfg, moe.intermediate_size * moe.num_shared_experts)
 
     def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+        """transformers' default `grouped_mm` experts: (token, expert) pairs sorted by expert,
+        each expert's rows in one GEMM, then each token's k weighted outputs summed in
+        float32 in router order, cast once."""
         ids, weights = self.gate(x)
-        routed = torch.zeros_like(x)
-        counts = torch.bincount(ids.view(-1), minlength=len(self.experts)).tolist()
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            slot, token = torch.where(e == ids.T)  # transformers' row order
-            out = self.experts[e](x[token], ops) * weights[token, slot, None]
-            routed.index_add_(0, token, out.to(x.dtype))
+        num_tokens, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = x[order // k]
+        out = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(torch.bincount(flat, minlength=len(self.experts)).tolist()):
+            if n:
+                out[start : start + n] = self.experts[e](rows[start : start + n], ops)
+                start += n
+        weighted = torch.empty((len(flat), x.shape[1]), dtype=torch.float32, device=x.device)
+        weighted[order] = out * weights.reshape(-1)[order, None]
+        routed = weighted.view(num_tokens, k, -1).sum(dim=1).to(x.dtype)
         return routed + self.shared_experts(x, ops)
