@@ -2,6 +2,7 @@
 bytes per token and the page count it buys, float32 routers, the DeepSeek-V2-Lite shape."""
 
 import json
+import logging
 import re
 import shutil
 
@@ -94,3 +95,17 @@ def test_bf16_load_keeps_routers_in_float32_and_skips_v3_mtp_layers(tiny_model, 
     gate = model.model.layers[1].mlp.gate
     assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
     assert model.model.layers[1].mlp.experts[0].gate_up_proj.weight.dtype == torch.bfloat16
+
+
+def test_engine_start_logs_latent_and_per_head_kv_bytes(tiny_model, caplog):
+    path, _ = tiny_model("deepseek-v2-dense")
+    with caplog.at_level(logging.INFO, logger="kvray.cache"):
+        ex = _executor(path)
+    cfg = ex.model_config
+    latent = kv_bytes_per_token(cfg, torch.float32)
+    per_head = per_head_kv_bytes_per_token(cfg, torch.float32)
+    assert latent == 3 * (32 + 8) * 4 and per_head == 3 * 4 * (24 + 12) * 4
+    assert (
+        f"({latent} B/token; MLA latent rows of 40, per-head K/V would take {per_head} B/token)"
+        in caplog.text
+    )
