@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from worker.model.config import ModelConfig
+from worker.model.config import ModelConfig, yarn_mscale
 
 
 class RMSNorm(nn.Module):
@@ -78,13 +78,9 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     if p.get("attention_factor") is not None:
         return float(p["attention_factor"])
     factor = float(p["factor"])
-
-    def mscale(m: float = 1.0) -> float:
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
     if p.get("mscale") and p.get("mscale_all_dim"):
-        return float(mscale(p["mscale"]) / mscale(p["mscale_all_dim"]))
-    return mscale()
+        return yarn_mscale(factor, p["mscale"]) / yarn_mscale(factor, p["mscale_all_dim"])
+    return yarn_mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
