@@ -50,6 +50,7 @@ from benchmarks.schema_corpus import ENDLESS
 from worker.config import EngineConfig
 from worker.engine import Engine, EngineRequest
 from worker.guided import GuidedDecoding
+from worker.kv_sizing import kv_bytes_per_token
 from worker.model.demo import resolve_model_path
 from worker.model.random_model import get_shape, hf_config
 from worker.sampling import SamplingParams
@@ -156,7 +157,7 @@ def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) 
     engine = make_engine(shape, max(args.batches), args.context, args.steps, 0, tokenizer)
     params = list(engine.executor.model.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
-    kv_per_token = 2 * engine.model_config.num_layers * engine.model_config.kv_size * 2
+    kv_per_token = kv_bytes_per_token(engine.model_config, torch.bfloat16)  # MLA: latent rows
     graphs = engine.executor.graphs
     kernels = _kernels_per_step(engine)
     for number, batch in enumerate(args.batches):

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from tests.factories.tiny_models import SPECS, build_tiny_model
+from tests.factories.tiny_models import MLA_SPECS, SPECS, build_tiny_model
 
 try:
     from hypothesis import settings
@@ -40,3 +40,4 @@ def tiny_model(tmp_path_factory):
 
 
 ARCHS = sorted(SPECS)
+MLA_ARCHS = sorted(MLA_SPECS)  # DeepSeek (MLA + MoE): their own parity tests, no FP8 cache

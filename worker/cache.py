@@ -31,7 +31,10 @@ class KVStorage:
     """One K and one V tensor `[n_layers, n_slots, n_kv_heads, head_dim]`, zeroed (masked reads stay finite).
 
     With an FP8 dtype, float32 scales `[n_layers, n_slots, n_kv_heads]` for K and for V sit
-    beside them (worker/attention/kv_quant.py); otherwise `k_scale` and `v_scale` are None."""
+    beside them (worker/attention/kv_quant.py); otherwise `k_scale` and `v_scale` are None.
+
+    `latent`: one row per token and layer that is both K and V (MLA's compressed kv and
+    k_pe, `n_kv_heads` 1): `v` is the same tensor as `k`, stored once."""
 
     def __init__(
         self,
@@ -41,10 +44,15 @@ class KVStorage:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        *,
+        latent: bool = False,
     ):
+        if latent and (n_kv_heads != 1 or dtype == FP8):
+            raise ValueError("a latent KV cache has one row per token, not FP8")
         shape = (n_layers, n_slots, n_kv_heads, head_dim)
+        self.latent = latent
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = self.k if latent else torch.zeros(shape, dtype=dtype, device=device)
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         if dtype == FP8:
@@ -54,12 +62,14 @@ class KVStorage:
     @property
     def nbytes(self) -> int:
         scales = self.k_scale.numel() * 4 if self.k_scale is not None else 0
-        return 2 * (self.k.numel() * self.k.element_size() + scales)
+        return (1 if self.latent else 2) * (self.k.numel() * self.k.element_size() + scales)
 
     @staticmethod
-    def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_token(
+        n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, *, latent: bool = False
+    ) -> int:
         row = head_dim * torch.empty((), dtype=dtype).element_size() + (4 if dtype == FP8 else 0)
-        return 2 * n_layers * n_kv_heads * row
+        return (1 if latent else 2) * n_layers * n_kv_heads * row
 
 
 class ReqToTokenPool:
@@ -186,7 +196,8 @@ class KVCache(CacheView):
             return
         # index_copy_ on the layer's view: on CPU, `buf[layer, loc] = k` (index_put) is far slower.
         self.k_cache[layer].index_copy_(0, loc, k)
-        self.v_cache[layer].index_copy_(0, loc, v)
+        if self.v_cache is not self.k_cache:  # a latent row is K and V at once
+            self.v_cache[layer].index_copy_(0, loc, v)
 
     def bind_tasks(
         self, tasks: list[ScheduledTask], carried: Sequence[tuple[int, int]] = ()

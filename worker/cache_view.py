@@ -10,7 +10,8 @@ import torch
 class CacheView(ABC):
     """K/V storage `[n_layers, n_slots, n_kv_heads, head_dim]` plus the (row, position) -> slot table.
 
-    An FP8 cache also has float32 scales `[n_layers, n_slots, n_kv_heads]` (kv_quant.py)."""
+    An FP8 cache also has float32 scales `[n_layers, n_slots, n_kv_heads]` (kv_quant.py).
+    A latent cache (MLA) holds one row per token, `n_kv_heads` 1, and `v_cache is k_cache`."""
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -21,4 +22,5 @@ class CacheView(ABC):
 
     @abstractmethod
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the new tokens' K/V `[T, n_kv_heads, head_dim]` at this step's slots."""
+        """Store the new tokens' K/V `[T, n_kv_heads, head_dim]` at this step's slots (a latent
+        cache stores `k`, which is also the value)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from worker.attention import BACKENDS
+from worker.attention import BACKENDS, mla_backend
 from worker.attention.cuda import CudaBackend
 from worker.batch import ForwardBatch
 from worker.config import EngineConfig
@@ -22,6 +22,7 @@ from worker.grammar import GrammarState, MaskBuilder
 from worker.graphs import DecodeGraphRunner, PromptGraphRunner
 from worker.kv_sizing import build_cache
 from worker.model.config import ModelConfig
+from worker.model.deepseek import DeepseekForCausalLM
 from worker.model.loader import load_model
 from worker.model.ops import OPS
 from worker.outputs import TokenLogprobs
@@ -82,6 +83,14 @@ class Executor:
         assert config.max_seq_len is not None
         self.config, self.model_config, self.eos_token_ids = config, model_config, eos_token_ids
         self.device = torch.device(config.device)
+        mla = model_config.mla is not None
+        if mla and config.kv_cache_dtype == "fp8":
+            raise ValueError(
+                f"kv_cache_dtype 'fp8' is not supported for {model_config.architecture}: its MLA "
+                "latent cache is kept in the activation dtype (use kv_cache_dtype 'auto')"
+            )
+        # MLA models run torch's layer ops everywhere: csrc's kernels assume the Llama shapes.
+        ops = OPS["torch" if mla else config.advanced.backend]()
         # fmt: skip
         self.model = load_model(
             model_path,
@@ -89,7 +98,7 @@ class Executor:
             self.device,
             config.max_seq_len,
             random=config.advanced.load_format == "random",
-            ops=OPS[config.advanced.backend](),
+            ops=ops,
         )
         self.workspace = InferenceWorkspace(
             max_tokens=config.token_budget,
@@ -99,15 +108,20 @@ class Executor:
             head_dim=model_config.head_dim,
             dtype=config.torch_dtype,
             device=self.device,
-            split_kv=config.advanced.backend == "cuda",
+            split_kv=config.advanced.backend == "cuda" and not mla,
         )
         self.cache = build_cache(config, model_config, self.workspace)
-        self.backend = BACKENDS[config.advanced.backend](
-            model_config.num_heads,
-            model_config.head_dim,
-            self.workspace,
-            config.advanced.prefill_kernel,
-        )
+        if isinstance(self.model, DeepseekForCausalLM):
+            self.backend = mla_backend(
+                config.advanced.backend, model_config, self.model.kv_b_weights()
+            )
+        else:
+            self.backend = BACKENDS[config.advanced.backend](
+                model_config.num_heads,
+                model_config.head_dim,
+                self.workspace,
+                config.advanced.prefill_kernel,
+            )
         log.info(
             "attention backend: %s, layer ops: %s",
             type(self.backend).__name__,
@@ -129,7 +143,13 @@ class Executor:
         self._masks: MaskBuilder | None = None  # built at the first step with a grammar
         self.graphs: DecodeGraphRunner | None = None
         self.prompt_graphs: PromptGraphRunner | None = None
-        if config.advanced.cuda_graphs and self.backend.supports_graph:
+        if not self.model.supports_graph and config.advanced.cuda_graphs:
+            log.info("no CUDA graphs: %s has MoE layers (run eagerly)", model_config.architecture)
+        if (
+            config.advanced.cuda_graphs
+            and self.backend.supports_graph
+            and self.model.supports_graph
+        ):
             self.graphs = DecodeGraphRunner(self.model, self.backend, self.cache, self.workspace)
             self.graphs.capture()
             if config.advanced.prompt_graph_tokens and isinstance(self.backend, CudaBackend):

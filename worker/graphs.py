@@ -27,7 +27,7 @@ from worker.attention.cuda import CudaBackend
 from worker.batch import ForwardBatch
 from worker.cache import KVCache
 from worker.cache_view import CacheView
-from worker.model.llama import LlamaForCausalLM
+from worker.model.base import CausalLM
 from worker.workspace import InferenceWorkspace
 
 log = logging.getLogger("kvray.graphs")
@@ -44,7 +44,7 @@ def graph_buckets(max_running: int) -> list[int]:
 class DecodeGraphRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         backend: AttentionBackend,
         cache: KVCache,
         workspace: InferenceWorkspace,
@@ -199,7 +199,7 @@ class PromptGraphRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         backend: CudaBackend,
         cache: KVCache,
         workspace: InferenceWorkspace,

@@ -28,42 +28,60 @@ def auto_num_pages(cfg: EngineConfig, model: ModelConfig, bytes_per_token: int) 
     return max(2, min(fit, useful))
 
 
+def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
+    """KV cache bytes one token takes over all layers, in the model's own layout."""
+    shape = model.kv_shape
+    return KVStorage.bytes_per_token(
+        model.num_layers, shape.num_heads, shape.head_dim, dtype, latent=shape.latent
+    )
+
+
+def per_head_kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
+    """What a per-head (Llama-style) K and V layout of the same model would take per token."""
+    return model.num_layers * model.per_head_kv_elements() * dtype.itemsize
+
+
 def build_cache(cfg: EngineConfig, model: ModelConfig, workspace: InferenceWorkspace) -> KVCache:
     assert cfg.max_seq_len is not None
     device, dtype = torch.device(cfg.device), cfg.kv_torch_dtype
-    per_token = KVStorage.bytes_per_token(
-        model.num_layers, model.num_kv_heads, model.head_dim, dtype
-    )
+    shape = model.kv_shape
+    per_token = kv_bytes_per_token(model, dtype)
     staging = (
         cfg.token_budget + cfg.max_running * cfg.advanced.page_size
     )  # slots one step can newly map
     req_pool = ReqToTokenPool(cfg.max_running, cfg.max_seq_len, device, staging)
-    if cfg.advanced.cache == "contiguous":
-        n_slots = cfg.max_running * cfg.max_seq_len
-        storage = KVStorage(
-            model.num_layers, n_slots, model.num_kv_heads, model.head_dim, dtype, device
+
+    def storage_of(n_slots: int) -> KVStorage:
+        return KVStorage(
+            model.num_layers,
+            n_slots,
+            shape.num_heads,
+            shape.head_dim,
+            dtype,
+            device,
+            latent=shape.latent,
         )
+
+    if cfg.advanced.cache == "contiguous":
+        storage = storage_of(cfg.max_running * cfg.max_seq_len)
         cache: KVCache = ContiguousCache(storage, req_pool, workspace)
     else:
         num_pages = cfg.num_pages or auto_num_pages(cfg, model, per_token)
-        storage = KVStorage(
-            model.num_layers,
-            num_pages * cfg.advanced.page_size,
-            model.num_kv_heads,
-            model.head_dim,
-            dtype,
-            device,
-        )
+        storage = storage_of(num_pages * cfg.advanced.page_size)
         cache = PageCache(
             storage, req_pool, cfg.advanced.page_size, num_pages, workspace, cfg.prefix_cache
         )
+    latent = ""
+    if shape.latent:
+        latent = f"; MLA latent rows of {shape.head_dim}, per-head K/V would take {per_head_kv_bytes_per_token(model, dtype)} B/token"
     log.info(
-        "KV cache: %s, %s, %d pages of %d tokens, %.2f GiB (%d B/token)",
+        "KV cache: %s, %s, %d pages of %d tokens, %.2f GiB (%d B/token%s)",
         cfg.advanced.cache,
         "fp8 e4m3 + scales" if cfg.kv_cache_dtype == "fp8" else cfg.dtype,
         cache.num_total_pages,
         cache.page_size,
         storage.nbytes / 2**30,
         per_token,
+        latent,
     )
     return cache

@@ -148,3 +148,22 @@ def test_prefix_summary_lists_cached_keys_most_recently_used_first() -> None:
     cache.park(3)
     assert cache.evict() == 3
     assert cache.summary(10) == [12, 11, 14]
+
+
+def test_latent_storage_is_one_row_that_is_both_k_and_v():
+    """MLA's layout: one `[n_layers, n_slots, 1, width]` tensor; a write stores K once."""
+    dev = torch.device("cpu")
+    latent = KVStorage(2, 16, 1, 40, torch.bfloat16, dev, latent=True)
+    assert latent.v is latent.k and latent.nbytes == 2 * 16 * 40 * 2
+    assert KVStorage.bytes_per_token(2, 1, 40, torch.bfloat16, latent=True) == 2 * 40 * 2
+    assert KVStorage.bytes_per_token(2, 1, 40, torch.bfloat16) == 2 * 2 * 40 * 2
+    ws = InferenceWorkspace(max_tokens=64, max_running=4, max_seq_len=64, num_heads=2, head_dim=8,
+                            dtype=torch.bfloat16, device=dev, split_kv=False)  # fmt: skip
+    cache = PageCache(latent, ReqToTokenPool(4, 64, dev, staging=128), PAGE, 4, ws, False)
+    r = _request("a", 3)
+    assert cache.admit(r) and cache.reserve(r, 3)
+    cache.bind_tasks([ScheduledTask(r, 3)])
+    rows = torch.randn(3, 1, 40).bfloat16()
+    cache.write(1, rows, rows)
+    slots = cache.req_to_token[r.row, :3].long()
+    assert torch.equal(cache.k_cache[1, slots], rows) and cache.v_cache is cache.k_cache

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from worker.attention.base import AttentionBackend
+from worker.attention.mla import MlaTorchBackend
 from worker.attention.torch_native import TorchNativeBackend
+from worker.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from worker.workspace import InferenceWorkspace
@@ -32,4 +36,13 @@ BACKENDS: dict[str, Callable[[int, int, InferenceWorkspace, str], AttentionBacke
     "cuda": _cuda_backend,
 }
 
-__all__ = ["AttentionBackend", "BACKENDS", "TorchNativeBackend"]
+
+def mla_backend(name: str, model: ModelConfig, kv_b: Sequence[torch.Tensor]) -> AttentionBackend:
+    """The backend for MLA models, whatever `name` says: the torch reference over the latent
+    cache (MLA kernels are still to write). On "cuda" its decode takes fixed shapes, so
+    decode CUDA graphs can hold it."""
+    assert model.mla is not None
+    return MlaTorchBackend(model.mla, model.num_heads, kv_b, fixed_width=name == "cuda")
+
+
+__all__ = ["AttentionBackend", "BACKENDS", "MlaTorchBackend", "TorchNativeBackend", "mla_backend"]

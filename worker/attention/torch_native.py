@@ -50,7 +50,7 @@ class TorchNativeBackend(AttentionBackend):
         self._group = None
         if decode:
             lens = [batch.seq_lens_host[i] for i in decode]
-            max_len = max(lens)
+            max_len = self._decode_width(view, lens)
             sel = None if len(decode) == batch.batch_size else torch.tensor(decode, device=device)
             group_rows = rows if sel is None else rows[sel]
             seq_lens = batch.seq_lens if sel is None else batch.seq_lens[sel]
@@ -69,6 +69,10 @@ class TorchNativeBackend(AttentionBackend):
                     causal = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
                 self._seqs.append(_PrefillSeq(start, q_len, slots, causal))
             start += q_len
+
+    def _decode_width(self, view: CacheView, lens: list[int]) -> int:
+        """Slots the decode group reads per request (its longest length)."""
+        return max(lens)
 
     def fwd_decode(self, layer: int, q: torch.Tensor, view: CacheView) -> torch.Tensor:
         out = torch.empty_like(q)

@@ -11,9 +11,10 @@ from torch import nn
 
 from worker.attention.base import AttentionBackend
 from worker.cache_view import CacheView
+from worker.model.base import Backbone, CausalLM, DecoderLayer
 from worker.model.config import ModelConfig
-from worker.model.layers import MergedLinear, RMSNorm, RotaryEmbedding
-from worker.model.ops import ModelOps, RopeInputs, TorchOps
+from worker.model.layers import MergedLinear, RMSNorm
+from worker.model.ops import ModelOps, RopeInputs
 
 
 class Attention(nn.Module):
@@ -58,98 +59,25 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """SiLU-gated MLP; `intermediate_size` / `bias` default to the config's (DeepSeek's experts differ)."""
+
+    def __init__(
+        self, cfg: ModelConfig, intermediate_size: int | None = None, bias: bool | None = None
+    ):
         super().__init__()
+        inter = intermediate_size or cfg.intermediate_size
+        bias = cfg.mlp_bias if bias is None else bias
         self.gate_up_proj = MergedLinear(
-            cfg.hidden_size,
-            {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size},
-            bias=cfg.mlp_bias,
+            cfg.hidden_size, {"gate_proj": inter, "up_proj": inter}, bias=bias
         )
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
         gate_up = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
         return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
-        super().__init__()
-        self.self_attn = Attention(cfg, layer_id)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        rope: RopeInputs,
-        view: CacheView,
-        backend: AttentionBackend,
-        ops: ModelOps,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, the residual stream before adding it); the next layer's
-        norm (or the final one) adds them. The first layer gets residual None."""
-        norm, post = self.input_layernorm, self.post_attention_layernorm
-        if residual is None:
-            x, residual = ops.rms_norm(x, norm.weight, norm.eps), x
-        else:
-            x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        x = self.self_attn(x, rope, view, backend, ops)
-        x, residual = ops.add_rms_norm(x, residual, post.weight, post.eps)
-        return self.mlp(x, ops), residual
-
-
-class Backbone(nn.Module):
-    """HF's `model.` prefix: embeddings, layers, final norm."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, max_len: int, ops: ModelOps | None = None):
-        super().__init__()
-        self.config = cfg
-        self.ops = ops or TorchOps()
-        self.model = Backbone(cfg)
-        self.rotary = RotaryEmbedding(cfg, max_len)
-        self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        view: CacheView,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """Hidden states `[T, hidden]` after the final norm for a packed batch of T tokens."""
-        x = self.model.embed_tokens(input_ids)
-        rope = self.ops.rope_inputs(self.rotary, positions, x.dtype)
-        residual: torch.Tensor | None = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, rope, view, backend, self.ops)
-        norm = self.model.norm
-        if residual is None:
-            return self.ops.rms_norm(x, norm.weight, norm.eps)
-        return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.ops.linear(hidden, weight).float()
-
-
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-}
+        layers = [DecoderLayer(cfg, Attention(cfg, i), MLP(cfg)) for i in range(cfg.num_layers)]
+        super().__init__(cfg, max_len, ops, Backbone(cfg, layers))

@@ -16,10 +16,11 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from worker.model.base import CausalLM
 from worker.model.config import ModelConfig
 from worker.model.layers import MergedLinear, RotaryEmbedding
-from worker.model.llama import MODEL_CLASSES, LlamaForCausalLM
 from worker.model.ops import ModelOps
+from worker.model.registry import MODEL_CLASSES
 
 log = logging.getLogger("kvray.loader")
 
@@ -32,6 +33,8 @@ _MERGED = {
     "up_proj": "gate_up_proj",
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# kept in float32 whatever the model dtype, as transformers keeps them (MoE routers)
+_FLOAT32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
 
 class ModelLoadError(ValueError):
@@ -83,40 +86,51 @@ def _count_tensors(files: list[Path]) -> int:
 
 
 def _target(
-    model: LlamaForCausalLM, name: str
+    model: CausalLM, params: dict[str, torch.nn.Parameter], name: str
 ) -> tuple[str, torch.nn.Parameter, tuple[int, int] | None]:
     """The parameter (and its row range, for merged projections) an HF tensor name fills."""
     parts = name.split(".")
     shard = None
     for i, p in enumerate(parts):
-        if p in _MERGED:
+        # MLA's q_proj is a projection of its own, not a shard of qkv_proj
+        if p in _MERGED and not _has_module(model, ".".join(parts[: i + 1])):
             module_path = ".".join(parts[:i] + [_MERGED[p]])
             module = model.get_submodule(module_path)
             assert isinstance(module, MergedLinear)
             shard = module.shards[p]
             name = f"{module_path}.{parts[-1]}"
             break
-    params = dict(model.named_parameters())
     if name not in params:
         raise KeyError(name)
     return name, params[name], shard
 
 
-def load_weights(
-    model: LlamaForCausalLM, path: Path, dtype: torch.dtype, device: torch.device
-) -> None:
+def _has_module(model: CausalLM, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def load_weights(model: CausalLM, path: Path, dtype: torch.dtype, device: torch.device) -> None:
     files = weight_files(path)
-    expected = {n: p.shape for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
+    expected = {n: p.shape for n, p in params.items()}
     filled: dict[str, int] = {}  # parameter name -> rows filled
     tied = model.config.tie_word_embeddings
     bar = tqdm(total=_count_tensors(files), desc="loading weights", unit="tensor", leave=False)
     with torch.no_grad():
         for hf_name, tensor in _iter_tensors(files, device):
             bar.update(1)
-            if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+            if (
+                hf_name.endswith(_IGNORED_SUFFIXES)
+                or (tied and hf_name == "lm_head.weight")
+                or model.ignores(hf_name)
+            ):
                 continue
             try:
-                name, param, shard = _target(model, hf_name)
+                name, param, shard = _target(model, params, hf_name)
             except KeyError:
                 raise ModelLoadError(f"unexpected tensor {hf_name!r} in the checkpoint") from None
             dest = param.data if shard is None else param.data.narrow(0, shard[0], shard[1])
@@ -124,7 +138,7 @@ def load_weights(
                 raise ModelLoadError(
                     f"shape mismatch for tensor {hf_name!r}: checkpoint {tuple(tensor.shape)}, model expects {tuple(dest.shape)}"
                 )
-            dest.copy_(tensor.to(dtype))
+            dest.copy_(tensor.to(dest.dtype))  # float32 routers stay float32
             filled[name] = filled.get(name, 0) + dest.shape[0]
     bar.close()
     for name, shape in expected.items():
@@ -134,7 +148,7 @@ def load_weights(
             )
 
 
-def random_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
+def random_weights(model: CausalLM, seed: int = 0) -> None:
     """Small normal weights, unit norms: finite activations in bf16, for benchmarks of shape."""
     gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
@@ -153,7 +167,7 @@ def load_model(
     *,
     random: bool = False,
     ops: ModelOps | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Build the model for `path` on `device` in `dtype`, with RoPE tables for `max_len` positions.
 
     `ops` computes its norms, RoPE and SiLU·mul (default TorchOps, the torch op sequence).
@@ -164,8 +178,12 @@ def load_model(
     cfg = ModelConfig.from_dir(path)
     start = time.perf_counter()
     with torch.device("meta"):
-        model = MODEL_CLASSES[cfg.architecture](cfg, max_len=1, ops=ops)
-    model = model.to(dtype=dtype).to_empty(device=device)
+        model = MODEL_CLASSES[cfg.architecture](cfg, 1, ops)
+    model = model.to(dtype=dtype)
+    for name, p in model.named_parameters():
+        if name.endswith(_FLOAT32_SUFFIXES):
+            p.data = p.data.float()
+    model = model.to_empty(device=device)
     model.rotary = RotaryEmbedding(cfg, max_len).to(device)
     if random:
         random_weights(model)

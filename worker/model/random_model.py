@@ -1,4 +1,4 @@
-"""Random-weight Llama models of real shapes, written as ordinary HF model directories.
+"""Random-weight models of real shapes (Llama, DeepSeek-V2), written as ordinary HF model directories.
 
 Throughput does not depend on what the weights say, only on their shapes, so a benchmark
 on the Llama-3-8B shape needs no 8B checkpoint (no machine here reaches a model hub).
@@ -69,6 +69,22 @@ class Shape:
         return sum(_numel(s) for _, s in tensor_specs(self))
 
 
+@dataclass(frozen=True)
+class DeepseekShape(Shape):
+    """A DeepSeek-V2 shape: MLA (plain q_proj) and MoE after `first_k_dense_replace` layers.
+    `num_kv_heads` equals `num_heads`, `head_dim` is the q/k head dim (nope + rope)."""
+
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    n_routed_experts: int = 64
+    n_shared_experts: int = 2
+    num_experts_per_tok: int = 6
+    moe_intermediate_size: int = 1408
+    first_k_dense_replace: int = 1
+
+
 SHAPES: dict[str, Shape] = {
     # Meta-Llama-3.1-8B: GQA 32/8, llama3 RoPE scaling, untied 128k vocabulary.
     "llama3-8b": Shape(
@@ -99,6 +115,32 @@ SHAPES: dict[str, Shape] = {
         rope_theta=100000.0,
         max_position_embeddings=8192,
     ),
+    # DeepSeek-V2-Lite (15.7B total, 2.4B active): MLA with a 512 + 64 latent, 64 routed
+    # experts (top 6) and 2 shared after one dense layer, YaRN x40.
+    "deepseek-v2-lite": DeepseekShape(
+        num_layers=27,
+        hidden_size=2048,
+        intermediate_size=10944,
+        num_heads=16,
+        num_kv_heads=16,
+        head_dim=192,
+        vocab_size=102400,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        max_position_embeddings=163840,
+        rms_norm_eps=1e-6,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+        bos_token_id=100000,
+        eos_token_id=100001,
+    ),
     # For tests: every code path of the big shapes (GQA, untied head, llama3 RoPE) in ~0.2M params.
     "tiny": Shape(
         num_layers=2,
@@ -128,6 +170,8 @@ def get_shape(shape: str | Shape) -> Shape:
 
 def tensor_specs(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     """HF tensor names and shapes, in file order (embeddings, layer by layer, norm, head)."""
+    if isinstance(shape, DeepseekShape):
+        return _deepseek_specs(shape)
     h, q, kv, i = (
         shape.hidden_size,
         shape.num_heads * shape.head_dim,
@@ -156,8 +200,76 @@ def tensor_specs(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return specs
 
 
+def _deepseek_specs(s: DeepseekShape) -> list[tuple[str, tuple[int, ...]]]:
+    h, heads, rank = s.hidden_size, s.num_heads, s.kv_lora_rank
+    specs: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (s.vocab_size, h))]
+
+    def mlp(prefix: str, inter: int) -> None:
+        specs.extend(
+            [
+                (prefix + "gate_proj.weight", (inter, h)),
+                (prefix + "up_proj.weight", (inter, h)),
+                (prefix + "down_proj.weight", (h, inter)),
+            ]
+        )
+
+    for n in range(s.num_layers):
+        p = f"model.layers.{n}."
+        specs += [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "self_attn.q_proj.weight", (heads * s.head_dim, h)),
+            (p + "self_attn.kv_a_proj_with_mqa.weight", (rank + s.qk_rope_head_dim, h)),
+            (p + "self_attn.kv_a_layernorm.weight", (rank,)),
+            (p + "self_attn.kv_b_proj.weight", (heads * (s.qk_nope_head_dim + s.v_head_dim), rank)),
+            (p + "self_attn.o_proj.weight", (h, heads * s.v_head_dim)),
+            (p + "post_attention_layernorm.weight", (h,)),
+        ]
+        if n < s.first_k_dense_replace:
+            mlp(p + "mlp.", s.intermediate_size)
+            continue
+        specs.append((p + "mlp.gate.weight", (s.n_routed_experts, h)))
+        for e in range(s.n_routed_experts):
+            mlp(f"{p}mlp.experts.{e}.", s.moe_intermediate_size)
+        mlp(p + "mlp.shared_experts.", s.moe_intermediate_size * s.n_shared_experts)
+    specs.append(("model.norm.weight", (h,)))
+    specs.append(("lm_head.weight", (s.vocab_size, h)))
+    return specs
+
+
+def _deepseek_fields(s: DeepseekShape) -> dict[str, Any]:
+    return {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "q_lora_rank": None,
+        "kv_lora_rank": s.kv_lora_rank,
+        "qk_nope_head_dim": s.qk_nope_head_dim,
+        "qk_rope_head_dim": s.qk_rope_head_dim,
+        "v_head_dim": s.v_head_dim,
+        "n_routed_experts": s.n_routed_experts,
+        "n_shared_experts": s.n_shared_experts,
+        "num_experts_per_tok": s.num_experts_per_tok,
+        "moe_intermediate_size": s.moe_intermediate_size,
+        "first_k_dense_replace": s.first_k_dense_replace,
+        "moe_layer_freq": 1,
+        "topk_method": "greedy",
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0,
+        "scoring_func": "softmax",
+    }
+
+
 def hf_config(shape: Shape, dtype: str, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
     """config.json, with RoPE in the spelling every transformers version reads (rope_theta + rope_scaling)."""
+    config = _llama_config(shape, dtype, provenance)
+    if isinstance(shape, DeepseekShape):
+        del config["head_dim"]  # DeepSeek's head dims are the qk_* / v_head_dim fields
+        config.update(_deepseek_fields(shape))
+    return config
+
+
+def _llama_config(shape: Shape, dtype: str, provenance: dict[str, Any] | None) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
