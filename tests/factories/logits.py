@@ -1,6 +1,11 @@
-"""Full-sequence logits of a packed batch of prompts through kvray's executor."""
+"""Full-sequence logits of a packed batch of prompts through kvray's executor, and
+transformers' greedy continuations to compare kvray's tokens with."""
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from transformers import GenerationConfig
 
 from worker.executor import Executor
 from worker.request import Request, ScheduledTask
@@ -16,3 +21,30 @@ def packed_logits(ex: Executor, prompts: list[list[int]]) -> list[torch.Tensor]:
     for r in reqs:
         ex.cache.release(r)
     return list(logits.split([len(p) for p in prompts]))
+
+
+def hf_greedy_tokens(
+    hf: Any, prompts: list[list[int]], new_tokens: int, make_cache: Callable[[], Any] | None = None
+) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, exactly `new_tokens` long (EOS
+    never ends it); `make_cache` gives each `generate` call a fresh KV cache of its own."""
+    gc = GenerationConfig(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    outs = []
+    for p in prompts:
+        extra = {"past_key_values": make_cache()} if make_cache is not None else {}
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([p]),
+                generation_config=gc,
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                **extra,
+            )
+        outs.append(out[0, len(p) :].tolist())
+        assert len(outs[-1]) == new_tokens
+    return outs

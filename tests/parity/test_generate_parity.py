@@ -1,10 +1,9 @@
 """Greedy generation equals transformers `generate`, token for token, under every cache mode."""
 
 import pytest
-import torch
-from transformers import GenerationConfig
 
 from tests.conftest import ARCHS
+from tests.factories.logits import hf_greedy_tokens
 from tests.factories.tiny_models import random_prompts
 from worker import LLM, SamplingParams
 
@@ -28,24 +27,7 @@ def hf_greedy(tiny_model):
     def get(arch: str) -> list[list[int]]:
         if arch not in cache:
             _, hf = tiny_model(arch)
-            gc = GenerationConfig(
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outs = []
-            for p in random_prompts(LENGTHS):
-                with torch.no_grad():
-                    out = hf.generate(
-                        torch.tensor([p]),
-                        generation_config=gc,
-                        attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                    )
-                outs.append(out[0, len(p) :].tolist())
-                assert len(outs[-1]) == NEW_TOKENS
-            cache[arch] = outs
+            cache[arch] = hf_greedy_tokens(hf, random_prompts(LENGTHS), NEW_TOKENS)
         return cache[arch]
 
     return get

@@ -11,9 +11,10 @@ agreement with the unquantized cache is measured on the demo model instead
 
 import pytest
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache
 
 from tests.conftest import ARCHS
+from tests.factories.logits import hf_greedy_tokens
 from tests.factories.tiny_models import random_prompts
 from worker import LLM, SamplingParams
 from worker.attention.kv_quant import dequantize, quantize_rows
@@ -112,21 +113,7 @@ def test_fp8_greedy_agrees_with_transformers_over_the_same_quantized_rows(
     on an e4m3 rounding boundary may round the other way (measured: every token equal on
     four of the five architectures, one continuation of eight diverging on qwen2)."""
     _, hf = tiny_model(arch)
-    gc = GenerationConfig(
-        max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
+    want = hf_greedy_tokens(
+        hf, random_prompts(LENGTHS), NEW_TOKENS, lambda: FakeQuantCache(config=hf.config)
     )
-    want = []
-    for p in random_prompts(LENGTHS):
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([p]),
-                generation_config=gc,
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                past_key_values=FakeQuantCache(config=hf.config),
-            )
-        want.append(out[0, len(p) :].tolist())
     assert _matching_prefix_share(fp8_greedy(arch), want) >= 0.75

@@ -4,10 +4,10 @@ hits). The MoE specs run every mode; the dense-only ones the two cache layouts."
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM
 
 from tests.conftest import MLA_ARCHS
-from tests.factories.logits import packed_logits
+from tests.factories.logits import hf_greedy_tokens, packed_logits
 from tests.factories.tiny_models import random_prompts
 from tests.parity.test_generate_parity import GREEDY, LENGTHS, MODES, NEW_TOKENS
 from tests.parity.test_model_parity import LENGTHS as LOGIT_LENGTHS
@@ -37,23 +37,7 @@ def hf_greedy(tiny_model):
     def get(arch: str) -> list[list[int]]:
         if arch not in cache:
             _, hf = tiny_model(arch)
-            gc = GenerationConfig(
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outs = []
-            for p in random_prompts(LENGTHS):
-                with torch.no_grad():
-                    out = hf.generate(
-                        torch.tensor([p]),
-                        generation_config=gc,
-                        attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                    )
-                outs.append(out[0, len(p) :].tolist())
-            cache[arch] = outs
+            cache[arch] = hf_greedy_tokens(hf, random_prompts(LENGTHS), NEW_TOKENS)
         return cache[arch]
 
     return get
