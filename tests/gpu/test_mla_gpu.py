@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from tests.factories.tiny_models import random_prompts
+from tests.gpu.test_engine_gpu import _greedy
 from worker import SamplingParams
 from worker.attention.mla import MlaTorchBackend
 from worker.config import EngineConfig
-from worker.engine import Engine, EngineRequest
+from worker.engine import Engine
 from worker.graphs import graph_buckets
 from worker.model.random_model import DeepseekShape, hf_config
 from worker.request import Request, ScheduledTask
@@ -46,20 +47,6 @@ def _engine(path, **overrides) -> Engine:
     cfg = dict(model=str(path), load_format="random", dtype="bfloat16", device="cuda",
                max_running=16, max_seq_len=1024, num_pages=1024, page_size=16)  # fmt: skip
     return Engine(EngineConfig.from_flat(**{**cfg, **overrides}))
-
-
-def _greedy(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    stream = engine.submit(
-        [EngineRequest(f"g{i}-{id(prompts)}", p, params) for i, p in enumerate(prompts)]
-    )
-    out: dict[str, list[int]] = {}
-    while not stream.finished:
-        engine.step()
-    for frame in stream.poll():
-        for d in frame:
-            out.setdefault(d.request_id, []).extend(d.new_token_ids)
-    return [out[r] for r in stream.request_ids]
 
 
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 3e-2)])

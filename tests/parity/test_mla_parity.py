@@ -9,10 +9,9 @@ from transformers import AutoModelForCausalLM
 from tests.conftest import MLA_ARCHS
 from tests.factories.logits import hf_greedy_tokens, packed_logits
 from tests.factories.tiny_models import random_prompts
-from tests.parity.test_generate_parity import GREEDY, LENGTHS, MODES, NEW_TOKENS
+from tests.parity.test_generate_parity import GREEDY, LENGTHS, MODES, NEW_TOKENS, _llm
 from tests.parity.test_model_parity import LENGTHS as LOGIT_LENGTHS
 from tests.parity.test_model_parity import _executor
-from worker import LLM
 from worker.config import EngineConfig
 from worker.executor import Executor
 from worker.model.config import ModelConfig
@@ -41,12 +40,6 @@ def hf_greedy(tiny_model):
         return cache[arch]
 
     return get
-
-
-def _llm(path, **mode) -> LLM:
-    return LLM(
-        str(path), device="cpu", dtype="float32", max_seq_len=128, **{"max_running": 8, **mode}
-    )
 
 
 @pytest.mark.parametrize("arch", MLA_ARCHS)
