@@ -6,10 +6,12 @@ timed, each `engine.step()` waiting for its sampled ids on the host. Four varian
 engine: CUDA graphs with overlapped scheduling (the default: the next step is queued before
 this one's ids are read), graphs without overlap, and eager with and without overlap; plus
 the GPU time alone (the bucket's graph replayed back to back, CUDA events). The floor is
-(weight bytes + KV bytes read) / 4.19 TB/s, the H200's copy bandwidth. Also the kernels one
+(weight bytes + KV bytes read) / 4.19 TB/s, the H200's copy bandwidth; an MoE layer's
+weight bytes are those of the routed experts B tokens pick (their expected number under
+uniform routing, which random weights give), and MLA's KV bytes its latent rows. Also the kernels one
 eager decode step launches (torch profiler; every one costs host time when a step runs
 eagerly), and the time to first token of one `--context`-token prompt against its FLOP
-floor at 790 TFLOP/s.
+floor at 790 TFLOP/s (2 x active parameters a token).
 
 Mixed: B requests decode while each timed step also prefills one whole P-token prompt, as
 the scheduler packs a chunk beside decodes; prompt CUDA graphs against eager, and the
@@ -52,6 +54,7 @@ from worker.engine import Engine, EngineRequest
 from worker.guided import GuidedDecoding
 from worker.kv_sizing import kv_bytes_per_token
 from worker.model.demo import resolve_model_path
+from worker.model.moe import MoE
 from worker.model.random_model import get_shape, hf_config
 from worker.sampling import SamplingParams
 
@@ -129,6 +132,31 @@ def make_engine(
     return Engine(config)
 
 
+def decode_weight_bytes(model: torch.nn.Module, tokens: int) -> float:
+    """Weight bytes one decode step of `tokens` tokens must read: every weight, except that an
+    MoE layer reads only the routed experts its tokens pick (their expected number when
+    routing is uniform, as with random weights: E (1 - (1 - k/E)^tokens))."""
+    total = float(sum(p.numel() * p.element_size() for p in model.parameters()))
+    for moe in _moe_layers(model):
+        num, k = len(moe.experts), moe.gate.moe.top_k
+        untouched = num * (1 - k / num) ** tokens
+        total -= untouched * sum(p.numel() * p.element_size() for p in moe.experts[0].parameters())
+    return total
+
+
+def active_params(model: torch.nn.Module) -> int:
+    """Parameters one token's forward uses (an MoE layer: k of its routed experts)."""
+    total = sum(p.numel() for p in model.parameters())
+    for moe in _moe_layers(model):
+        num, k = len(moe.experts), moe.gate.moe.top_k
+        total -= (num - k) * sum(p.numel() for p in moe.experts[0].parameters())
+    return total
+
+
+def _moe_layers(model: torch.nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
 def run_until_decoding(engine: Engine) -> None:
     """Step until every submitted request has finished its prompt and decodes one token a step."""
     engine.step()  # drains the inbox into the scheduler
@@ -155,8 +183,7 @@ def _set(engine: Engine, graphs: Any, overlap: bool) -> None:
 def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) -> None:
     tokenizer = args.tokenizer_from if args.constrained > 0 else None
     engine = make_engine(shape, max(args.batches), args.context, args.steps, 0, tokenizer)
-    params = list(engine.executor.model.parameters())
-    weights = sum(p.numel() * p.element_size() for p in params)
+    model = engine.executor.model
     kv_per_token = kv_bytes_per_token(engine.model_config, torch.bfloat16)  # MLA: latent rows
     graphs = engine.executor.graphs
     kernels = _kernels_per_step(engine)
@@ -182,6 +209,7 @@ def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) 
                 flush=True,
             )
         kv_bytes = batch * (args.context + args.steps // 2) * kv_per_token
+        weights = decode_weight_bytes(model, batch)
         row["floor_ms"] = (weights + kv_bytes) / (COPY_TBPS * 1e12) * 1e3
         row["of_floor"] = row["floor_ms"] / row["graph_ms"]
         result["decode"].append(row)
@@ -195,7 +223,7 @@ def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) 
         )
     _set(engine, graphs, True)
     ttft = _ttft_ms(engine, args.context)
-    flop_floor = 2 * sum(p.numel() for p in params) * args.context / (BF16_TFLOPS * 1e12) * 1e3
+    flop_floor = 2 * active_params(model) * args.context / (BF16_TFLOPS * 1e12) * 1e3
     result["prefill"].append(
         {"shape": shape, "tokens": args.context, "ttft_ms": ttft, "flop_floor_ms": flop_floor}
     )

@@ -143,13 +143,7 @@ class Executor:
         self._masks: MaskBuilder | None = None  # built at the first step with a grammar
         self.graphs: DecodeGraphRunner | None = None
         self.prompt_graphs: PromptGraphRunner | None = None
-        if not self.model.supports_graph and config.advanced.cuda_graphs:
-            log.info("no CUDA graphs: %s has MoE layers (run eagerly)", model_config.architecture)
-        if (
-            config.advanced.cuda_graphs
-            and self.backend.supports_graph
-            and self.model.supports_graph
-        ):
+        if config.advanced.cuda_graphs and self.backend.supports_graph:
             self.graphs = DecodeGraphRunner(self.model, self.backend, self.cache, self.workspace)
             self.graphs.capture()
             if config.advanced.prompt_graph_tokens and isinstance(self.backend, CudaBackend):

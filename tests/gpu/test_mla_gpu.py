@@ -1,6 +1,7 @@
-"""DeepSeek MLA on a GPU (random weights of small DeepSeek-V2 shapes): absorbed decode equals
-the naive form on CUDA, and a dense-only MLA model's decode CUDA graphs give the eager
-engine's greedy tokens bit for bit. Written on a CPU machine: not yet run on a GPU."""
+"""DeepSeek MLA and MoE on a GPU (random weights of small DeepSeek-V2 shapes): absorbed
+decode equals the naive form on CUDA, the grouped-GEMM experts equal one GEMM per expert,
+and decode CUDA graphs (MoE layers inside them too) give the eager engine's greedy tokens
+bit for bit."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from worker.attention.mla import MlaTorchBackend
 from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.graphs import graph_buckets
+from worker.model.moe import MoE
 from worker.model.random_model import DeepseekShape, hf_config
 from worker.request import Request, ScheduledTask
 
@@ -51,7 +53,7 @@ def _engine(path, **overrides) -> Engine:
 
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
 def test_absorbed_decode_equals_naive_on_cuda(tmp_path_factory, dtype, tol):
-    engine = _engine(_dir(tmp_path_factory, dense=False), dtype=dtype)
+    engine = _engine(_dir(tmp_path_factory, dense=False), dtype=dtype, cuda_graphs=False)
     ex, cache = engine.executor, engine.executor.cache
     assert isinstance(ex.backend, MlaTorchBackend) and ex.backend.absorb and ex.graphs is None
     reqs = [Request(f"r{i}", p, SamplingParams()) for i, p in enumerate(
@@ -70,8 +72,28 @@ def test_absorbed_decode_equals_naive_on_cuda(tmp_path_factory, dtype, tol):
     assert (absorbed - naive).abs().max().item() <= tol * naive.abs().max().item()
 
 
-def test_mla_decode_graphs_are_bit_identical_to_eager(tmp_path_factory):
-    path = _dir(tmp_path_factory, dense=True)
+def test_grouped_experts_equal_one_gemm_per_expert(tmp_path_factory):
+    engine = _engine(_dir(tmp_path_factory, dense=False), cuda_graphs=False)
+    moe = engine.executor.model.model.layers[-1].mlp
+    assert isinstance(moe, MoE)
+    ops = engine.executor.model.ops
+    x = torch.randn(300, moe.gate.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = moe(x, ops)
+        ids, weights = moe.gate(x)
+        want = torch.zeros_like(x, dtype=torch.float32)
+        for slot in range(ids.shape[1]):
+            for e in ids[:, slot].unique().tolist():
+                rows = (ids[:, slot] == e).nonzero().squeeze(1)
+                out = moe.experts[e](x[rows], ops).float()
+                want[rows] += out * weights[rows, slot, None]
+        want = (want.to(x.dtype) + moe.shared_experts(x, ops)).float()
+    assert (got.float() - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "moe"])
+def test_mla_decode_graphs_are_bit_identical_to_eager(tmp_path_factory, dense):
+    path = _dir(tmp_path_factory, dense=dense)
     graphs, eager = _engine(path), _engine(path, cuda_graphs=False)
     assert graphs.executor.graphs is not None and eager.executor.graphs is None
     # bucket sizes only: a padded batch's GEMMs may pick other kernels than the eager one's

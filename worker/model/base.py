@@ -59,8 +59,6 @@ class CausalLM(nn.Module):
     an LM head, over one packed ragged batch with a CacheView and an attention backend."""
 
     model: Backbone
-    # False: some layer reads values on the host mid-forward, so no CUDA graph can hold it
-    supports_graph: bool = True
 
     def __init__(self, cfg: ModelConfig, max_len: int, ops: ModelOps | None, backbone: Backbone):
         super().__init__()
@@ -103,3 +101,6 @@ class CausalLM(nn.Module):
     def ignores(self, hf_name: str) -> bool:
         """A checkpoint tensor this model does not use (the loader skips it)."""
         return False
+
+    def after_load(self) -> None:
+        """Once the weights are in: rearrange them for the forward (the loader calls it)."""

@@ -120,7 +120,6 @@ class DeepseekForCausalLM(CausalLM):
             for i in range(cfg.num_layers)
         ]
         super().__init__(cfg, max_len, ops, Backbone(cfg, layers))
-        self.supports_graph = moe is None  # the expert loop reads the routing on the host
         # V3 checkpoints carry multi-token-prediction layers after the last one; unused here
         self._extra_layer = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -137,6 +136,11 @@ class DeepseekForCausalLM(CausalLM):
             and m is not None
             and int(m.group(1)) >= self.config.num_layers
         )
+
+    def after_load(self) -> None:
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.stack_experts()
 
     def kv_b_weights(self) -> list[torch.Tensor]:
         """Each layer's kv_b_proj weight `[H * (nope + v), kv_lora_rank]`, for the backend."""

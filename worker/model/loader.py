@@ -189,6 +189,7 @@ def load_model(
         random_weights(model)
     else:
         load_weights(model, path, dtype, device)
+    model.after_load()
     model.eval().requires_grad_(False)
     n_params = sum(p.numel() for p in model.parameters())
     n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

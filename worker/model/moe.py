@@ -1,11 +1,11 @@
 """DeepSeek's mixture of experts: a router picks top-k routed experts per token, and shared
 experts see every token. Written op for op as transformers 5.24 computes it.
 
-The routed experts run as transformers' default (`grouped_mm`) computes them: tokens sorted
-by expert, one GEMM per expert over its rows, the k weighted outputs of a token summed in
-float32 (so bf16 results match too, not only float32). The per-expert loop reads the
-expert counts on the host, so an MoE layer cannot sit inside a CUDA graph; one grouped
-GEMM kernel over the sorted rows is the GPU form still to write.
+The routed experts run as transformers' default (`grouped_mm`) computes them: (token,
+expert) rows sorted by expert, one grouped GEMM over all experts' rows (torch's
+`grouped_mm`, CUTLASS on CUDA), the k weighted outputs of a token summed in float32 (so
+bf16 results match too, not only float32). The expert counts stay on the device, so an MoE
+layer needs no host sync and a CUDA graph can hold it.
 """
 
 from __future__ import annotations
@@ -69,7 +69,11 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """HF's `DeepseekV{2,3}MoE`: routed experts (`experts.N.*`) plus `shared_experts`."""
+    """HF's `DeepseekV{2,3}MoE`: routed experts (`experts.N.*`) plus `shared_experts`.
+
+    The checkpoint fills each expert's own MLP; `stack_experts` then moves them into one
+    `[E, 2I, H]` and one `[E, H, I]` tensor (each expert's weights become views into them),
+    the operands of the grouped GEMMs."""
 
     def __init__(self, cfg: ModelConfig, moe: MoeConfig):
         super().__init__()
@@ -79,22 +83,34 @@ class MoE(nn.Module):
             MLP(cfg, moe.intermediate_size, bias=False) for _ in range(moe.num_experts)
         )
         self.shared_experts = MLP(cfg, moe.intermediate_size * moe.num_shared_experts)
+        self.gate_up_stack: torch.Tensor | None = None
+        self.down_stack: torch.Tensor | None = None
+
+    def stack_experts(self) -> None:
+        """After loading: the experts' weights into the grouped GEMMs' stacked operands."""
+        for name in ("gate_up_proj", "down_proj"):
+            linears = [getattr(e, name) for e in self.experts]
+            stacked = torch.stack([lin.weight.data for lin in linears])
+            for i, lin in enumerate(linears):
+                lin.weight.data = stacked[i]  # a view: the per-expert copy is freed
+            setattr(self, f"{name.removesuffix('_proj')}_stack", stacked)
 
     def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
         """transformers' default `grouped_mm` experts: (token, expert) pairs sorted by expert,
         each expert's rows in one GEMM, then each token's k weighted outputs summed in
         float32 in router order, cast once."""
+        assert self.gate_up_stack is not None and self.down_stack is not None, "stack_experts()"
         ids, weights = self.gate(x)
         num_tokens, k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         rows = x[order // k]
-        out = torch.empty_like(rows)
-        start = 0
-        for e, n in enumerate(torch.bincount(flat, minlength=len(self.experts)).tolist()):
-            if n:
-                out[start : start + n] = self.experts[e](rows[start : start + n], ops)
-                start += n
+        # rows per expert, counted on the device (bincount would read its size on the host)
+        ones = torch.ones_like(flat, dtype=torch.int32)
+        counts = torch.zeros(len(self.experts), dtype=torch.int32, device=x.device)
+        ends = counts.scatter_add_(0, flat, ones).cumsum(0, dtype=torch.int32)
+        gate_up = F.grouped_mm(rows, self.gate_up_stack.transpose(1, 2), offs=ends)
+        out = F.grouped_mm(ops.silu_and_mul(gate_up), self.down_stack.transpose(1, 2), offs=ends)
         weighted = torch.empty((len(flat), x.shape[1]), dtype=torch.float32, device=x.device)
         weighted[order] = out * weights.reshape(-1)[order, None]
         routed = weighted.view(num_tokens, k, -1).sum(dim=1).to(x.dtype)

@@ -15,6 +15,7 @@ from worker.config import EngineConfig
 from worker.kv_sizing import auto_num_pages, kv_bytes_per_token, per_head_kv_bytes_per_token
 from worker.model.config import ModelConfig, ModelConfigError
 from worker.model.loader import load_model
+from worker.model.moe import MoE
 from worker.model.random_model import SHAPES, hf_config, tensor_specs
 from worker.model.registry import MODEL_CLASSES
 
@@ -67,7 +68,12 @@ def test_tiny_mla_engine_allocates_one_latent_row_per_token(tiny_model):
     cfg = ex.model_config
     assert ex.cache.k_cache.shape[2:] == (1, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
     assert ex.cache.storage.nbytes == ex.cache.k_cache.numel() * 4
-    assert not ex.model.supports_graph  # the MoE loop reads its routing on the host
+    moe = ex.model.model.layers[-1].mlp
+    assert isinstance(moe, MoE) and moe.gate_up_stack is not None
+    # each expert's weights are views into the grouped GEMM's stacked operand
+    first = moe.experts[1].gate_up_proj.weight
+    assert first.untyped_storage().data_ptr() == moe.gate_up_stack.untyped_storage().data_ptr()
+    assert torch.equal(first, moe.gate_up_stack[1])
 
 
 def test_v2_lite_random_shape_builds():
