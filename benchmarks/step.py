@@ -263,6 +263,8 @@ def _time_decode(
     for _ in range(steps - 4):
         engine.step()
     ms = (time.perf_counter() - start) / (steps - 4) * 1e3
+    if (running := engine.stats().num_running) != batch:  # a smaller batch was timed
+        raise RuntimeError(f"B={batch}: {batch - running} requests ended before the timing did")
     overlapped = engine.num_overlapped_steps - overlapped
     if engine.config.advanced.overlap and overlapped != steps - 4:  # the batch changed: not steady
         print(f"  warning: B={batch}: {overlapped} of {steps - 4} timed steps overlapped")

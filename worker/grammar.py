@@ -87,7 +87,8 @@ class GrammarCompiler:
         capacity: int = CACHE_SIZE,
     ):
         self._hf, self.vocab_size = hf_tokenizer, vocab_size
-        self._eos = sorted(eos_token_ids)
+        # a config's EOS id beyond the tokenizer's vocabulary is no token a grammar can allow
+        self._eos = sorted(i for i in eos_token_ids if i < vocab_size)
         self._capacity = capacity
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvray-grammar")
         self._lock = threading.Lock()

@@ -92,6 +92,7 @@ class DecodeGraphRunner:
         return self.logits[bs][:b]
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self.cache.batch = batch  # backends that store K/V through the view read its slots
         self.backend.prepare(batch, self.cache)
         hidden = self.model(batch.input_ids, batch.positions, self.cache, self.backend)
         return self.model.compute_logits(hidden)
