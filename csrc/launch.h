@@ -131,6 +131,28 @@ struct GemvParams {
   DType dtype;
 };
 
+// Absorbed MLA decode over the latent cache [n_slots, 576] (kv_lora_rank 512 + rope 64):
+// q [B, H, 576] (q_nope W_UK | q_pe), out [B, H, 512]; the slot of (row r, position t) is
+// req_to_token[r * rt_stride + t]. Partials (num_splits > 1): o_part [B, H, splits, 512]
+// and ml_part [B, H, splits, 2], float32.
+struct MlaDecodeParams {
+  const void* q;
+  int64_t q_stride_b, q_stride_h;
+  const void* cache;
+  int64_t slot_stride;
+  const int32_t* req_to_token;
+  int64_t rt_stride;
+  const int32_t* req_pool_indices;
+  const int32_t* seq_lens;
+  void* out;
+  int64_t out_stride_b, out_stride_h;
+  float* o_part;
+  float* ml_part;
+  int batch, num_heads, num_splits;
+  float scale_log2;
+  DType dtype;
+};
+
 // Splits chosen for a decode batch: about one wave of resident blocks, never more than
 // s_cap. Depends only on shapes (batch size, heads), so graph launches stay valid.
 int decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim, DType dtype,
@@ -150,6 +172,8 @@ int prefill_resolve_variant(int variant, int batch, int num_tokens, int num_q_he
 // {query rows per block, resident blocks per SM, registers per thread, local (spill) bytes}
 bool prefill_kernel_info(DType dtype, int head_dim, int variant, int out[4]);
 cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream);
+cudaError_t launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream);
+int mla_max_splits();
 
 bool torch_mean_order(int64_t n, int64_t rows, MeanOrder* order);
 cudaError_t launch_rms_norm(const NormParams& p, cudaStream_t stream);

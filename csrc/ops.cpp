@@ -249,6 +249,68 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   check_launch(kvray::launch_decode(p, c10::cuda::getCurrentCUDAStream()), "decode_attention");
 }
 
+// Absorbed MLA decode (csrc/mla.cu): q [B, H, 576] over latent rows cache [n_slots, 576]
+// (or [n_slots, 1, 576]); out [B, H, 512]; o_part / ml_part float32 hold B * H * splits
+// partials of 512 and 2 values (unused with one split).
+void mla_decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& req_to_token,
+                const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, double sm_scale,
+                const at::Tensor& out, const at::Tensor& o_part, const at::Tensor& ml_part,
+                int64_t num_splits) {
+  KV_CHECK(q.is_cuda() && q.dim() == 3 && q.size(2) == 576,
+           "mla_decode: q must be a CUDA [B, H, 576] tensor (kv_lora_rank 512 + rope 64)");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const DType dt = dtype_of(q, "q");
+  check_aligned(q, "q", 8);
+  check_cuda(cache, q, "cache");
+  KV_CHECK(cache.scalar_type() == q.scalar_type() && cache.is_contiguous() &&
+               cache.size(-1) == 576 && (cache.dim() == 2 || (cache.dim() == 3 && cache.size(1) == 1)),
+           "mla_decode: cache must be contiguous [n_slots, 576] or [n_slots, 1, 576] of q's dtype");
+  check_aligned(cache, "cache", 8);
+  const int64_t batch = q.size(0), heads = q.size(1);
+  check_cuda(req_to_token, q, "req_to_token");
+  KV_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.dim() == 2 &&
+               req_to_token.stride(1) == 1,
+           "req_to_token must be int32 [max_running, max_seq_len] with contiguous rows");
+  check_int32_vec(req_pool_indices, q, batch, "req_pool_indices");
+  check_int32_vec(seq_lens, q, batch, "seq_lens");
+  check_cuda(out, q, "out");
+  KV_CHECK(out.scalar_type() == q.scalar_type() && out.dim() == 3 && out.size(0) == batch &&
+               out.size(1) == heads && out.size(2) == 512,
+           "mla_decode: out must be [B, H, 512] with q's dtype");
+  check_aligned(out, "out", 8);
+  KV_CHECK(num_splits >= 1 && num_splits <= kvray::mla_max_splits(), "mla_decode: num_splits must be in 1..",
+           kvray::mla_max_splits());
+  if (num_splits > 1) {
+    check_cuda(o_part, q, "o_part");
+    check_cuda(ml_part, q, "ml_part");
+    KV_CHECK(o_part.scalar_type() == at::kFloat && o_part.is_contiguous() &&
+                 o_part.numel() >= batch * heads * num_splits * 512 &&
+                 ml_part.scalar_type() == at::kFloat && ml_part.is_contiguous() &&
+                 ml_part.numel() >= batch * heads * num_splits * 2,
+             "mla_decode: o_part / ml_part must be contiguous float32 with room for B * H * splits partials");
+  }
+  kvray::MlaDecodeParams p{q.data_ptr(),
+                           q.stride(0),
+                           q.stride(1),
+                           cache.data_ptr(),
+                           576,
+                           req_to_token.data_ptr<int32_t>(),
+                           req_to_token.stride(0),
+                           req_pool_indices.data_ptr<int32_t>(),
+                           seq_lens.data_ptr<int32_t>(),
+                           out.data_ptr(),
+                           out.stride(0),
+                           out.stride(1),
+                           o_part.data_ptr<float>(),
+                           ml_part.data_ptr<float>(),
+                           static_cast<int>(batch),
+                           static_cast<int>(heads),
+                           static_cast<int>(num_splits),
+                           static_cast<float>(sm_scale * 1.4426950408889634),
+                           dt};
+  check_launch(kvray::launch_mla_decode(p, c10::cuda::getCurrentCUDAStream()), "mla_decode");
+}
+
 // The prefill tiling for a batch of `batch` sequences and `num_tokens` queries in all.
 int resolve_prefill(int64_t variant, int64_t batch, int64_t num_tokens, int64_t num_q_heads,
                     int64_t head_dim, DType dt) {
@@ -480,6 +542,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "scatter K/V rows of new tokens into the paged cache (FP8: quantized)");
   m.def("decode_attention", &decode_attention, "paged split-KV decode attention");
   m.def("prefill_attention", &prefill_attention, "paged ragged causal prefill attention");
+  m.def("mla_decode", &mla_decode, "absorbed MLA decode over the latent cache, split-KV");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place");
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) over the last dim ([T, N] or [T, H, N])");
   m.def("rotary", &rotary, "rotate-half RoPE on q and k in place");

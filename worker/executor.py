@@ -113,7 +113,11 @@ class Executor:
         self.cache = build_cache(config, model_config, self.workspace)
         if isinstance(self.model, DeepseekForCausalLM):
             self.backend = mla_backend(
-                config.advanced.backend, model_config, self.model.kv_b_weights()
+                config.advanced.backend,
+                model_config,
+                self.model.kv_b_weights(),
+                config.max_running,
+                self.device,
             )
         else:
             self.backend = BACKENDS[config.advanced.backend](

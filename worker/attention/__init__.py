@@ -37,11 +37,22 @@ BACKENDS: dict[str, Callable[[int, int, InferenceWorkspace, str], AttentionBacke
 }
 
 
-def mla_backend(name: str, model: ModelConfig, kv_b: Sequence[torch.Tensor]) -> AttentionBackend:
-    """The backend for MLA models, whatever `name` says: the torch reference over the latent
-    cache (MLA kernels are still to write). On "cuda" its decode takes fixed shapes, so
-    decode CUDA graphs can hold it."""
+def mla_backend(
+    name: str,
+    model: ModelConfig,
+    kv_b: Sequence[torch.Tensor],
+    max_running: int,
+    device: torch.device,
+) -> AttentionBackend:
+    """The backend for MLA models: on "cuda", decode through csrc's absorbed MLA kernel where
+    it fits the model's latent width, else the torch reference with fixed-width decode
+    (so decode CUDA graphs can hold it); the torch reference elsewhere."""
     assert model.mla is not None
+    if name == "cuda":
+        from worker.attention import mla_cuda  # only on CUDA machines: it builds csrc/
+
+        if mla_cuda.supported(model.mla):
+            return mla_cuda.MlaCudaBackend(model.mla, model.num_heads, kv_b, max_running, device)
     return MlaTorchBackend(model.mla, model.num_heads, kv_b, fixed_width=name == "cuda")
 
 

@@ -26,7 +26,7 @@ from types import ModuleType
 
 import torch
 
-_SOURCES = ("ops.cpp", "decode.cu", "prefill.cu", "store_kv.cu", "fused.cu", "gemv.cu")
+_SOURCES = ("ops.cpp", "decode.cu", "prefill.cu", "store_kv.cu", "fused.cu", "gemv.cu", "mla.cu")
 _HEADERS = ("common.cuh", "launch.h")
 
 
@@ -214,6 +214,46 @@ def decode_attention(
         variant,
         k_scale,
         v_scale,
+    )
+
+
+MLA_MAX_SPLITS = 32
+
+
+def mla_num_splits(batch: int, num_heads: int, num_sms: int) -> int:
+    """Splits of mla_decode for a batch: enough blocks for two per multiprocessor (the
+    kernel's shared memory allows two), from the shapes alone so graphs stay valid."""
+    blocks = batch * -(-num_heads // 16)
+    return max(1, min(MLA_MAX_SPLITS, -(-2 * num_sms // blocks)))
+
+
+def mla_decode(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor,
+    o_part: torch.Tensor,
+    ml_part: torch.Tensor,
+    num_splits: int,
+) -> None:
+    """Absorbed MLA decode: q `[B, H, 576]` (q_nope W_UK | q_pe) over one layer's latent rows
+    `[n_slots, 1, 576]`; writes out `[B, H, 512]`, the weighted sum of the rows' first 512
+    columns. o_part / ml_part (float32, room for B * H * num_splits partials of 512 and 2)
+    hold the splits' partials; one split writes out directly."""
+    load().mla_decode(
+        q,
+        cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        sm_scale,
+        out,
+        o_part,
+        ml_part,
+        num_splits,
     )
 
 

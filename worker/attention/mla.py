@@ -107,13 +107,21 @@ class MlaTorchBackend(TorchNativeBackend):
         self, layer: int, q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """q `[B, H, qk]`, latent `[B, 1, W, D]`, mask `[B, 1, 1, W]` -> `[B, H, v]`."""
+        query = self._latent_query(layer, q).unsqueeze(1)  # [B, 1, H, D]
+        values = latent[..., : self.mla.kv_lora_rank]
+        o = F.scaled_dot_product_attention(query, latent, values, attn_mask=mask, scale=self.scale)
+        return self._head_values(layer, o[:, 0])
+
+    def _latent_query(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q `[B, H, nope + rope]` -> `[B, H, rank + rope]`: W_UK folded into q_nope."""
         m = self.mla
         q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk[layer]).transpose(0, 1)
-        query = torch.cat((q_latent, q_pe), dim=-1).unsqueeze(1)  # [B, 1, H, D]
-        values = latent[..., : m.kv_lora_rank]
-        o = F.scaled_dot_product_attention(query, latent, values, attn_mask=mask, scale=self.scale)
-        return torch.bmm(o[:, 0].transpose(0, 1), self.w_uv_t[layer]).transpose(0, 1)
+        return torch.cat((q_latent, q_pe), dim=-1)
+
+    def _head_values(self, layer: int, o: torch.Tensor) -> torch.Tensor:
+        """Attention over latents `[B, H, rank]` -> each head's values `[B, H, v]` (W_UV)."""
+        return torch.bmm(o.transpose(0, 1), self.w_uv_t[layer]).transpose(0, 1)
 
     def _naive(
         self, layer: int, q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor
