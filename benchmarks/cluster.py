@@ -36,7 +36,9 @@ import multiprocessing
 import os
 import socket
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -287,6 +289,28 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@contextmanager
+def serve_session(config: ClusterConfig, args: argparse.Namespace) -> Iterator[tuple[int, str]]:
+    """A Ray of this benchmark's own (`--ray-nodes`, `--ray-num-cpus`) set up for
+    `config.http_proxy` (resolved: `resolve_http_proxy`), Serve started on a free port;
+    (port, base URL). Serve and Ray are shut down after the block."""
+    from ray import serve
+
+    from cluster.app import cluster_runtime_env, set_serve_env
+
+    set_serve_env()
+    runtime_env = cluster_runtime_env(config)
+    with ray_session(nodes=args.ray_nodes, num_cpus=args.ray_num_cpus, runtime_env=runtime_env,
+                     include_dashboard=False, log_to_driver=False):  # fmt: skip
+        try:
+            port = _free_port()
+            # a proxy on every Ray node; with --ray-nodes they share the port (SO_REUSEPORT)
+            serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "EveryNode"})
+            yield port, f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
+
+
 def _deploy(config: ClusterConfig) -> float:
     from ray import serve
 
@@ -401,9 +425,7 @@ def run(args: argparse.Namespace) -> int:
         )
         write_result(args.result_json, "cluster", {"router": result})
         return 0
-    from ray import serve
-
-    from cluster.app import cluster_runtime_env, load_config, resolve_http_proxy, set_serve_env
+    from cluster.app import load_config, resolve_http_proxy
     from worker.model.demo import resolve_model_path
     from worker.tokenizer import Tokenizer
 
@@ -457,31 +479,20 @@ def run(args: argparse.Namespace) -> int:
 
     phases = set(args.scenarios.split(","))
     if phases & {"scaling", "affinity", "prefix"}:
-        set_serve_env()
-        with ray_session(nodes=args.ray_nodes, num_cpus=args.ray_num_cpus, runtime_env=cluster_runtime_env(config),
-                         include_dashboard=False, log_to_driver=False):  # fmt: skip
-            try:
-                port = _free_port()
-                # a proxy on every Ray node; with --ray-nodes they share the port (SO_REUSEPORT)
-                serve.start(
-                    http_options={"host": "127.0.0.1", "port": port, "location": "EveryNode"}
-                )
-                url = f"http://127.0.0.1:{port}"
-                if "scaling" in phases:
-                    loads = {
-                        "lat": (lat_samples, lat_arrivals),
-                        "sat": (sat_samples, sat_arrivals),
-                        "sat_nonstream": (nonstream_samples, sat_arrivals),
-                    }
-                    _scaling_phase(args, base, port, url, name, loads, results, save)
-                if "affinity" in phases:
-                    results["affinity"] = _affinity_phase(args, base, port, url, name, vocab)
-                    save()
-                if "prefix" in phases:
-                    results["prefix"] = cluster_prefix.prefix_scenario(args, base, port, url, vocab)
-                    save()
-            finally:
-                serve.shutdown()
+        with serve_session(config, args) as (port, url):
+            if "scaling" in phases:
+                loads = {
+                    "lat": (lat_samples, lat_arrivals),
+                    "sat": (sat_samples, sat_arrivals),
+                    "sat_nonstream": (nonstream_samples, sat_arrivals),
+                }
+                _scaling_phase(args, base, port, url, name, loads, results, save)
+            if "affinity" in phases:
+                results["affinity"] = _affinity_phase(args, base, port, url, name, vocab)
+                save()
+            if "prefix" in phases:
+                results["prefix"] = cluster_prefix.prefix_scenario(args, base, port, url, vocab)
+                save()
     if "engine" in phases:
         _release_device()
         results["engine_inprocess"] = {
