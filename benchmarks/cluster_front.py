@@ -80,7 +80,7 @@ def front_scenario(args: argparse.Namespace, config: ClusterConfig) -> dict[str,
         list(pool.map(_ready, range(args.client_procs)))  # started and imported before any load
         for proxy in [p for p in args.front_proxies.split(",") if p]:
             results[proxy] = _proxy_run(args, config, proxy, pool, loads)
-    _table(results, config.model_name, n, args.front_model)
+    _table(results)
     return results
 
 
@@ -142,7 +142,7 @@ def _saturate(
     name = config.model_name
     summary = asyncio.run(_measured(_http_run_procs(pool, url, name, samples, concurrency)))
     _show(f"{proxy}, {config.worker_replicas} x {name}", summary)
-    return {**summary, "replicas": config.worker_replicas, "deploy_s": deploy_s}
+    return {**summary, "model": name, "replicas": config.worker_replicas, "deploy_s": deploy_s}
 
 
 def _reference_config(config: ClusterConfig, port: int) -> ClusterConfig:
@@ -188,8 +188,12 @@ def _client_floor(
     return {**summary, "stub_chunks_per_token": chunks_per_token}
 
 
-def _table(results: dict[str, Any], model: str, replicas: int, front_model: str) -> None:
+def _table(results: dict[str, Any]) -> None:
     """One line per proxy: each figure with the client's floor of its load beside it."""
+    if not results:
+        return
+    first = next(iter(results.values()))
+    ref, front = first["reference"], first["front"]
 
     def cell(run: dict[str, Any], floor: dict[str, Any]) -> str:
         return (
@@ -197,7 +201,7 @@ def _table(results: dict[str, Any], model: str, replicas: int, front_model: str)
             f"({floor['output_throughput']:,.0f} / {floor['request_throughput']:.1f})"
         )
 
-    print(f"\n  1 x {model} (reference), {replicas} x {front_model} (front); tok/s, req/s "
+    print(f"\n  {ref['replicas']} x {ref['model']} (reference), {front['replicas']} x {front['model']} (front); tok/s, req/s "
           "(the client's floor of that load, tok/s / req/s)")  # fmt: skip
     print(f"  {'proxy':8} | {'reference tok/s, req/s':>32} | {'front tok/s, req/s':>32} | ratio")
     for proxy, entry in results.items():
