@@ -14,6 +14,12 @@ scenario overrides only what it varies (`--scenarios`, in this order):
 - prefix: the router policies side by side on tenants' shared contexts that overflow one
   replica's KV cache, and a low-reuse control; the router view's staleness
   (benchmarks/cluster_prefix.py).
+- front: per HTTP front (`--front-proxies`: HAProxy, Serve's proxy), a Ray of its own with
+  1 replica of the config's model, then `--front-replicas` N replicas of the far smaller
+  `--front-model` sharing the GPU (`--front-gpu-share`), the streamed saturation load N
+  times the size: what the front carries over one replica's saturation throughput, each
+  figure beside the client's own floor (the load against an instant stub server)
+  (benchmarks/cluster_front.py).
 - engine: Serve stopped, the latency and saturation loads against an in-process Engine of
   the same EngineConfig on the same device; the 1-replica latency load less this one is
   what the ingress, the router and Serve add to TTFT.
@@ -36,14 +42,16 @@ import multiprocessing
 import os
 import socket
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
-from benchmarks import cluster_prefix
+from benchmarks import cluster_front, cluster_prefix
 from benchmarks.common import write_result
 from benchmarks.serve import drive, engine_run, http_client, http_request, http_run
 from benchmarks.stats import (
@@ -71,8 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--scenarios",
         default="scaling,engine",
         help="comma-separated: scaling (1 and N replicas), affinity, prefix (router policies "
-        "on a shared-prefix workload), engine (in-process); or router alone (the routing "
-        "decision's cost, no Ray)",
+        "on a shared-prefix workload), front (the HTTP front's streamed throughput, per "
+        "proxy), engine (in-process); or router alone (the routing decision's cost, no Ray)",
     )
     p.add_argument("--replicas", type=int, default=2, help="the scaled-out replica count")
     p.add_argument("--input-len", type=int, default=512)
@@ -130,6 +138,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-calls", type=int, default=2000)
     p.add_argument("--result-json", help="write the results to this file")
     cluster_prefix.add_arguments(p)
+    cluster_front.add_arguments(p)
 
 
 # -- processes ----------------------------------------------------------------------------------
@@ -224,10 +233,13 @@ async def _http_run_procs(
     results = [r for _, _, part in done for r in part]
     duration = max(end for _, end, _ in done) - min(start for start, _, _ in done)
     plans = [RequestPlan()] * len(results)
+    ok = [r for r in results if r.ok]
+    chunks = sum(1 + len(r.itls) for r in ok)  # a request's first chunk has no ITL
     return {
         **summarize(results, duration),
         "outcomes": tally(results, plans),
         "client_procs": procs,
+        "sse_chunks_per_token": chunks / max(1, sum(r.output_tokens for r in ok)),
     }
 
 
@@ -285,6 +297,28 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextmanager
+def serve_session(config: ClusterConfig, args: argparse.Namespace) -> Iterator[tuple[int, str]]:
+    """A Ray of this benchmark's own (`--ray-nodes`, `--ray-num-cpus`) set up for
+    `config.http_proxy` (resolved: `resolve_http_proxy`), Serve started on a free port;
+    (port, base URL). Serve and Ray are shut down after the block."""
+    from ray import serve
+
+    from cluster.app import cluster_runtime_env, set_serve_env
+
+    set_serve_env()
+    runtime_env = cluster_runtime_env(config)
+    with ray_session(nodes=args.ray_nodes, num_cpus=args.ray_num_cpus, runtime_env=runtime_env,
+                     include_dashboard=False, log_to_driver=False):  # fmt: skip
+        try:
+            port = _free_port()
+            # a proxy on every Ray node; with --ray-nodes they share the port (SO_REUSEPORT)
+            serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "EveryNode"})
+            yield port, f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
 
 
 def _deploy(config: ClusterConfig) -> float:
@@ -401,9 +435,7 @@ def run(args: argparse.Namespace) -> int:
         )
         write_result(args.result_json, "cluster", {"router": result})
         return 0
-    from ray import serve
-
-    from cluster.app import cluster_runtime_env, load_config, resolve_http_proxy, set_serve_env
+    from cluster.app import load_config, resolve_http_proxy
     from worker.model.demo import resolve_model_path
     from worker.tokenizer import Tokenizer
 
@@ -457,31 +489,23 @@ def run(args: argparse.Namespace) -> int:
 
     phases = set(args.scenarios.split(","))
     if phases & {"scaling", "affinity", "prefix"}:
-        set_serve_env()
-        with ray_session(nodes=args.ray_nodes, num_cpus=args.ray_num_cpus, runtime_env=cluster_runtime_env(config),
-                         include_dashboard=False, log_to_driver=False):  # fmt: skip
-            try:
-                port = _free_port()
-                # a proxy on every Ray node; with --ray-nodes they share the port (SO_REUSEPORT)
-                serve.start(
-                    http_options={"host": "127.0.0.1", "port": port, "location": "EveryNode"}
-                )
-                url = f"http://127.0.0.1:{port}"
-                if "scaling" in phases:
-                    loads = {
-                        "lat": (lat_samples, lat_arrivals),
-                        "sat": (sat_samples, sat_arrivals),
-                        "sat_nonstream": (nonstream_samples, sat_arrivals),
-                    }
-                    _scaling_phase(args, base, port, url, name, loads, results, save)
-                if "affinity" in phases:
-                    results["affinity"] = _affinity_phase(args, base, port, url, name, vocab)
-                    save()
-                if "prefix" in phases:
-                    results["prefix"] = cluster_prefix.prefix_scenario(args, base, port, url, vocab)
-                    save()
-            finally:
-                serve.shutdown()
+        with serve_session(config, args) as (port, url):
+            if "scaling" in phases:
+                loads = {
+                    "lat": (lat_samples, lat_arrivals),
+                    "sat": (sat_samples, sat_arrivals),
+                    "sat_nonstream": (nonstream_samples, sat_arrivals),
+                }
+                _scaling_phase(args, base, port, url, name, loads, results, save)
+            if "affinity" in phases:
+                results["affinity"] = _affinity_phase(args, base, port, url, name, vocab)
+                save()
+            if "prefix" in phases:
+                results["prefix"] = cluster_prefix.prefix_scenario(args, base, port, url, vocab)
+                save()
+    if "front" in phases:  # a Ray of its own per proxy
+        results["front"] = cluster_front.front_scenario(args, config)
+        save()
     if "engine" in phases:
         _release_device()
         results["engine_inprocess"] = {
@@ -505,7 +529,8 @@ def run(args: argparse.Namespace) -> int:
     if "serve_1" in results and "engine_inprocess" in results:
         _overhead(results)
     save()
-    print(json.dumps({k: results[k] for k in ("scaling", "overhead") if k in results}, indent=2))
+    if shown := {k: results[k] for k in ("scaling", "overhead") if k in results}:
+        print(json.dumps(shown, indent=2))
     return 0
 
 

@@ -237,7 +237,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     ours.sort(
         key=lambda item: any(
             m in item.nodeid
-            for m in ("test_bench_prefix", "test_multinode", "test_local_ray", "test_haproxy")
+            for m in (
+                "test_bench_prefix",
+                "test_bench_front",
+                "test_multinode",
+                "test_local_ray",
+                "test_haproxy",
+            )
         )
     )
     for i, item in zip(here, ours, strict=True):
