@@ -118,6 +118,7 @@ class Executor:
                 self.model.kv_b_weights(),
                 config.max_running,
                 self.device,
+                config.torch_dtype,
             )
         else:
             self.backend = BACKENDS[config.advanced.backend](

@@ -88,7 +88,7 @@ class GrammarCompiler:
     ):
         self._hf, self.vocab_size = hf_tokenizer, vocab_size
         # a config's EOS id beyond the tokenizer's vocabulary is no token a grammar can allow
-        self._eos = sorted(i for i in eos_token_ids if i < vocab_size)
+        self._eos = sorted(i for i in eos_token_ids if i < len(hf_tokenizer))
         self._capacity = capacity
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvray-grammar")
         self._lock = threading.Lock()

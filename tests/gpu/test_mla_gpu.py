@@ -113,7 +113,7 @@ def test_mla_decode_kernel_matches_attention_over_the_latent_rows(heads, splits)
 
     g = torch.Generator(device="cuda").manual_seed(heads * 10 + splits)
     lens = [1, 31, 33, 200, 1000]
-    slots_total, width = 4096, 1024
+    slots_total, width = 8192, 1024
     cache = torch.randn(slots_total, 1, 576, device="cuda", generator=g).to(torch.bfloat16)
     table = torch.randperm(slots_total, device="cuda", generator=g)[: len(lens) * width]
     req_to_token = table.view(len(lens), width).to(torch.int32).contiguous()

@@ -253,7 +253,7 @@ def test_masks_are_filled_for_the_rows_given_and_copied_in_one_piece(random_dir)
 def test_an_eos_id_past_the_tokenizer_is_left_out_of_the_grammar(random_dir) -> None:
     """A model whose config names an EOS id the tokenizer lacks (a random-weights 8B shape
     borrowing the demo's tokenizer) still compiles grammars, ending at the tokenizer's EOS."""
-    tokenizer, vocab = Tokenizer.from_dir(random_dir), 49152
+    tokenizer, vocab = Tokenizer.from_dir(random_dir), 128256  # logits wider than the tokenizer
     eos = {*tokenizer.eos_token_ids, 128001}
     grammars = GrammarCompiler(tokenizer.hf_tokenizer, vocab, eos)
     state = grammars.compile(GuidedDecoding.from_regex("ab")).result().state()

@@ -43,16 +43,19 @@ def mla_backend(
     kv_b: Sequence[torch.Tensor],
     max_running: int,
     device: torch.device,
+    dtype: torch.dtype,
 ) -> AttentionBackend:
-    """The backend for MLA models: on "cuda", decode through csrc's absorbed MLA kernel where
-    it fits the model's latent width, else the torch reference with fixed-width decode
+    """The backend for MLA models: on "cuda", decode through csrc's absorbed MLA kernel where it
+    fits the model's latent width and dtype, else the torch reference with fixed-width decode
     (so decode CUDA graphs can hold it); the torch reference elsewhere."""
     assert model.mla is not None
     if name == "cuda":
         from worker.attention import mla_cuda  # only on CUDA machines: it builds csrc/
 
-        if mla_cuda.supported(model.mla):
-            return mla_cuda.MlaCudaBackend(model.mla, model.num_heads, kv_b, max_running, device)
+        if mla_cuda.supported(model.mla, dtype):
+            return mla_cuda.MlaCudaBackend(
+                model.mla, model.num_heads, kv_b, max_running, device, dtype
+            )
     return MlaTorchBackend(model.mla, model.num_heads, kv_b, fixed_width=name == "cuda")
 
 

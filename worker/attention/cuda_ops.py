@@ -223,7 +223,7 @@ MLA_MAX_SPLITS = 32
 def mla_num_splits(batch: int, num_heads: int, num_sms: int) -> int:
     """Splits of mla_decode for a batch: enough blocks for two per multiprocessor (the
     kernel's shared memory allows two), from the shapes alone so graphs stay valid."""
-    blocks = batch * -(-num_heads // 16)
+    blocks = max(batch, 1) * -(-num_heads // 16)
     return max(1, min(MLA_MAX_SPLITS, -(-2 * num_sms // blocks)))
 
 

@@ -5,8 +5,8 @@ W_UV applied to the result, both in torch), with the attention itself in one ker
 reads each request's latent rows once for every head, straight from the paged cache: no
 row is gathered, padded or expanded. Prompts keep the torch backend's naive form. Its
 launches depend only on the batch size, so decode CUDA graphs hold it. The kernel is built
-for DeepSeek-V2/V3's latent width (kv_lora_rank 512 + rope 64): `supported` says whether
-a model has it.
+for DeepSeek-V2/V3's latent width (kv_lora_rank 512 + rope 64) in bf16 or fp16: `supported`
+says whether a model has it.
 """
 
 from __future__ import annotations
@@ -23,8 +23,12 @@ from worker.cache_view import CacheView
 from worker.model.config import MlaConfig
 
 
-def supported(mla: MlaConfig) -> bool:
-    return mla.kv_lora_rank == 512 and mla.qk_rope_head_dim == 64
+def supported(mla: MlaConfig, dtype: torch.dtype) -> bool:
+    return (
+        mla.kv_lora_rank == 512
+        and mla.qk_rope_head_dim == 64
+        and dtype in (torch.bfloat16, torch.float16)
+    )
 
 
 @dataclass
@@ -45,8 +49,9 @@ class MlaCudaBackend(MlaTorchBackend):
         kv_b: Sequence[torch.Tensor],
         max_running: int,
         device: torch.device,
+        dtype: torch.dtype,
     ):
-        assert supported(mla), "csrc/mla.cu is built for kv_lora_rank 512 + rope 64"
+        assert supported(mla, dtype), "csrc/mla.cu: kv_lora_rank 512 + rope 64, bf16 or fp16"
         super().__init__(mla, num_heads, kv_b)
         cuda_ops.load()  # build (or load the cached build) now, not inside the first step
         self.supports_graph = True
