@@ -332,7 +332,8 @@ def _ttft_ms(engine: Engine, context: int) -> float:
 # Kernel name fragments -> where a step's GPU time goes (first match wins: FlashAttention's
 # kernel names carry cutlass types, so attention comes before GEMM).
 CATEGORIES = (
-    ("attention", ("decode_split", "decode_head", "decode_combine", "prefill_kernel", "flash", "fmha")),
+    ("attention", ("decode_split", "decode_head", "decode_combine", "prefill_kernel", "flash", "fmha",
+                   "mla_decode", "mla_combine")),
     ("gemm", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk")),
     ("kv store", ("store_kv",)),
     ("kv gather", ("index", "repeat_interleave", "cumsum")),

@@ -172,6 +172,12 @@ def _cluster_has_gpus() -> bool:
     return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
 
+def _cluster_cpus() -> float:
+    if ray.is_initialized():
+        return float(ray.cluster_resources().get("CPU", 0))
+    return float(os.cpu_count() or 1)
+
+
 def _autoscaling(config: ClusterConfig) -> AutoscalingConfig | None:
     auto, adv = config.autoscaling, config.advanced
     if auto is None:
@@ -261,17 +267,19 @@ def _build(cfg: ClusterConfig, fault_injection: bool) -> serve.Application:
             "http_proxy is haproxy, but RAY_SERVE_ENABLE_HA_PROXY=1 is not set for this Ray "
             "cluster: Serve's own proxy takes HTTP (docs/serving.md, HAProxy in front of the ingress)"
         )
+    ingress_count = cfg.ingress_count(_cluster_cpus())
     ingress = serve.deployment(
         name=INGRESS_NAME,
-        num_replicas=cfg.ingress_replicas,
+        num_replicas=ingress_count,
         ray_actor_options={"num_cpus": cfg.advanced.ingress_num_cpus},
         max_ongoing_requests=max(1024, 2 * cfg.engine.max_waiting),
         graceful_shutdown_timeout_s=cfg.advanced.drain_timeout_s,  # its streams end with the workers'
         graceful_shutdown_wait_loop_s=cfg.advanced.drain_poll_s,
     )(Ingress)
     log.info(
-        "kvray app: model %s, %s",
+        "kvray app: model %s, %s, %d ingress replica(s)",
         cfg.model_name,
         "autoscaling" if cfg.autoscaling else f"{cfg.worker_replicas} worker replica(s)",
+        ingress_count,
     )
     return ingress.bind(cfg, _worker(cfg, fault_injection))

@@ -215,8 +215,11 @@ class ClusterConfig(BaseModel):
         None,
         description="Ray resources of one worker replica, e.g. {num_gpus: 1} or {my_gpu: 1}; None = one GPU unless the engine runs on CPU",
     )
-    ingress_replicas: int = Field(
-        1, ge=1, description="ingress (HTTP, tokenization, routing) replicas"
+    ingress_replicas: int | None = Field(
+        None,
+        ge=1,
+        description="ingress (HTTP, tokenization, routing) replicas; None = two per worker replica "
+        "(per max_replicas with autoscaling), at most one per 4 CPUs of the Ray cluster, at least one",
     )
     http_proxy: Literal["auto", "serve", "haproxy"] = Field(
         "auto",
@@ -251,6 +254,15 @@ class ClusterConfig(BaseModel):
         if self.served_model_name:
             return self.served_model_name
         return self.engine.model if self.engine.model == "demo" else Path(self.engine.model).name
+
+    def ingress_count(self, cluster_cpus: float) -> int:
+        """Ingress replicas to run on a Ray cluster of `cluster_cpus` CPUs: the set number, or
+        two per worker replica, since one ingress streams about what one GPU replica of an
+        8B model produces (docs/serving.md, the HTTP front), capped by the CPUs."""
+        if self.ingress_replicas is not None:
+            return self.ingress_replicas
+        workers = self.autoscaling.max_replicas if self.autoscaling else self.worker_replicas
+        return max(1, min(2 * workers, int(cluster_cpus // 4)))
 
     def worker_ray_resources(self, cluster_has_gpus: bool) -> dict[str, Any]:
         """Ray actor options of one worker replica: explicit resources, or one GPU when there is one."""

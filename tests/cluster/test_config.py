@@ -44,6 +44,17 @@ def test_worker_gets_a_gpu_only_where_there_is_one() -> None:
     assert "num_gpus" not in cpu.worker_ray_resources(cluster_has_gpus=True)
 
 
+def test_ingress_replicas_default_to_two_per_worker_within_the_cpus() -> None:
+    """One ingress streams about one 8B GPU replica's tokens (docs/serving.md): two per
+    worker replica by default, at most one per 4 CPUs, at least one; a set number stands."""
+    assert ClusterConfig(worker_replicas=2).ingress_count(cluster_cpus=16) == 4
+    assert ClusterConfig(worker_replicas=2).ingress_count(cluster_cpus=8) == 2
+    assert ClusterConfig(worker_replicas=1).ingress_count(cluster_cpus=2) == 1
+    scaled = ClusterConfig(autoscaling={"min_replicas": 1, "max_replicas": 8})
+    assert scaled.ingress_count(cluster_cpus=128) == 16
+    assert ClusterConfig(worker_replicas=4, ingress_replicas=3).ingress_count(64) == 3
+
+
 def test_a_cpu_worker_leaves_a_core_to_the_request_path_on_many_cores() -> None:
     cpu, auto = EngineConfig(device="cpu"), EngineConfig(device="auto")
     assert [worker_torch_threads(cpu, None, cores, cuda=True) for cores in (1, 2, 4, 8, 16)] == [
