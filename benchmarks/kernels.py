@@ -1,6 +1,7 @@
 """`kvray bench kernels` (GPU): kvray paged decode vs FlashInfer and torch SDPA, plus the KV write
 and prefill (kvray's kernel, torch's FlashAttention-2 over gathered K/V as the engine runs it,
-and SDPA on contiguous K/V), and the decode-batch GEMV against cuBLAS, on Llama-3-8B attention shapes (32 q / 8 kv heads, head_dim 128, bf16, page 16).
+and SDPA on contiguous K/V), and the decode-batch GEMV against cuBLAS, on Llama-3-8B attention shapes (32 q / 8 kv heads, head_dim 128, bf16, page 16);
+and (`--only mla`) the absorbed MLA decode over DeepSeek's 576-wide latent rows.
 
 Every figure is the median per-call time over CUDA-graph replays (each graph holds many
 calls, cycling over several page sets so that small cases do not run out of L2), and is
@@ -371,6 +372,61 @@ def bench_gemv() -> list[dict[str, Any]]:
     return rows
 
 
+MLA_CASES = [(heads, b, n) for heads in (16, 128) for b in (1, 32, 128) for n in (1024, 4096)]
+
+
+def bench_mla() -> list[dict[str, Any]]:
+    """csrc's absorbed MLA decode (DeepSeek's 512 + 64 latent rows, one per token, scattered
+    over the cache as pages would be) against SDPA over the same rows gathered contiguous;
+    latent bytes / time against the copy ceiling. 16 heads: V2-Lite; 128: V2 / V3."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for heads, batch, n in MLA_CASES:
+        nbytes = batch * n * 576 * 2
+        sets = max(1, min(16, math.ceil(512e6 / nbytes)))
+        slots = batch * n * sets
+        cache = torch.randn(slots, 1, 576, device=DEV, dtype=DTYPE)
+        tables = torch.randperm(slots, device=DEV).to(torch.int32).view(sets, batch, n)
+        q = torch.randn(batch, heads, 576, device=DEV, dtype=DTYPE)
+        out = torch.empty(batch, heads, 512, device=DEV, dtype=DTYPE)
+        splits = cuda_ops.mla_num_splits(batch, heads, sms)
+        o_part = torch.empty(batch * heads * splits * 512, device=DEV)
+        ml_part = torch.empty(batch * heads * splits * 2, device=DEV)
+        rows_idx = torch.arange(batch, device=DEV, dtype=torch.int32)
+        lens = torch.full((batch,), n, device=DEV, dtype=torch.int32)
+        scale = 192**-0.5
+        ours: list[Callable[[], Any]] = [
+            partial(cuda_ops.mla_decode, q, cache, tables[i], rows_idx, lens, scale, out, o_part,
+                    ml_part, splits)
+            for i in range(sets)
+        ]  # fmt: skip
+        kvray_us = graph_time_us(ours)
+        query = q.unsqueeze(1)
+        gathered = [cache[tables[i].long()].view(batch, 1, n, 576) for i in range(min(sets, 2))]
+        sdpa = F.scaled_dot_product_attention
+        sdpa_us = graph_time_us(
+            [partial(sdpa, query, g, g[..., :512], scale=scale) for g in gathered]
+        )
+        row = {"heads": heads, "batch": batch, "seq_len": n, "splits": splits,
+               "kvray_us": kvray_us, "kvray_tbps": nbytes / kvray_us / 1e6,
+               "sdpa_contiguous_us": sdpa_us, "floor_us": nbytes / (COPY_TBPS * 1e6),
+               "tflops": batch * heads * n * (576 + 512) * 2 / kvray_us / 1e6}  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del cache, tables, gathered, ours
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_mla_table(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'MLA decode':<10} {'H':>3} {'B':>4} {'L':>5} | {'kvray us':>9} {'TB/s':>5} "
+          f"{'floor us':>8} {'TFLOP/s':>7} | {'SDPA us':>8}")  # fmt: skip
+    for r in rows:
+        print(f"{'':<10} {r['heads']:3d} {r['batch']:4d} {r['seq_len']:5d} | {r['kvray_us']:9.1f} "
+              f"{r['kvray_tbps']:5.2f} {r['floor_us']:8.1f} {r['tflops']:7.1f} | "
+              f"{r['sdpa_contiguous_us']:8.1f}")  # fmt: skip
+
+
 def print_gemv_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"\n{'linear (weight TB/s)':<16} {'M':>2} {'kvray us':>9} {'TB/s':>5} {'cuBLAS us':>10} {'TB/s':>5} {'floor us':>9}"
@@ -593,7 +649,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="three decode cases only")
     parser.add_argument(
         "--only",
-        choices=("decode", "store_kv", "prefill", "gemv"),
+        choices=("decode", "store_kv", "prefill", "gemv", "mla"),
         help="run one of the benchmarks",
     )
     parser.add_argument(
@@ -642,6 +698,7 @@ def run(args: argparse.Namespace) -> int:
         ("store_kv", bench_store_kv),
         ("prefill", bench_prefill),
         ("gemv", bench_gemv),
+        ("mla", bench_mla),
     ):
         if args.only not in (None, name):
             continue
@@ -667,4 +724,6 @@ def run(args: argparse.Namespace) -> int:
         print_prefill_table(result["prefill"])
     if "gemv" in result:
         print_gemv_table(result["gemv"])
+    if "mla" in result:
+        print_mla_table(result["mla"])
     return 1 if failed else 0
