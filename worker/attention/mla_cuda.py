@@ -57,7 +57,8 @@ class MlaCudaBackend(MlaTorchBackend):
         self.supports_graph = True
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._splits = [cuda_ops.mla_num_splits(b, num_heads, sms) for b in range(max_running + 1)]
-        parts = max(b * num_heads * s for b, s in enumerate(self._splits))
+        # partials only where a batch is split (one split writes the output directly)
+        parts = max((b * num_heads * s for b, s in enumerate(self._splits) if s > 1), default=0)
         self._o_part = torch.empty(parts * mla.kv_lora_rank, dtype=torch.float32, device=device)
         self._ml_part = torch.empty(parts * 2, dtype=torch.float32, device=device)
         self._rows: _Rows | None = None

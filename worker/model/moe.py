@@ -97,7 +97,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
         """transformers' default `grouped_mm` experts: (token, expert) pairs sorted by expert,
-        each expert's rows in one GEMM, then each token's k weighted outputs summed in
+        all experts' rows in one grouped GEMM, then each token's k weighted outputs summed in
         float32 in router order, cast once."""
         assert self.gate_up_stack is not None and self.down_stack is not None, "stack_experts()"
         ids, weights = self.gate(x)
