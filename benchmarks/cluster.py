@@ -52,7 +52,7 @@ import httpx
 import numpy as np
 
 from benchmarks import cluster_front, cluster_prefix
-from benchmarks.common import write_result
+from benchmarks.common import copy_tokenizer, write_result
 from benchmarks.serve import drive, engine_run, http_client, http_request, http_run
 from benchmarks.stats import (
     BenchSample,
@@ -451,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
         config = resolve_http_proxy(config, own_ray=True, nodes=args.ray_nodes)
     model_dir = resolve_model_path(engine.model)
     if args.tokenizer_from:
-        _copy_tokenizer(resolve_model_path(args.tokenizer_from), model_dir)
+        copy_tokenizer(resolve_model_path(args.tokenizer_from), model_dir)
     name = config.model_name
     vocab = Tokenizer.from_dir(model_dir).vocab_size
     base = config.model_dump(mode="json")
@@ -690,16 +690,3 @@ def _release_device(timeout_s: float = 60.0) -> None:
         if free > 0.9 * total:
             return
         time.sleep(1.0)
-
-
-def _copy_tokenizer(src: Path, dst: Path) -> None:
-    """A random-weights model directory has no tokenizer; the ingress needs one. Ids beyond
-    the borrowed vocabulary decode to nothing, which is fine for token-id benchmarks."""
-    for fname in (
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "chat_template.jinja",
-        "generation_config.json",
-    ):
-        if (src / fname).is_file() and not (dst / fname).is_file():
-            (dst / fname).write_bytes((src / fname).read_bytes())

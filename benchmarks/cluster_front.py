@@ -25,6 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from benchmarks import sse_stub
+from benchmarks.common import copy_tokenizer
 from benchmarks.stats import BenchSample, make_samples
 from cluster.config import ClusterConfig
 
@@ -63,12 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def front_scenario(args: argparse.Namespace, config: ClusterConfig) -> dict[str, Any]:
     """Every proxy's reference and front loads, and the client's floor of each."""
-    from benchmarks.cluster import _copy_tokenizer, _ready
+    from benchmarks.cluster import _ready
     from worker.model.demo import resolve_model_path
 
     front_dir = resolve_model_path(args.front_model)
     if args.tokenizer_from:
-        _copy_tokenizer(resolve_model_path(args.tokenizer_from), front_dir)
+        copy_tokenizer(resolve_model_path(args.tokenizer_from), front_dir)
     n = args.front_replicas
     loads = {
         "reference": (_samples(args, config.engine.model, 1, args.seed + 7), args.sat_concurrency),

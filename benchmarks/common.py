@@ -102,13 +102,20 @@ def write_result(path: str | Path | None, benchmark: str, data: dict[str, Any]) 
     Path(path).write_text(json.dumps(result, indent=2, default=str) + "\n")
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# generation_config.json too: its EOS ids, not the random shape's config.json ones, are
+# the borrowed tokenizer's
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 def copy_tokenizer(src: Path, dst: Path) -> None:
     """Give a random-weights model directory (which has none) the tokenizer of `src`, for
-    what needs one (grammars); ids beyond the borrowed vocabulary are never allowed by a
-    grammar, and decode to nothing."""
+    what needs one (grammars, an ingress); ids beyond the borrowed vocabulary are never
+    allowed by a grammar, and decode to nothing."""
     for name in TOKENIZER_FILES:
         if (src / name).is_file() and not (dst / name).is_file():
             (dst / name).write_bytes((src / name).read_bytes())
