@@ -64,18 +64,14 @@ class MlaCudaBackend(MlaTorchBackend):
         self._rows: _Rows | None = None
 
     def prepare(self, batch: ForwardBatch, view: CacheView) -> None:
-        super().prepare(batch, view)  # prompts; its decode group (zero width) goes unread
-        decode = [i for i, q in enumerate(batch.q_lens) if q == 1]
+        super().prepare(batch, view)  # prompts; its decode group's slots (zero width) go unread
+        g = self._group
         self._rows = None
-        if not decode:
-            return
-        if len(decode) == batch.batch_size:
-            self._rows = _Rows(None, batch.req_pool_indices, batch.seq_lens)
-            return
-        sel = torch.tensor(decode, device=batch.input_ids.device)
-        self._rows = _Rows(
-            batch.logits_indices[sel], batch.req_pool_indices[sel], batch.seq_lens[sel]
-        )
+        if g is not None:
+            rows, lens = batch.req_pool_indices, batch.seq_lens
+            if g.sel is not None:
+                rows, lens = rows[g.sel], lens[g.sel]
+            self._rows = _Rows(g.token_index, rows, lens)
 
     def _decode_width(self, view: CacheView, lens: list[int]) -> int:
         return 0

@@ -21,6 +21,7 @@ class _DecodeGroup:
     token_index: torch.Tensor | None
     slots: torch.Tensor  # [Bd, max_len] int64
     mask: torch.Tensor  # [Bd, 1, 1, max_len] bool
+    sel: torch.Tensor | None = None  # their batch rows (None: all, in order)
 
 
 @dataclass
@@ -57,7 +58,7 @@ class TorchNativeBackend(AttentionBackend):
             slots = view.req_to_token[group_rows, :max_len].long()
             mask = torch.arange(max_len, device=device)[None, :] < seq_lens[:, None]
             token_index = None if sel is None else batch.logits_indices[sel]
-            self._group = _DecodeGroup(token_index, slots, mask[:, None, None, :])
+            self._group = _DecodeGroup(token_index, slots, mask[:, None, None, :], sel)
         self._seqs = []
         start = 0
         for i, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.seq_lens_host, strict=True)):
