@@ -95,7 +95,12 @@ class RouterSettings(BaseModel):
     prompt_pages: int = Field(
         256, ge=1, description="leading pages of a prompt hashed for affinity"
     )
-    summary_pages: int = Field(4096, ge=1, description="most prefix-cache keys a replica reports")
+    summary_pages: int | None = Field(
+        None,
+        ge=1,
+        description="most prefix-cache keys a replica reports, most recent first; null = every "
+        "cached page, so affinity sees the whole cache (tenants' contexts that fill it)",
+    )
     prefix_affinity: bool = Field(
         True, description="send prompts where their prefix is cached; False = route on load alone"
     )

@@ -122,7 +122,7 @@ class WorkerDeployment:
     def __init__(
         self,
         engine_config: EngineConfig,
-        summary_pages: int = 4096,
+        summary_pages: int | None = None,
         stall_threshold_s: float = 60.0,
         cpu_threads: int | None = None,
         fault_injection: bool = False,

@@ -34,7 +34,6 @@ from worker.validation import EngineRequest, check_request
 
 log = logging.getLogger("kvray.engine")
 
-SUMMARY_PAGES = 4096  # most prefix-cache keys a replica reports to the router
 SUMMARY_REFRESH_S = 0.05
 
 
@@ -540,7 +539,7 @@ class Engine:
         # one: an idle engine has no next step to refresh it
         settled = not sched.has_work and self._inflight is None
         if settled or now - self._summary_time > SUMMARY_REFRESH_S:
-            self._summary, self._summary_time = cache.prefix_summary(SUMMARY_PAGES), now
+            self._summary, self._summary_time = cache.prefix_summary(), now
         self.stats_snapshot = self.observer.snapshot(cache, sched)
 
     def stats(self) -> EngineStats:
@@ -557,10 +556,10 @@ class Engine:
             loop_alive=alive,
         )
 
-    def prefix_summary(self, max_pages: int = SUMMARY_PAGES) -> list[int]:
-        """Keys of cached pages, most recent first, as of the last refresh (at most
+    def prefix_summary(self, max_pages: int | None = None) -> list[int]:
+        """Keys of cached pages, most recent first (None: all), as of the last refresh (at most
         SUMMARY_REFRESH_S old while the engine steps, current once it has nothing to step)."""
-        return self._summary[:max_pages]
+        return self._summary if max_pages is None else self._summary[:max_pages]
 
 
 def _carried(current: PendingStep, following: list[ScheduledTask]) -> list[tuple[int, int]]:

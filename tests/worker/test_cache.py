@@ -148,6 +148,7 @@ def test_prefix_summary_lists_cached_keys_most_recently_used_first() -> None:
     cache.park(3)
     assert cache.evict() == 3
     assert cache.summary(10) == [12, 11, 14]
+    assert cache.summary() == [12, 11, 14]  # no cap: the whole cache
 
 
 def test_latent_storage_is_one_row_that_is_both_k_and_v():

@@ -83,13 +83,12 @@ def test_the_prefix_summary_is_current_once_the_engine_is_idle(engine_factory):
     """The routers' view of the cache (`prefix_summary`) is refreshed at most every 50 ms
     during steps; an engine that then goes idle must not keep an older one, since no step
     would come to refresh it (and an idle replica's routing reports no longer change)."""
-    from worker.engine import SUMMARY_PAGES
 
     engine = engine_factory()
     engine.step()  # nothing to do: the summary is fresh now, so the next steps' are throttled
     _run(engine, [engine.submit(_reqs("s", 2, max_tokens=6))])
     assert not engine.has_work
-    current = engine.executor.cache.prefix_summary(SUMMARY_PAGES)
+    current = engine.executor.cache.prefix_summary()
     assert current and engine.prefix_summary() == current
 
 
