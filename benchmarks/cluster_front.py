@@ -137,13 +137,22 @@ def _saturate(
     proxy: str,
 ) -> dict[str, Any]:
     """Deploy `config`, then the streamed saturation load from every client process."""
+    import ray
+
     from benchmarks.cluster import _deploy, _http_run_procs, _measured, _show
 
     deploy_s = _deploy(config)
+    ingress = config.ingress_count(ray.cluster_resources().get("CPU", 0))  # as build_app chose
     name = config.model_name
     summary = asyncio.run(_measured(_http_run_procs(pool, url, name, samples, concurrency)))
-    _show(f"{proxy}, {config.worker_replicas} x {name}", summary)
-    return {**summary, "model": name, "replicas": config.worker_replicas, "deploy_s": deploy_s}
+    _show(f"{proxy}, {ingress} ingress, {config.worker_replicas} x {name}", summary)
+    return {
+        **summary,
+        "model": name,
+        "replicas": config.worker_replicas,
+        "ingress_replicas": ingress,
+        "deploy_s": deploy_s,
+    }
 
 
 def _reference_config(config: ClusterConfig, port: int) -> ClusterConfig:

@@ -5,7 +5,8 @@ The workload follows SGLang's `generated-shared-prefix`: `--tenants` tenants, ea
 context of its own (`--tenant-context-len` random tokens) and `--tenant-questions` questions
 (`--question-len` tokens, `--answer-len` tokens out), all tenants' requests shuffled together
 and sent with Poisson arrivals at `--tenant-rate`. The low-reuse control has the same
-requests and token counts, but every prompt is its own random sequence. Each replica's KV
+request lengths, but every prompt is its own random sequence (`--control-requests` of
+them, default as many as the tenants' requests). Each replica's KV
 cache holds `--tenant-kv-tokens` (default 1.5 x all contexts / replicas: the replicas
 together hold every context, one alone cannot), so where a tenant's requests go decides
 what stays cached.
@@ -56,7 +57,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--control",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also run the low-reuse control (same token counts, no shared prefix)",
+        help="also run the low-reuse control (same request lengths, no shared prefix)",
+    )
+    g.add_argument(
+        "--control-requests",
+        type=int,
+        help="requests of the control; default tenants x questions (fewer keeps a "
+        "prefill-bound control short)",
     )
     g.add_argument("--staleness-trials", type=int, default=20, help="0 = no staleness probe")
     g.add_argument(
@@ -84,13 +91,13 @@ def tenant_samples(args: argparse.Namespace, vocab: int, seed: int) -> list[Benc
 
 
 def control_samples(args: argparse.Namespace, vocab: int, seed: int) -> list[BenchSample]:
-    """As many requests of the same lengths, each prompt random from its first token."""
+    """Requests of the tenants' lengths, each prompt random from its first token."""
     rng = np.random.default_rng(seed)
     low, high = min(1000, vocab // 4), vocab - 1
     length = args.tenant_context_len + args.question_len
     return [
         BenchSample(rng.integers(low, high, size=length).tolist(), args.answer_len)
-        for _ in range(args.tenants * args.tenant_questions)
+        for _ in range(args.control_requests or args.tenants * args.tenant_questions)
     ]
 
 
@@ -117,6 +124,7 @@ def prefix_scenario(
         "kv_tokens_per_replica": kv_tokens,
         "shared_context_tokens": args.tenants * args.tenant_context_len,
         "requests": args.tenants * args.tenant_questions,
+        "control_requests": args.control_requests or args.tenants * args.tenant_questions,
         "policies": {},
     }
     policies = [p for p in args.policies.split(",") if p]
