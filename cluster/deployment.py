@@ -29,6 +29,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncGenerator
+from itertools import islice, takewhile
 from typing import Any
 
 import torch
@@ -53,6 +54,9 @@ from worker.validation import InvalidRequest
 
 HEARTBEAT = encode_deltas([])  # an empty step frame: "still queued, the engine is stepping"
 ANSWERED_REPORT_S = 600.0  # a sender's answered count is reported while it sent in this window
+# A queued prompt's page keys are reported as cached for this long: every router then sends
+# its tenant's next prompts here before the engine has computed (and itself reports) them.
+QUEUED_KEYS_S = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +147,8 @@ class WorkerDeployment:
         # requests answered (accepted or refused) per sending ingress, and when last: the
         # routers count what they sent here and this has not answered yet (cluster/router.py)
         self._answered: dict[str, tuple[int, float]] = {}
+        # page key -> until when (monotonic) it is reported for a prompt queued here; oldest first
+        self._queued_keys: dict[int, float] = {}
         self._last_report: dict[str, Any] | None = None  # record_routing_stats, and since when
         self._last_report_time = 0.0
         self._stall_threshold_s = stall_threshold_s
@@ -177,7 +183,33 @@ class WorkerDeployment:
         self._mailboxes[ingress_id] = box
         if not box.attached:
             self._reap_later(ingress_id, box)
+        if hint.page_hashes:
+            self._queue_keys(hint.page_hashes)
         return encode_accepted(self._replica_id)
+
+    def _queue_keys(self, prompts: tuple[tuple[int, ...], ...]) -> None:
+        """Report the accepted prompts' leading page keys (the ingress hashed them for the
+        router) for QUEUED_KEYS_S, at most as many keys as the cache has pages."""
+        until, keys = time.monotonic() + QUEUED_KEYS_S, self._queued_keys
+        for prompt in prompts:
+            for key in prompt:
+                if not isinstance(key, int):
+                    continue  # not a page hash: nothing to route by
+                keys.pop(key, None)  # to the end: the order stays the expiry order
+                keys[key] = until
+        excess = len(keys) - self._engine.executor.cache.num_total_pages
+        for key in list(islice(keys, max(0, excess))):
+            del keys[key]
+
+    def _prefix_keys(self) -> list[int]:
+        """The prompts queued here (newest first), then the engine's cached pages."""
+        cached, keys, now = self._engine.prefix_summary(), self._queued_keys, time.monotonic()
+        expired = list(takewhile(lambda key: keys[key] <= now, keys))
+        for key in expired:
+            del keys[key]
+        if keys:
+            cached = [*reversed(keys), *(key for key in cached if key not in keys)]
+        return cached if self._summary_pages is None else cached[: self._summary_pages]
 
     async def session(self, hint: RouteHint, ingress_id: str) -> AsyncGenerator[bytes, None]:
         """The deltas of everything `ingress_id` queued here: an accept frame, then one
@@ -316,7 +348,7 @@ class WorkerDeployment:
             "waiting_tokens": stats.waiting_tokens,
             "num_free_pages": stats.num_free_pages,
             "kv_usage": stats.kv_usage,
-            "prefix_keys": self._engine.prefix_summary(self._summary_pages),
+            "prefix_keys": self._prefix_keys(),
             "stalled_s": self._stalled_s(stats),
             "answered": self._answered_counts(),
         }

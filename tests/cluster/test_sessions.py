@@ -346,3 +346,25 @@ def test_an_abort_names_its_ingress_and_leaves_another_ingresss_requests_alone(m
     a, b = asyncio.run(run())
     assert a == {"a0": 12}  # untouched
     assert b == {"b0": "abort"}
+
+
+def test_a_queued_prompts_pages_are_reported_until_the_engine_reports_them(
+    make_worker, monkeypatch
+) -> None:
+    """A tenant's next prompt must find this replica before its context is computed: the
+    page hashes of an accepted prompt are reported for QUEUED_KEYS_S, newest first, then
+    drop out; at most as many as the cache has pages."""
+    import time
+
+    monkeypatch.setattr(deployment, "QUEUED_KEYS_S", 0.5)
+    worker = make_worker(linger_s=0.1)
+    asyncio.run(worker.submit(RouteHint(page_hashes=((11, 12, 13),)), payload("a", 1, 1), "i"))
+    asyncio.run(worker.submit(RouteHint(page_hashes=((11, 21),)), payload("b", 1, 1), "i"))
+    assert worker.record_routing_stats()["prefix_keys"][:4] == [21, 11, 13, 12]
+    time.sleep(0.6)
+    assert not {11, 12, 13, 21} & set(worker.record_routing_stats()["prefix_keys"])
+
+    pages = worker._engine.executor.cache.num_total_pages
+    many = tuple(range(10_000, 10_000 + pages + 50))
+    asyncio.run(worker.submit(RouteHint(page_hashes=(many,)), payload("d", 1, 1), "i"))
+    assert len(worker._queued_keys) == pages and many[-1] in worker._queued_keys
