@@ -84,6 +84,7 @@ def test_the_tenant_workload_shares_each_context_and_the_control_shares_nothing(
         answer_len=5,
         tenant_kv_tokens=None,
         replicas=2,
+        control_requests=None,  # as many as the tenants' requests
     )
     samples = tenant_samples(args, vocab=49152, seed=0)
     assert len(samples) == 12 and all(len(s.prompt) == 40 and s.output_len == 5 for s in samples)
@@ -93,5 +94,7 @@ def test_the_tenant_workload_shares_each_context_and_the_control_shares_nothing(
     control = control_samples(args, vocab=49152, seed=0)
     assert [len(s.prompt) for s in control] == [len(s.prompt) for s in samples]
     assert len({tuple(s.prompt[:16]) for s in control}) == 12  # no page in common
+    args.control_requests = 5
+    assert [len(s.prompt) for s in control_samples(args, vocab=49152, seed=0)] == [40] * 5
     # the replicas together hold every context 1.5 times over, one alone cannot
     assert kv_tokens_per_replica(args) == 72 < 3 * 32
