@@ -97,8 +97,12 @@ def control_samples(args: argparse.Namespace, vocab: int, seed: int) -> list[Ben
     length = args.tenant_context_len + args.question_len
     return [
         BenchSample(rng.integers(low, high, size=length).tolist(), args.answer_len)
-        for _ in range(args.control_requests or args.tenants * args.tenant_questions)
+        for _ in range(control_requests(args))
     ]
+
+
+def control_requests(args: argparse.Namespace) -> int:
+    return args.control_requests or args.tenants * args.tenant_questions
 
 
 def kv_tokens_per_replica(args: argparse.Namespace) -> int:
@@ -124,7 +128,7 @@ def prefix_scenario(
         "kv_tokens_per_replica": kv_tokens,
         "shared_context_tokens": args.tenants * args.tenant_context_len,
         "requests": args.tenants * args.tenant_questions,
-        "control_requests": args.control_requests or args.tenants * args.tenant_questions,
+        "control_requests": control_requests(args),
         "policies": {},
     }
     policies = [p for p in args.policies.split(",") if p]

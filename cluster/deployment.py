@@ -149,6 +149,7 @@ class WorkerDeployment:
         self._answered: dict[str, tuple[int, float]] = {}
         # page key -> until when (monotonic) it is reported for a prompt queued here; oldest first
         self._queued_keys: dict[int, float] = {}
+        self._max_queued_keys = self._engine.executor.cache.num_total_pages  # no more are cached
         self._last_report: dict[str, Any] | None = None  # record_routing_stats, and since when
         self._last_report_time = 0.0
         self._stall_threshold_s = stall_threshold_s
@@ -197,7 +198,7 @@ class WorkerDeployment:
                     continue  # not a page hash: nothing to route by
                 keys.pop(key, None)  # to the end: the order stays the expiry order
                 keys[key] = until
-        excess = len(keys) - self._engine.executor.cache.num_total_pages
+        excess = len(keys) - self._max_queued_keys
         for key in list(islice(keys, max(0, excess))):
             del keys[key]
 

@@ -348,8 +348,8 @@ class KVCache(CacheView):
     def admitted(self, request: Request) -> None:
         """The scheduler kept an admission (it may roll one back and retry it next step)."""
 
-    def prefix_summary(self, max_pages: int | None = None) -> list[int]:
-        """Keys of cached pages, most recently used first; None = all of them."""
+    def prefix_summary(self) -> list[int]:
+        """Keys of every cached page, most recently used first."""
         return []
 
     @property
@@ -505,8 +505,8 @@ class PageCache(KVCache):
         self._published[row] = 0
         self._reset_row(request)
 
-    def prefix_summary(self, max_pages: int | None = None) -> list[int]:
-        return self.prefix.summary(max_pages) if self.prefix else []
+    def prefix_summary(self) -> list[int]:
+        return self.prefix.summary() if self.prefix else []
 
     @property
     def prefix_stats(self) -> tuple[int, int]:

@@ -556,10 +556,10 @@ class Engine:
             loop_alive=alive,
         )
 
-    def prefix_summary(self, max_pages: int | None = None) -> list[int]:
-        """Keys of cached pages, most recent first (None: all), as of the last refresh (at most
+    def prefix_summary(self) -> list[int]:
+        """Keys of cached pages, most recent first, as of the last refresh (at most
         SUMMARY_REFRESH_S old while the engine steps, current once it has nothing to step)."""
-        return self._summary if max_pages is None else self._summary[:max_pages]
+        return self._summary
 
 
 def _carried(current: PendingStep, following: list[ScheduledTask]) -> list[tuple[int, int]]:

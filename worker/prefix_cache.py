@@ -75,6 +75,4 @@ class PrefixCache:
         """Keys now cached, most recently used first (what the router matches prompts against).
         The engine thread takes it after a step, before the step's tokens go out, so the keys
         are walked in C rather than a Python loop."""
-        if max_pages is None:
-            return list(reversed(self._recent))
         return list(islice(reversed(self._recent), max_pages))
