@@ -85,12 +85,18 @@ def test_the_tenant_workload_shares_each_context_and_the_control_shares_nothing(
         tenant_kv_tokens=None,
         replicas=2,
         control_requests=None,  # as many as the tenants' requests
+        tenant_warmup=True,
     )
-    samples = tenant_samples(args, vocab=49152, seed=0)
+    warmup, samples = tenant_samples(args, vocab=49152, seed=0)
     assert len(samples) == 12 and all(len(s.prompt) == 40 and s.output_len == 5 for s in samples)
     contexts = [tuple(s.prompt[:32]) for s in samples]
     assert sorted(contexts.count(c) for c in set(contexts)) == [4, 4, 4]
     assert contexts != sorted(contexts, key=contexts.index)  # tenants interleaved, not in runs
+    # the warm-up asks each tenant one question of its own, not one of the measured ones
+    assert sorted(tuple(s.prompt[:32]) for s in warmup) == sorted(set(contexts))
+    assert not {tuple(s.prompt) for s in warmup} & {tuple(s.prompt) for s in samples}
+    args.tenant_warmup = False
+    assert tenant_samples(args, vocab=49152, seed=0) == ([], samples)
     control = control_samples(args, vocab=49152, seed=0)
     assert [len(s.prompt) for s in control] == [len(s.prompt) for s in samples]
     assert len({tuple(s.prompt[:16]) for s in control}) == 12  # no page in common

@@ -57,7 +57,7 @@ def result(ray_harness: RayHarness) -> Iterator[dict[str, Any]]:
 
 def test_every_policy_answers_every_request_of_both_loads(result: dict[str, Any]) -> None:
     json.dumps(result)  # the result file is plain JSON
-    assert result["requests"] == TENANTS * QUESTIONS
+    assert (result["requests"], result["warmup_requests"]) == (TENANTS * QUESTIONS, TENANTS)
     assert result["kv_tokens_per_replica"] < result["shared_context_tokens"]
     assert list(result["policies"]) == ["prefix_load", "power_of_two"]
     for policy, runs in result["policies"].items():
@@ -69,6 +69,7 @@ def test_every_policy_answers_every_request_of_both_loads(result: dict[str, Any]
             assert run["ttft_ms"]["p50"] <= run["ttft_ms"]["p90"]
             assert run["itl_ms"]["p50"] <= run["itl_ms"]["p99"]
             rates = [run["prefix_hit_rate"], *run["per_replica_hit_rate"]]
+            assert runs["warmup_s"] > 0  # every tenant asked once before the measured run
             assert len(rates) == 3 and all(0.0 <= r <= 1.0 for r in rates), (policy, load, rates)
 
 
