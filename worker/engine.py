@@ -506,6 +506,7 @@ class Engine:
             self._thread.join(timeout=10)
         if self._grammars is not None:
             self._grammars.shutdown()
+        self.executor.close()
 
     def _loop(self) -> None:
         while True:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +51,7 @@ class PendingStep:
     host_ids: torch.Tensor | None = None  # pinned buffer the sampled ids are copied into
     done: torch.cuda.Event | None = None  # recorded after that copy (CUDA only)
     sampled: SamplerOutput | None = None  # kept when logprobs were asked for (read at resolve)
+    wants_logprobs: bool = False  # a request asked for logprobs: `sampled` will be kept
     overlapped: bool = False  # queued before the previous step's tokens were read
     advanced: bool = False  # its requests were advanced past it before its results were read
     started: torch.cuda.Event | None = None  # recorded before its first kernel (CUDA only)
@@ -58,6 +59,9 @@ class PendingStep:
     schedule_seconds: float = 0.0  # host time the engine spent choosing its tasks (Engine.step)
     num_decodes: int = 0  # set at launch when the engine times its steps (worker/stats.py)
     num_prompt_tokens: int = 0
+    # the sampling still to queue, behind its grammars' masks (`Executor.finish_sampling`)
+    unsampled: Callable[[], None] | None = None
+    error: BaseException | None = None  # queueing that sampling failed: the step has no ids
 
     def device_seconds(self) -> float | None:
         """The step's span on the device stream, from its first queued work to the copy of its
@@ -69,7 +73,7 @@ class PendingStep:
 
     @property
     def needs_host_logprobs(self) -> bool:
-        return self.sampled is not None
+        return self.wants_logprobs
 
 
 class Executor:
@@ -201,6 +205,9 @@ class Executor:
     def resolve(self, pending: PendingStep) -> StepResult:
         """Wait for a launched step; its sampled ids (and logprobs) on the host."""
         try:
+            self.finish_sampling(pending)
+            if pending.error is not None:
+                raise pending.error
             if pending.done is not None:
                 pending.done.synchronize()
             n = len(pending.rows)
@@ -218,11 +225,32 @@ class Executor:
         self.cache.invalidate_bind()
         self._sampling = None
         self._previous = None
+        if self._masks is not None:
+            self._masks.settle()
+
+    def close(self) -> None:
+        """Stop the mask builder's thread (the model and cache go with the executor)."""
+        if self._masks is not None:
+            self._masks.close()
+
+    @torch.inference_mode()
+    def finish_sampling(self, pending: PendingStep) -> None:
+        """Queue a step's sampling, if its grammars' masks held it back (once; a failure is
+        kept on the step, for `resolve`)."""
+        unsampled, pending.unsampled = pending.unsampled, None
+        if unsampled is not None:
+            try:
+                unsampled()
+            except BaseException as e:
+                pending.error = e
+                raise
 
     def _launch(
         self, tasks: list[ScheduledTask], carried: Sequence[tuple[int, int]]
     ) -> PendingStep:
         ws = self.workspace
+        if self._previous is not None:  # this step's input ids are the previous step's samples
+            self.finish_sampling(self._previous)
         slot = self._flip ^ 1  # the buffers of the step before this one may still be in use
         started = self._started[slot]
         if started is not None:
@@ -242,32 +270,45 @@ class Executor:
             assert batch.sample_rows is not None and len(batch.sample_rows) == len(rows)
             logits = logits.index_select(0, batch.sample_rows)
         info = self._sampling_info(tasks, rows, batch.steady is not None)
-        # the host fills the grammars' masks while the device runs the forward queued above
+        # The grammars' masks are filled while the device runs the forward queued above, and
+        # (CUDA) while the engine reads the step before: the sampling is queued at the latest,
+        # when the next step is launched or this one resolved.
         mask = self._grammar_mask(tasks, rows, info) if info.grammar_rows else None
-        next_ids = ws.next_token_ids[: len(rows)]
-        sampled = None
+        self._flip = slot
+        pending = PendingStep(tasks, rows, self._host_ids[slot], self._done[slot], started=started)
+        pending.wants_logprobs = info.max_logprobs is not None
+        self._previous = pending
+        if mask is None:
+            self._sample(pending, logits, info, None)
+        else:
+            pending.unsampled = lambda: self._sample(pending, logits, info, mask())
+        return pending
+
+    def _sample(
+        self,
+        pending: PendingStep,
+        logits: torch.Tensor,
+        info: SamplingBatchInfo,
+        mask: TokenMask | None,
+    ) -> None:
+        next_ids = self.workspace.next_token_ids[: len(pending.rows)]
         if info.plain_greedy:  # no sampler, and no allocation without a grammar
             torch.argmax(logits if mask is None else mask.apply(logits), dim=-1, out=next_ids)
         else:
             out = sample(logits, info, mask)
             info.record(out.token_ids)
             next_ids.copy_(out.token_ids)
-            sampled = out if info.max_logprobs is not None else None
+            pending.sampled = out if pending.wants_logprobs else None
         # The one device-to-host copy of a step, into pinned memory, two buffers in turn: it
         # is queued behind the step and waited for only when the step is resolved.
-        self._flip = slot
-        host = self._host_ids[slot][: len(rows)]
-        host.copy_(next_ids, non_blocking=True)
-        done = self._done[slot]
-        if done is not None:
-            done.record()
-        pending = PendingStep(tasks, rows, self._host_ids[slot], done, sampled, started=started)
-        self._previous = pending
-        return pending
+        assert pending.host_ids is not None
+        pending.host_ids[: len(pending.rows)].copy_(next_ids, non_blocking=True)
+        if pending.done is not None:
+            pending.done.record()
 
     def _grammar_mask(
         self, tasks: list[ScheduledTask], rows: list[int], info: SamplingBatchInfo
-    ) -> TokenMask:
+    ) -> Callable[[], TokenMask]:
         """This step's masks of the rows with a grammar, each grammar first brought up to date
         with its request's output. A token the step in flight sampled is not on the host yet
         (PENDING, overlapped scheduling): it is read from that step's copy, which the device
@@ -287,7 +328,7 @@ class Executor:
                 new[-1] = pending[id(request)]
             state.consume(new)
             states.append(state)
-        return self._masks.build(states, info.grammar_rows, len(rows))
+        return self._masks.start(states, info.grammar_rows, len(rows))
 
     def _previous_ids(self) -> dict[int, int]:
         """The sampled ids of the step launched before this one, by id() of their request."""

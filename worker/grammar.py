@@ -9,10 +9,11 @@ per-step token bitmasks the sampler applies on the device.
   output tokens it has consumed.
 - `MaskBuilder` fills, each step, one row of bits per constrained request into pinned host
   memory and copies the rows to the device in one copy, as a `worker.sampling.TokenMask`.
-  The executor calls it after the step's forward is queued, so on CUDA the host work
-  overlaps the device's, and there the rows are filled in parallel (llguidance's thread
-  pool, without the GIL). On CPU they are filled one by one: the cores that would fill
-  them in parallel are the forward's.
+  The executor starts it after the step's forward is queued and takes the mask only when
+  it must queue the step's sampling. On CUDA the rows are filled on a thread of the
+  builder's, in parallel (llguidance's pool; it drops the GIL), while the engine's thread
+  reads the step before and schedules the next one. On CPU they are filled one by one,
+  at once: the cores that would fill them in parallel are the forward's.
 
 llguidance builds a grammar's lexer lazily, during the first masks rather than at compile
 time; copies of one compiled matcher share what it has built.
@@ -24,7 +25,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -144,45 +145,101 @@ class MaskBuilder:
     device buffer. Each holds the rows' bits, then their batch row indices, so one copy
     moves both."""
 
-    def __init__(self, vocab_size: int, max_rows: int, device: torch.device):
+    def __init__(
+        self, vocab_size: int, max_rows: int, device: torch.device, threaded: bool | None = None
+    ):
+        """`threaded`: fill on the builder's thread (default: on CUDA, where a step's host
+        work overlaps the device's)."""
         import llguidance
 
         self.vocab_size, self.width, self.max_rows = vocab_size, (vocab_size + 31) // 32, max_rows
         size = max_rows * (self.width + 1)
-        pin = device.type == "cuda"
-        self._host = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        cuda = device.type == "cuda"
+        self._host = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
         self._device = torch.zeros(size, dtype=torch.int32, device=device)
         # bit b of an int32 word, as int32 (bit 31 is the sign bit)
         bits = [1 << b for b in range(31)] + [-(1 << 31)]
         self._bits = torch.tensor(bits, dtype=torch.int32, device=device)
-        self._executor = llguidance.LLExecutor() if device.type == "cuda" else None
+        self._executor = llguidance.LLExecutor() if cuda else None
+        threaded = cuda if threaded is None else threaded
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="kvray-mask") if threaded else None
+        self._filling: Future[None] | None = None
         self._turn = 0
 
     def build(self, states: Sequence[GrammarState], rows: Sequence[int], batch: int) -> TokenMask:
         """The mask of batch rows `rows` (in order), state k constraining row rows[k]."""
+        return self.start(states, rows, batch)()
+
+    def start(
+        self, states: Sequence[GrammarState], rows: Sequence[int], batch: int
+    ) -> Callable[[], TokenMask]:
+        """Begin the mask of `build`; the returned call waits for the rows, queues their copy
+        to the device and gives the mask. The states must not be used until it is called."""
+        self.settle()  # the last fill wrote the other buffer; it is done before this one starts
         k, width = len(states), self.width
         self._turn ^= 1
         host = self._host[self._turn]
         masks = host[: k * width].view(k, width)
-        self._fill(states, masks)
         host[k * width : k * width + k] = torch.tensor(rows, dtype=torch.int32)
-        device = self._device[: k * width + k]
-        device.copy_(host[: k * width + k], non_blocking=True)
-        all_rows = k == batch  # rows are 0..k-1 in order: no gather needed
-        return TokenMask(
-            device[: k * width].view(k, width),
-            None if all_rows else device[k * width :].long(),
-            self._bits,
-        )
+        if self._filler is not None:
+            entered = threading.Event()
+            self._filling = self._filler.submit(self._fill, states, masks, entered)
+            # Until llguidance drops the GIL, the filler needs it, and CPython hands it to a
+            # waiting thread only after 5 ms of this one's Python: wait, so the filler starts now.
+            entered.wait()
+        else:  # filled now; a failure surfaces in `finish`, as one on the thread would
+            self._filling = Future()
+            try:
+                self._fill(states, masks)
+                self._filling.set_result(None)
+            except Exception as e:
+                self._filling.set_exception(e)
 
-    def _fill(self, states: Sequence[GrammarState], masks: torch.Tensor) -> None:
+        def finish() -> TokenMask:
+            self.settle(raise_error=True)
+            for i, s in enumerate(states):
+                if s.error is not None:  # a failed request samples freely until it is ended
+                    masks[i].fill_(-1)
+            device = self._device[: k * width + k]
+            device.copy_(host[: k * width + k], non_blocking=True)
+            all_rows = k == batch  # rows are 0..k-1 in order: no gather needed
+            return TokenMask(
+                device[: k * width].view(k, width),
+                None if all_rows else device[k * width :].long(),
+                self._bits,
+            )
+
+        return finish
+
+    def settle(self, raise_error: bool = False) -> None:
+        """Wait for the fill in flight, if any (its error raised only when asked)."""
+        filling, self._filling = self._filling, None
+        if filling is not None:
+            error = filling.exception()
+            if error is not None and raise_error:
+                raise error
+
+    def close(self) -> None:
+        self.settle()
+        if self._filler is not None:
+            self._filler.shutdown(wait=False)
+
+    def _fill(
+        self,
+        states: Sequence[GrammarState],
+        masks: torch.Tensor,
+        entered: threading.Event | None = None,
+    ) -> None:
+        """The rows' bits; `entered` is set just before the (first) call that drops the GIL."""
         row_bytes, base = self.width * 4, masks.data_ptr()
-        if self._executor is not None and len(states) > 1:
-            pairs = [(s.matcher, k) for k, s in enumerate(states)]
+        parallel = self._executor is not None and len(states) > 1
+        try:
+            pairs = [(s.matcher, k) for k, s in enumerate(states)] if parallel else []
+        finally:
+            if entered is not None:
+                entered.set()
+        if self._executor is not None and parallel:
             self._executor.unsafe_compute_mask_ptr(pairs, base, row_bytes, len(states))
         else:
             for k, s in enumerate(states):
                 s.matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
-        for k, s in enumerate(states):
-            if s.error is not None:  # a failed request samples freely until it is ended
-                masks[k].fill_(-1)

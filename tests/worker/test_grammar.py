@@ -161,10 +161,17 @@ def _constrained(n: int, max_tokens: int = 24) -> list[EngineRequest]:
     ]
 
 
-def test_overlapped_steps_read_the_token_in_flight_into_the_grammar(random_dir) -> None:
+@pytest.mark.parametrize("threaded", [False, True], ids=["filled-at-once", "filled-on-a-thread"])
+def test_overlapped_steps_read_the_token_in_flight_into_the_grammar(
+    random_dir, threaded: bool
+) -> None:
     """With overlap the next step is queued before this step's tokens are read: its mask
-    must still follow them. Same tokens as the plain engine, each a valid prefix."""
+    must still follow them. Same tokens as the plain engine, each a valid prefix; also with
+    the masks filled on the builder's thread (as on CUDA) while the engine reads the step
+    before."""
     plain, overlapped = _engine(random_dir, overlap=False), _engine(random_dir, overlap=True)
+    if threaded:
+        overlapped.executor._masks = MaskBuilder(49152, 8, torch.device("cpu"), threaded=True)
     requests = _constrained(4) + [
         EngineRequest("free", [5, 6, 7], SamplingParams(max_tokens=24, ignore_eos=True, **GREEDY))
     ]
@@ -180,6 +187,36 @@ def test_overlapped_steps_read_the_token_in_flight_into_the_grammar(random_dir) 
     for engine in (plain, overlapped):
         assert engine.executor.cache.num_free_pages == engine.executor.cache.num_total_pages
         engine.shutdown()
+
+
+def test_a_mask_that_fails_ends_its_steps_requests_and_the_engine_goes_on(
+    random_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sampling behind a grammar's mask is queued late (when the next step is launched):
+    should the mask fail there, the step's requests and those of the step queued after it end
+    with an error instead of reading ids never sampled, and the engine serves the next ones."""
+    engine = _engine(random_dir, overlap=True)
+    fills = 0
+    fill = MaskBuilder._fill
+
+    def failing_fill(self, states, masks) -> None:
+        nonlocal fills
+        fills += 1
+        if fills == 5:
+            raise RuntimeError("mask fill failed")
+        fill(self, states, masks)
+
+    monkeypatch.setattr(MaskBuilder, "_fill", failing_fill)
+    free = EngineRequest(
+        "free", [5, 6, 7], SamplingParams(max_tokens=24, ignore_eos=True, **GREEDY)
+    )
+    got = _until_finished(engine, _constrained(2) + [free])
+    assert {d.finish_reason for d in got.values()} == {"error"}, got
+    assert "mask fill failed" in (got["g0"].error or "")
+    again = _until_finished(engine, [_renamed(r, f"again-{r.request_id}") for r in _constrained(2)])
+    assert {d.finish_reason for d in again.values()} == {"length"}
+    assert engine.executor.cache.num_free_pages == engine.executor.cache.num_total_pages
+    engine.shutdown()
 
 
 def test_a_request_waits_for_its_grammar_off_the_loop_thread(random_dir) -> None:
