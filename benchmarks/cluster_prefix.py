@@ -94,7 +94,8 @@ def tenant_samples(
     and every tenant's questions behind its context, the tenants interleaved at random."""
     rng = np.random.default_rng(seed)
     low, high = min(1000, vocab // 4), vocab - 1
-    warmup, samples = [], []
+    warmup: list[BenchSample] = []
+    samples: list[BenchSample] = []
     for _ in range(args.tenants):
         context = rng.integers(low, high, size=args.tenant_context_len).tolist()
         for i in range(args.tenant_questions + 1):
