@@ -21,7 +21,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.executor import Executor, PendingStep, StepResult
-from worker.grammar import CompiledGrammar, GrammarCompiler
+from worker.grammar import CompiledGrammar, GrammarCompiler, fill_threads
 from worker.model.config import ModelConfig
 from worker.model.demo import resolve_model_path
 from worker.outputs import FinishReason, RequestDelta
@@ -149,7 +149,9 @@ class Engine:
             if self._grammars is None:
                 hf = self.tokenizer.hf_tokenizer
                 vocab = self.model_config.vocab_size
-                self._grammars = GrammarCompiler(hf, vocab, self.eos_token_ids)
+                # on CUDA the masks are filled in parallel: rows need matchers of their own compiles
+                compiles = fill_threads() if self.executor.device.type == "cuda" else 1
+                self._grammars = GrammarCompiler(hf, vocab, self.eos_token_ids, compiles=compiles)
             return self._grammars
 
     def _grammar_ready(self, request: Request, compiled: Future[CompiledGrammar]) -> None:

@@ -21,7 +21,9 @@ time; copies of one compiled matcher share what it has built.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -40,19 +42,59 @@ COMPILE_THREADS = 2
 CACHE_SIZE = 256  # compiled grammars kept per engine
 
 
+def fill_threads() -> int:
+    """Threads that fill a step's masks on CUDA: llguidance's own default (80 % of the
+    usable cores, at most 32)."""
+    return max(1, min(32, int(0.8 * len(os.sched_getaffinity(0)))))
+
+
 class GrammarError(ValueError):
     """A spec that passed the check but that the tokenizer-bound compile refused."""
 
 
 class CompiledGrammar:
-    """A spec's matcher in its initial state; every request starts from a copy of it."""
+    """A spec's matcher in its initial state, compiled up to `compiles` times; requests start
+    from copies of them in turn.
 
-    def __init__(self, matcher: Any, seconds: float):
-        self._matcher = matcher
+    Copies of one matcher share the lexer states it builds lazily, behind a lock, so a step's
+    rows copied from one matcher are filled one after another even by llguidance's pool. The
+    first copies come from the first compile; each later request asks `more` (the compile
+    pool) for one more compile until there are `compiles`.
+    """
+
+    def __init__(
+        self,
+        matcher: Any,
+        seconds: float,
+        compiles: int = 1,
+        more: Callable[[CompiledGrammar], object] | None = None,
+    ):
         self.seconds = seconds  # what compiling it took
+        self._matchers = [matcher]
+        self._lock = threading.Lock()
+        self._turn = 0
+        self._wanted = compiles - 1 if more is not None else 0
+        self._more = more
+
+    @property
+    def compiles(self) -> int:
+        return len(self._matchers)
 
     def state(self) -> GrammarState:
-        return GrammarState(self._matcher.deep_copy())
+        with self._lock:
+            matcher = self._matchers[self._turn % len(self._matchers)]
+            self._turn += 1
+            grow = self._wanted > 0
+            self._wanted -= grow
+        if grow:
+            assert self._more is not None
+            self._more(self)
+        return GrammarState(matcher.deep_copy())
+
+    def add(self, matcher: Any) -> None:
+        """One more compile of the same spec (from the pool)."""
+        with self._lock:
+            self._matchers.append(matcher)
 
 
 class GrammarState:
@@ -86,8 +128,12 @@ class GrammarCompiler:
         eos_token_ids: Iterable[int],
         threads: int = COMPILE_THREADS,
         capacity: int = CACHE_SIZE,
+        compiles: int = 1,
     ):
+        """`compiles`: how many times a spec is compiled, at most, for its requests' matchers
+        to come from (`CompiledGrammar`); as many as the masks are filled in parallel."""
         self._hf, self.vocab_size = hf_tokenizer, vocab_size
+        self._compiles = compiles
         # a config's EOS id beyond the tokenizer's vocabulary is no token a grammar can allow
         self._eos = sorted(i for i in eos_token_ids if i < len(hf_tokenizer))
         self._capacity = capacity
@@ -118,12 +164,20 @@ class GrammarCompiler:
     def _compile(self, guided: GuidedDecoding) -> CompiledGrammar:
         import llguidance
 
-        tokenizer = self.tokenizer()
+        tokenizer, text = self.tokenizer(), guided.grammar_text()
         start = time.perf_counter()
-        matcher = llguidance.LLMatcher(tokenizer, guided.grammar_text(), log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return CompiledGrammar(matcher, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+
+        def more(compiled: CompiledGrammar) -> None:
+            with contextlib.suppress(RuntimeError):  # a pool shut down: the engine stops
+                self._pool.submit(
+                    lambda: compiled.add(llguidance.LLMatcher(tokenizer, text, log_level=0))
+                )
+
+        return CompiledGrammar(matcher, seconds, self._compiles, more)
 
     def tokenizer(self) -> Any:
         """llguidance's view of the tokenizer, built once."""
@@ -160,7 +214,7 @@ class MaskBuilder:
         # bit b of an int32 word, as int32 (bit 31 is the sign bit)
         bits = [1 << b for b in range(31)] + [-(1 << 31)]
         self._bits = torch.tensor(bits, dtype=torch.int32, device=device)
-        self._executor = llguidance.LLExecutor() if cuda else None
+        self._executor = llguidance.LLExecutor(fill_threads()) if cuda else None
         threaded = cuda if threaded is None else threaded
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="kvray-mask") if threaded else None
         self._filling: Future[None] | None = None

@@ -270,6 +270,33 @@ def _read_all(stream) -> list[list[RequestDelta]]:
     return frames + stream.poll()
 
 
+def test_a_spec_is_compiled_again_for_later_requests_up_to_the_limit(random_dir) -> None:
+    """Copies of one compile fill one after another (they share its lazily built lexer), so
+    on CUDA later requests of a spec get copies of further compiles, at most `compiles`;
+    every copy masks the same tokens."""
+    tokenizer, vocab = Tokenizer.from_dir(random_dir), 49152
+    grammars = GrammarCompiler(tokenizer.hf_tokenizer, vocab, tokenizer.eos_token_ids, compiles=3)
+    compiled = grammars.compile(GuidedDecoding.from_regex(REGEX)).result()
+    assert compiled.compiles == 1
+    states = [compiled.state() for _ in range(6)]
+    deadline = time.monotonic() + 30
+    while compiled.compiles < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # room for a compile too many, were one asked for
+    assert compiled.compiles == 3
+    states += [compiled.state() for _ in range(3)]
+    builder = MaskBuilder(vocab, len(states), torch.device("cpu"))
+    text = tokenizer.encode("Hello is 42.")
+    for token in [None, *text]:
+        if token is not None:
+            for s in states:
+                s.consume([token])
+        bits = builder.build(states, list(range(len(states))), len(states)).bitmask
+        assert all(torch.equal(bits[0], row) for row in bits), token
+    assert all(s.error is None and s.done for s in states)
+    grammars.shutdown()
+
+
 def test_masks_are_filled_for_the_rows_given_and_copied_in_one_piece(random_dir) -> None:
     tokenizer, vocab = Tokenizer.from_dir(random_dir), 49152
     grammars = GrammarCompiler(tokenizer.hf_tokenizer, vocab, tokenizer.eos_token_ids)
