@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cluster.config import usable_cores
+from worker.cores import usable_cores
 
 # H200 floors every GPU figure is reported against: device-to-device copy bandwidth as
 # measured on the lent H200, and the dense bf16 tensor-core peak.

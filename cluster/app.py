@@ -21,9 +21,10 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from cluster.api import Ingress
 from cluster.autoscaling import POLICY_PATH
-from cluster.config import ClusterConfig, usable_cores
+from cluster.config import ClusterConfig
 from cluster.deployment import WorkerDeployment
 from cluster.router import ROUTER_CLASS_PATHS
+from worker.cores import usable_cores
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from ray import serve
 
-from cluster.config import usable_cores, worker_torch_threads
+from cluster.config import worker_torch_threads
 from cluster.metrics import rss_bytes
 from cluster.router import RouteHint
 from cluster.transport import (
@@ -45,6 +45,7 @@ from cluster.transport import (
     encode_refused,
 )
 from worker.config import EngineConfig
+from worker.cores import usable_cores
 from worker.engine import Engine, EngineFull, EngineStats
 from worker.heap import freeze_heap
 from worker.outputs import merge_steps

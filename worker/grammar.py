@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch
 
+from worker.cores import usable_cores
 from worker.guided import GuidedDecoding
 from worker.sampling import TokenMask
 
@@ -43,9 +43,9 @@ CACHE_SIZE = 256  # compiled grammars kept per engine
 
 
 def fill_threads() -> int:
-    """Threads that fill a step's masks on CUDA: llguidance's own default (80 % of the
-    usable cores, at most 32)."""
-    return max(1, min(32, int(0.8 * len(os.sched_getaffinity(0)))))
+    """Threads that fill a step's masks on CUDA: llguidance's own default, 80 % of the cores
+    (here the usable ones, under a container's CPU limit too), at most 32."""
+    return max(1, min(32, int(0.8 * usable_cores())))
 
 
 class GrammarError(ValueError):

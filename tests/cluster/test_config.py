@@ -10,14 +10,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from cluster.config import (
-    API_KEYS_ENV,
-    ClusterConfig,
-    cgroup_cpu_limit,
-    usable_cores,
-    worker_torch_threads,
-)
+from cluster.config import API_KEYS_ENV, ClusterConfig, worker_torch_threads
 from worker.config import EngineConfig
+from worker.cores import cgroup_cpu_limit, usable_cores
 
 REPO = Path(__file__).resolve().parents[2]
 
