@@ -195,8 +195,6 @@ class WorkerDeployment:
         until, keys = time.monotonic() + QUEUED_KEYS_S, self._queued_keys
         for prompt in prompts:
             for key in prompt:
-                if not isinstance(key, int):
-                    continue  # not a page hash: nothing to route by
                 keys.pop(key, None)  # to the end: the order stays the expiry order
                 keys[key] = until
         excess = len(keys) - self._max_queued_keys

@@ -275,8 +275,14 @@ class Executor:
         # when the next step is launched or this one resolved.
         mask = self._grammar_mask(tasks, rows, info) if info.grammar_rows else None
         self._flip = slot
-        pending = PendingStep(tasks, rows, self._host_ids[slot], self._done[slot], started=started)
-        pending.wants_logprobs = info.max_logprobs is not None
+        pending = PendingStep(
+            tasks,
+            rows,
+            self._host_ids[slot],
+            self._done[slot],
+            wants_logprobs=info.max_logprobs is not None,
+            started=started,
+        )
         self._previous = pending
         if mask is None:
             self._sample(pending, logits, info, None)

@@ -237,7 +237,12 @@ class MaskBuilder:
         host[k * width : k * width + k] = torch.tensor(rows, dtype=torch.int32)
         if self._filler is not None:
             entered = threading.Event()
-            self._filling = self._filler.submit(self._fill, states, masks, entered)
+
+            def fill() -> None:
+                entered.set()
+                self._fill(states, masks)
+
+            self._filling = self._filler.submit(fill)
             # Until llguidance drops the GIL, the filler needs it, and CPython hands it to a
             # waiting thread only after 5 ms of this one's Python: wait, so the filler starts now.
             entered.wait()
@@ -278,21 +283,10 @@ class MaskBuilder:
         if self._filler is not None:
             self._filler.shutdown(wait=False)
 
-    def _fill(
-        self,
-        states: Sequence[GrammarState],
-        masks: torch.Tensor,
-        entered: threading.Event | None = None,
-    ) -> None:
-        """The rows' bits; `entered` is set just before the (first) call that drops the GIL."""
+    def _fill(self, states: Sequence[GrammarState], masks: torch.Tensor) -> None:
         row_bytes, base = self.width * 4, masks.data_ptr()
-        parallel = self._executor is not None and len(states) > 1
-        try:
-            pairs = [(s.matcher, k) for k, s in enumerate(states)] if parallel else []
-        finally:
-            if entered is not None:
-                entered.set()
-        if self._executor is not None and parallel:
+        if self._executor is not None and len(states) > 1:
+            pairs = [(s.matcher, k) for k, s in enumerate(states)]
             self._executor.unsafe_compute_mask_ptr(pairs, base, row_bytes, len(states))
         else:
             for k, s in enumerate(states):
