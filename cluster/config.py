@@ -69,8 +69,8 @@ class RouterSettings(BaseModel):
     policy: RouterPolicy = Field(
         "prefix_load",
         description="how a worker replica is chosen: prefix_load (kvray's: prefix affinity, "
-        "then load), power_of_two (Serve's default: of two random replicas, the one with fewer "
-        "ongoing calls) or round_robin (each in turn); the last two are baselines",
+        "then cache room, then load), power_of_two (Serve's default: of two random replicas, "
+        "the one with fewer ongoing calls) or round_robin (each in turn); the last two are baselines",
     )
     batch_window_ms: float = Field(
         2.0, ge=0, description="requests arriving this close together travel in one call; 0 = off"

@@ -201,15 +201,17 @@ class WorkerDeployment:
         for key in list(islice(keys, max(0, excess))):
             del keys[key]
 
-    def _prefix_keys(self) -> list[int]:
-        """The prompts queued here (newest first), then the engine's cached pages."""
+    def _prefix_keys(self) -> tuple[list[int], int]:
+        """The prompts queued here (newest first), then the engine's cached pages (at most
+        `summary_pages` of them); and how many there are in all."""
         cached, keys, now = self._engine.prefix_summary(), self._queued_keys, time.monotonic()
         expired = list(takewhile(lambda key: keys[key] <= now, keys))
         for key in expired:
             del keys[key]
         if keys:
             cached = [*reversed(keys), *(key for key in cached if key not in keys)]
-        return cached if self._summary_pages is None else cached[: self._summary_pages]
+        shown = cached if self._summary_pages is None else cached[: self._summary_pages]
+        return shown, len(cached)
 
     async def session(self, hint: RouteHint, ingress_id: str) -> AsyncGenerator[bytes, None]:
         """The deltas of everything `ingress_id` queued here: an accept frame, then one
@@ -342,13 +344,16 @@ class WorkerDeployment:
         proxies) only when it differs from the one before, so an idle replica's reports, all
         alike, cost nothing past the call that asks for them."""
         stats = self._engine.stats()
+        keys, resident = self._prefix_keys()
         report = {
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,
             "waiting_tokens": stats.waiting_tokens,
             "num_free_pages": stats.num_free_pages,
+            "num_total_pages": stats.num_total_pages,
             "kv_usage": stats.kv_usage,
-            "prefix_keys": self._prefix_keys(),
+            "prefix_keys": keys,
+            "resident_pages": resident,  # pages of prefixes held or queued here, `keys` or not
             "stalled_s": self._stalled_s(stats),
             "answered": self._answered_counts(),
         }

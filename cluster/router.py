@@ -25,9 +25,17 @@ requests in a row with one long prefix could go to different replicas).
 
 Ranking (`rank_replicas`): a replica is overloaded when its load exceeds the least loaded
 one's by more than `imbalance_threshold` requests *and* by more than `imbalance_ratio` times.
-The others are ordered by matched prefix pages, then load; the overloaded follow by load.
+The others are ordered by matched prefix pages, then by how full their caches are (in
+sixteenths, all of 15/16 and above counting as full), then load; the overloaded follow by load.
 So affinity decides while the cluster is roughly balanced (at 60 vs 70 running requests a
 prefix still goes where it is cached), and one hot prefix cannot pile onto one replica.
+A prefix that no replica holds goes where the cache has the most room, as SGLang's
+cache-aware router sends it to the smallest tree: where it lands is where its next requests
+follow it, so new prefixes placed by the load of the moment (one request more or less) could
+put three tenants' contexts on one replica and one on the other, and the three evict each
+other while half the other cache sits empty. Fullness counts the pages a replica reports
+(`resident_pages`: cached, or of prompts it accepted in the last 10 s) and those this router
+sent it since. Once every cache is full (the steady state) load decides again.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ ROUTER_CLASS_PATHS = {
     "round_robin": "cluster.baseline_routers:RoundRobinRouter",
 }
 STALLED_LOAD = 1e9  # the load a replica stuck in a step is ranked with
+FULLNESS_STEPS = 16  # caches whose fullness differs by less than this share rank alike
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +72,14 @@ class RouteHint:
 
 @dataclass(frozen=True, slots=True)
 class ReplicaView:
-    """One replica as the policy sees it: load and cached prefix keys."""
+    """One replica as the policy sees it: load, cached prefix keys, and the share of its KV
+    cache that holds prefixes (`fullness`, 0..1)."""
 
     replica_id: str
     load: float
     kv_usage: float = 0.0
     keys: Container[int] = frozenset()
+    fullness: float = 0.0
 
 
 def matched_pages(page_hashes: Sequence[int], keys: Container[int]) -> int:
@@ -101,9 +112,12 @@ def rank_replicas(
     def overloaded_(v: ReplicaView) -> bool:
         return v.load > least + imbalance_threshold and v.load > least * imbalance_ratio
 
+    def fullness(v: ReplicaView) -> int:
+        return min(int(v.fullness * FULLNESS_STEPS), FULLNESS_STEPS - 1)
+
     balanced = [v for v in order if not overloaded_(v)]
     overloaded = [v for v in order if overloaded_(v)]
-    balanced.sort(key=lambda v: (-affinity(v), v.load, v.kv_usage))
+    balanced.sort(key=lambda v: (-affinity(v), fullness(v), v.load, v.kv_usage))
     overloaded.sort(key=lambda v: (v.load, v.kv_usage))
     return [v.replica_id for v in balanced + overloaded]
 
@@ -114,6 +128,7 @@ class _Sent:
 
     at: float
     num_requests: int
+    num_pages: int = 0
 
 
 @dataclass(slots=True)
@@ -145,6 +160,16 @@ def _unanswered(memory: _ReplicaMemory, answered: Mapping[str, int]) -> int:
     does not report (its sender idle for long), must not weigh on the replica for ever."""
     unanswered = sum(max(0, n - answered.get(sender, 0)) for sender, n in memory.sent_total.items())
     return min(unanswered, sum(s.num_requests for s in memory.sent))
+
+
+def _pages_sent_after(sent: deque[_Sent], at: float) -> int:
+    """Prompt pages of the calls sent after `at` (a report's time): not in that report."""
+    pages = 0
+    for s in reversed(sent):
+        if s.at <= at:
+            break
+        pages += s.num_pages
+    return pages
 
 
 def _hint_of(pending_request: PendingRequest | None) -> RouteHint | None:
@@ -228,7 +253,8 @@ class PrefixLoadRouter(KvrayRouter):
         self._recorded.append(request_id)
         now = time.time()
         memory = self._memory.setdefault(replica.replica_id, _ReplicaMemory())
-        memory.sent.append(_Sent(now, hint.num_requests))
+        pages = sum(len(prompt) for prompt in hint.page_hashes)
+        memory.sent.append(_Sent(now, hint.num_requests, pages))
         memory.sent_total[hint.sender] = memory.sent_total.get(hint.sender, 0) + hint.num_requests
         until = now + self._memory_s
         for prompt in hint.page_hashes:
@@ -259,6 +285,15 @@ class PrefixLoadRouter(KvrayRouter):
         load = reported_load + _unanswered(memory, stats.get("answered") or {})
         if float(stats.get("stalled_s", 0.0)) > self._stalled_after_s:
             load = STALLED_LOAD  # stuck in a step: ranked last until it reports progress
+        total_pages = float(stats.get("num_total_pages", 0))
+        fullness = 0.0
+        if total_pages:
+            resident = float(stats.get("resident_pages", 0))
+            fullness = (resident + _pages_sent_after(memory.sent, stats_time)) / total_pages
         return ReplicaView(
-            replica.replica_id.unique_id, load, float(stats.get("kv_usage", 0.0)), keys
+            replica.replica_id.unique_id,
+            load,
+            float(stats.get("kv_usage", 0.0)),
+            keys,
+            fullness,
         )

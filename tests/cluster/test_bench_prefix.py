@@ -79,6 +79,9 @@ def test_kvrays_policy_hits_the_cache_at_least_as_often_as_power_of_two(
     runs = result["policies"]
     kvray, p2c = runs["prefix_load"], runs["power_of_two"]
     assert kvray["tenants"]["prefix_hit_rate"] >= p2c["tenants"]["prefix_hit_rate"], runs
+    # two tenants a replica: placed by load alone, three could share one replica's 12 pages
+    # and evict each other there (0.42 on it, 0.52 in all: below power-of-two in one CI run)
+    assert min(kvray["tenants"]["per_replica_hit_rate"]) > 0.5, runs
     # the tenants' contexts are what hits: the control shares nothing past a stray page
     assert kvray["tenants"]["prefix_hit_rate"] > kvray["control"]["prefix_hit_rate"] + 0.2
 

@@ -60,6 +60,56 @@ def test_affinity_holds_while_load_is_within_the_ratio_and_yields_past_it() -> N
     assert rank_replicas(hint, [idle, cached], 8.0, 1.0)[0] == "other"
 
 
+def test_a_prefix_no_replica_holds_goes_to_the_emptier_cache_until_both_are_full() -> None:
+    hint = RouteHint(page_hashes=(tuple(KEYS),), num_requests=1)
+    emptier = ReplicaView("emptier", load=3, fullness=0.25)
+    fuller = ReplicaView("fuller", load=1, fullness=0.5)
+    assert rank_replicas(hint, [fuller, emptier], 8.0)[0] == "emptier"
+    # within one sixteenth, or both full (15/16 and up), load decides as before
+    near = [ReplicaView("a", 3, fullness=0.30), ReplicaView("b", 1, fullness=0.27)]
+    assert rank_replicas(hint, near, 8.0)[0] == "b"
+    full = [ReplicaView("a", 3, fullness=0.94), ReplicaView("b", 1, fullness=1.3)]
+    assert rank_replicas(hint, full, 8.0)[0] == "b"
+    # affinity still comes first, and an overloaded replica last
+    cached = ReplicaView("cached", load=2, keys=frozenset(KEYS), fullness=0.9)
+    assert rank_replicas(hint, [emptier, cached], 8.0)[0] == "cached"
+    assert rank_replicas(hint, [ReplicaView("e", 12, fullness=0.0), fuller], 8.0)[0] == "fuller"
+
+
+def test_new_tenants_spread_by_cache_room_not_by_the_load_of_the_moment() -> None:
+    """Four tenants' first prompts (4 pages each; 12 pages a replica) while the replicas
+    report in between: the first replica has answered its tenant and is idle, the second is
+    still busy. By load alone the fourth tenant joined the idle replica's two and three
+    contexts evicted each other on it (a flaky CI run); by room they split two and two."""
+    import time
+
+    replicas = _replicas("a", "b")
+    router = _router("prefix_load")
+    tenants = [tuple(range(100 * t, 100 * t + 4)) for t in range(4)]
+
+    def report(replica: Any, running: int, resident: int, answered: int) -> None:
+        replica.routing_stats = {
+            "time": time.time(),
+            "num_running": running,
+            "num_total_pages": 12,
+            "resident_pages": resident,
+            "answered": {"": answered},
+        }
+
+    for r in replicas:
+        report(r, 0, 0, 0)
+    placed: dict[str, list[int]] = {"a": [], "b": []}
+    for t, pages in enumerate(tenants):
+        hint = RouteHint(page_hashes=(pages,), num_requests=1, num_tokens=64)
+        placed[_choose(router, replicas, hint, t)[0][0]].append(t)
+        time.sleep(0.002)  # the reports below come after the send
+        for r in replicas:
+            n = len(placed[r.replica_id.unique_id])
+            idle = 0 in placed[r.replica_id.unique_id]  # tenant 0's replica answers at once
+            report(r, 0 if idle else n, 4 * n, n)
+    assert sorted(map(len, placed.values())) == [2, 2], placed
+
+
 def test_a_prefix_sent_to_a_replica_stays_there_through_reports_that_predate_its_pages() -> None:
     """A replica reports while the call is still queued or in its prompt step: its keys lack
     the prefix's pages. The next call with the same prefix must still go where the first one

@@ -360,7 +360,16 @@ def test_a_queued_prompts_pages_are_reported_until_the_engine_reports_them(
     worker = make_worker(linger_s=0.1)
     asyncio.run(worker.submit(RouteHint(page_hashes=((11, 12, 13),)), payload("a", 1, 1), "i"))
     asyncio.run(worker.submit(RouteHint(page_hashes=((11, 21),)), payload("b", 1, 1), "i"))
-    assert worker.record_routing_stats()["prefix_keys"][:4] == [21, 11, 13, 12]
+    stats = worker.record_routing_stats()
+    assert stats["prefix_keys"][:4] == [21, 11, 13, 12]
+    # how full the cache is counts every key, however few the summary shows (the router's
+    # placement of new prefixes)
+    assert stats["resident_pages"] == len(stats["prefix_keys"]) >= 4
+    assert stats["num_total_pages"] == worker._engine.executor.cache.num_total_pages
+    worker._summary_pages = 2
+    assert worker.record_routing_stats()["prefix_keys"] == [21, 11]
+    assert worker.record_routing_stats()["resident_pages"] == stats["resident_pages"]
+    worker._summary_pages = None
     time.sleep(0.6)
     assert not {11, 12, 13, 21} & set(worker.record_routing_stats()["prefix_keys"])
 
