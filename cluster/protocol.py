@@ -4,7 +4,7 @@ Requests are validated here, so a bad field is a 400 naming that field before an
 reaches a worker. Types are strict, as OpenAI's are (`"n": "2"` or `"n": true` is an
 error, not a 2 or a 1); integers that reach a worker are bounded so they fit its wire
 format. Unknown fields are ignored (clients send fields of newer API versions); fields
-that ask for a feature kvray lacks (echo, logit_bias, legacy functions, ...) are refused.
+that ask for a feature kvray lacks (echo, suffix, legacy functions, ...) are refused.
 Limits an operator sets (stop list size, prompt count, ...) are checked by `cluster.limits`.
 
 Structured output (`response_format`, and vLLM's `guided_json` / `guided_regex` /
@@ -38,7 +38,7 @@ from cluster.formats import (
 )
 from cluster.tools import Function, call_text, calls_grammar
 from worker.guided import GuidedDecoding
-from worker.sampling import MAX_LOGPROBS, SamplingParams
+from worker.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 _INT32 = 2**31  # token ids, top_k and min_tokens stay below this (int32 on the worker)
@@ -58,6 +58,7 @@ Seed = Annotated[int, Field(ge=-(2**63), lt=2**63), _WHOLE]
 TopK = Annotated[int, Field(ge=-1, lt=_INT32), _WHOLE]
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _WHOLE]
 NumChoices = Annotated[int, Field(ge=1, le=16), _WHOLE]
+Bias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]
 # checked by `_Request._stop` (one error naming `stop`); the schema still says non-empty
 StopString = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1})]
 _STRICT = ConfigDict(extra="allow", strict=True)
@@ -88,6 +89,11 @@ class _Request(BaseModel):
     seed: Seed | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Bias] | None = Field(
+        None,
+        max_length=MAX_LOGIT_BIAS,
+        description="token id (a string) -> bias added to its logit",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -107,6 +113,14 @@ class _Request(BaseModel):
         None, description="the output matches this grammar (Lark, or GBNF / EBNF)"
     )
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < _INT32):
+                raise ValueError(f"logit_bias keys are token ids, not {key[:32]!r}")
+        return v
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
@@ -124,7 +138,7 @@ class _Request(BaseModel):
         return None
 
     def _refused_extras(self) -> dict[str, Any]:
-        return {"logit_bias": {}, "functions": [], "function_call": "none"}
+        return {"functions": [], "function_call": "none"}
 
     def guided(self) -> GuidedDecoding | None:
         """What the output must match, from whichever field asks; FieldError when more than
@@ -191,6 +205,7 @@ class _Request(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
         )
 
 

@@ -2,7 +2,8 @@
 
 The engine builds a SamplingBatchInfo once per set of running requests (host data copied to
 the device in one go), calls `sample` every step and `SamplingBatchInfo.record` after it.
-Constrained requests (`SamplingParams.guided`) add a `TokenMask` of this step's grammar
+A request's `logit_bias` is added to its row first, as OpenAI adds it to the logits before
+sampling. Constrained requests (`SamplingParams.guided`) add a `TokenMask` of this step's grammar
 bits, built by worker/grammar.py; rows without a grammar are left as they are.
 Neither of those two touches the host: the engine's one copy of the sampled ids is the only
 sync of a step. Work a batch does not need (penalties, sorting, log-softmax, noise) is left
@@ -23,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from worker.guided import GuidedDecoding
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias (OpenAI documents no limit; 300 in practice)
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a bias lies in [-100, 100]
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed accepts
 _NEG_INF = float("-inf")
 # Floor for what divides logits (temperature, repetition penalty): smaller values underflow or
@@ -80,6 +83,25 @@ class SamplingParams(BaseModel):
     guided: GuidedDecoding | None = Field(
         None, description="constrain the output to a JSON schema, a regex or a grammar"
     )
+    logit_bias: tuple[tuple[int, float], ...] = Field(
+        (),
+        max_length=MAX_LOGIT_BIAS,
+        description="(token id, bias) pairs added to the model's logits before anything else",
+    )
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_pairs(cls, pairs: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        tokens = [token for token, _ in pairs]
+        if any(token < 0 for token in tokens):
+            raise ValueError("logit_bias token ids must be >= 0")
+        if len(set(tokens)) < len(tokens):
+            raise ValueError("logit_bias names a token more than once")
+        if any(not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE for _, bias in pairs):
+            raise ValueError(
+                f"logit_bias values lie in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"
+            )
+        return pairs
 
     @field_validator("seed")
     @classmethod
@@ -196,6 +218,18 @@ class _Penalties:
 
 
 @dataclass(eq=False)
+class _LogitBias:
+    """Every row's `logit_bias` as one sparse add (an index_add: atomics, no host sync)."""
+
+    where: torch.Tensor  # [N] int64: row * V + token, into the flattened [B, V] logits
+    values: torch.Tensor  # [N] float32
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        flat = logits.reshape(-1)
+        return flat.index_add(0, self.where, self.values).view_as(logits)
+
+
+@dataclass(eq=False)
 class _MinTokens:
     """Holds EOS and stop ids at -inf in rows that have produced fewer than min_tokens tokens."""
 
@@ -245,6 +279,7 @@ class SamplingBatchInfo:
     log_min_p: torch.Tensor | None  # [B, 1], -inf = off; None when no row uses it
     penalties: _Penalties | None
     min_tokens: _MinTokens | None
+    logit_bias: _LogitBias | None
     # sampling rows that draw their noise from their own generator
     seeded: tuple[tuple[int, torch.Generator], ...]
     any_unseeded: bool  # some sampling row draws from default_generator
@@ -290,6 +325,7 @@ class SamplingBatchInfo:
             log_min_p=floats[:, 2:3] if any(p.min_p > 0.0 for p in sampled) else None,
             penalties=_build_penalties(params, prompt_ids, output_ids, floats, vocab_size, dev),
             min_tokens=_build_min_tokens(params, output_ids, ints, eos_token_ids, vocab_size, dev),
+            logit_bias=_build_logit_bias(params, vocab_size, dev),
             seeded=tuple((i, g) for i, g in enumerate(generators) if g is not None and sampling[i]),
             any_unseeded=any(s and g is None for s, g in zip(sampling, generators, strict=True)),
             default_generator=default_generator,
@@ -304,6 +340,7 @@ class SamplingBatchInfo:
             self.all_greedy
             and self.penalties is None
             and self.min_tokens is None
+            and self.logit_bias is None
             and self.max_logprobs is None
         )
 
@@ -434,6 +471,22 @@ def _build_min_tokens(
     return _MinTokens(stop_mask, ints[:, 3:4], ints[:, 4:5])
 
 
+def _build_logit_bias(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+) -> _LogitBias | None:
+    pairs = [
+        (row, token, bias)
+        for row, p in enumerate(params)
+        for token, bias in p.logit_bias
+        if token < vocab_size  # the engine's checks refuse others; the LM head may be wider
+    ]
+    if not pairs:
+        return None
+    where = torch.tensor([row * vocab_size + token for row, token, _ in pairs], dtype=torch.int64)
+    biases = torch.tensor([bias for _, _, bias in pairs], dtype=torch.float32)
+    return _LogitBias(_to_device(where, device), _to_device(biases, device))
+
+
 def _build_top_k(
     sampled: Sequence[SamplingParams], ints: torch.Tensor, vocab_size: int, *, with_ranks: bool
 ) -> _TopK | None:
@@ -466,8 +519,8 @@ class TokenMask:
 def penalized_logits(
     logits: torch.Tensor, info: SamplingBatchInfo, mask: TokenMask | None = None
 ) -> torch.Tensor:
-    """`logits` after penalties, min_tokens and the grammars' mask: what greedy rows take
-    the argmax of.
+    """`logits` after logit_bias, penalties, min_tokens and the grammars' mask: what greedy
+    rows take the argmax of.
 
     Returns `logits` itself (as float32) when the batch has none of them; never modifies it.
     """
@@ -475,6 +528,7 @@ def penalized_logits(
         shape = tuple(logits.shape)
         raise ValueError(f"logits {shape} do not match batch {info.batch_size} x {info.vocab_size}")
     x = logits.float()
+    x = x if info.logit_bias is None else info.logit_bias.apply(x)
     x = x if info.penalties is None else info.penalties.apply(x)
     x = x if info.min_tokens is None else info.min_tokens.apply(x)
     return x if mask is None else mask.apply(x)
@@ -485,8 +539,8 @@ def sample(
 ) -> SamplerOutput:
     """Pick one token per row of `logits` ([B, V], row i = request i); no host sync.
 
-    Order: penalties, min_tokens, the grammars' mask, temperature, top-k, top-p, min-p,
-    then a draw. Greedy rows take the argmax after the first three. `logits` is left
+    Order: logit_bias, penalties, min_tokens, the grammars' mask, temperature, top-k,
+    top-p, min-p, then a draw. Greedy rows take the argmax after the first four. `logits` is left
     unmodified, and logprobs are the model's own (before any of this).
     """
     x = penalized_logits(logits, info, mask)

@@ -91,6 +91,13 @@ def check_request(request: EngineRequest, vocab_size: int, max_seq_len: int) -> 
         raise InvalidRequest("the prompt is a list of token ids", param="prompt")
     check_prompt_ids(request.prompt_token_ids, vocab_size)
     check_context(len(request.prompt_token_ids), request.params.max_tokens, max_seq_len)
+    for token, _ in request.params.logit_bias:
+        if token >= vocab_size:
+            raise InvalidRequest(
+                f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})",
+                param="logit_bias",
+                code="invalid_token_id",
+            )
     if request.params.guided is not None:
         try:
             check_guided(request.params.guided)

@@ -567,16 +567,36 @@ def roles(b: _Builder) -> None:
 def unsupported(b: _Builder) -> None:
     function = {"name": "f", "parameters": {"type": "object"}}
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    for name, value in {
-        "functions": [function],
-        "function_call": "auto",
-        "logit_bias": {"50256": -100},
-    }.items():
+    for name, value in {"functions": [function], "function_call": "auto"}.items():
         b.add(name, b.chat(**{name: value}), param=name)
     legacy = [{"role": "assistant", "content": None, "function_call": call["function"]}]
     b.add("history-function_call", b.chat(messages=legacy), param="messages.0.function_call")
-    for name, value in {"echo": True, "suffix": "x", "best_of": 3, "logit_bias": {"1": 5}}.items():
+    for name, value in {"echo": True, "suffix": "x", "best_of": 3}.items():
         b.add(f"completion-{name}", b.completion(**{name: value}), param=name, path=COMPLETIONS)
+
+
+def logit_biases(b: _Builder) -> None:
+    vocab = b.t.vocab_size
+    for name, bias, param in [
+        ("key-word", {"hello": 1}, "logit_bias"),
+        ("key-negative", {"-1": 1}, "logit_bias"),
+        ("key-float", {"1.5": 1}, "logit_bias"),
+        ("key-huge", {str(10**30): 1}, "logit_bias"),
+        ("key-vocab", {str(vocab): 1}, "logit_bias"),
+        ("value-high", {"1": 100.5}, "logit_bias.1"),
+        ("value-low", {"1": -101}, "logit_bias.1"),
+        ("value-text", {"1": "5"}, "logit_bias.1"),
+        ("value-bool", {"1": True}, "logit_bias.1"),
+        ("not-a-map", [[1, 5]], "logit_bias"),
+        ("too-many", {str(i): 1 for i in range(1025)}, "logit_bias"),
+    ]:
+        b.add(f"logit_bias-{name}", b.chat(logit_bias=bias), param=param)
+        b.add(
+            f"completion-logit_bias-{name}",
+            b.completion(logit_bias=bias),
+            param=param,
+            path=COMPLETIONS,
+        )
 
 
 def structured_output(b: _Builder) -> None:
@@ -883,6 +903,7 @@ FAMILIES: list[Callable[[_Builder], None]] = [
     streaming,
     roles,
     unsupported,
+    logit_biases,
     structured_output,
     content_types,
     methods,

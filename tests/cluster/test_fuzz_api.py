@@ -69,7 +69,8 @@ def narrowed(spec: dict[str, Any], model: str) -> dict[str, Any]:
         props["stop"]["anyOf"][1]["maxItems"] = 4
         props["stop_token_ids"]["anyOf"][0]["maxItems"] = 4
         body["required"] = sorted({*body.get("required", []), "max_tokens"})
-        body["additionalProperties"] = False  # extra fields are refused functions, logit_bias, ...
+        body["additionalProperties"] = False  # extra fields are refused functions, echo, ...
+        props.pop("logit_bias")  # its keys must be token ids of the vocabulary: test_logit_bias
         # a schema, regex or grammar valid JSON may still not compile (400): test_structured
         for name in ("guided_json", "guided_regex", "guided_grammar", "tools", "tool_choice"):
             props.pop(name, None)

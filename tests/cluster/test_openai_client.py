@@ -9,7 +9,9 @@ from openai import OpenAI
 
 from tests.cluster.conftest import ENGINE, Served
 from worker.llm import LLM
+from worker.model.demo import resolve_model_path
 from worker.sampling import SamplingParams
+from worker.tokenizer import Tokenizer
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = [{"role": "user", "content": "Write a short story about a robot learning to paint."}]
@@ -115,6 +117,37 @@ def test_logprobs_and_top_logprobs(client: OpenAI) -> None:
         assert entry.logprob <= 0 and math.isfinite(entry.logprob)
         assert math.isclose(entry.logprob, max(t.logprob for t in entry.top_logprobs), abs_tol=1e-4)
     assert "".join(e.token for e in content) == reply.choices[0].message.content
+
+
+def test_logit_bias_bans_and_forces_tokens(client: OpenAI, served: Served) -> None:
+    tokenizer = Tokenizer.from_dir(str(resolve_model_path(served.config.engine.model)))
+
+    def greedy(**kw: object) -> str:
+        reply = client.chat.completions.create(
+            model="demo", messages=QUESTION, temperature=0, max_tokens=12, **kw
+        )
+        return reply.choices[0].message.content or ""
+
+    plain = greedy()
+    assert "Paris" in plain
+    paris = [
+        *tokenizer.encode(" Paris", add_special_tokens=False),
+        *tokenizer.encode("Paris", add_special_tokens=False),
+    ]
+    banned = greedy(logit_bias={str(t): -100 for t in paris})
+    assert "Paris" not in banned
+    [star] = tokenizer.encode("*", add_special_tokens=False)
+    assert greedy(logit_bias={str(star): 100}) == "*" * 12
+    # completions take it too, and a bias of 0 changes nothing
+    reply = client.completions.create(
+        model="demo",
+        prompt="The quick brown fox",
+        max_tokens=6,
+        temperature=0,
+        logit_bias={str(star): 100},
+    )
+    assert reply.choices[0].text == "*" * 6
+    assert greedy(logit_bias={str(star): 0}) == plain
 
 
 def test_seed_reproduces_sampled_text(client: OpenAI) -> None:
