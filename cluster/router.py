@@ -25,8 +25,9 @@ requests in a row with one long prefix could go to different replicas).
 
 Ranking (`rank_replicas`): a replica is overloaded when its load exceeds the least loaded
 one's by more than `imbalance_threshold` requests *and* by more than `imbalance_ratio` times.
-The others are ordered by matched prefix pages, then by how full their caches are (in
-sixteenths, all of 15/16 and above counting as full), then load; the overloaded follow by load.
+The others are ordered by matched prefix pages, then, among those within one request (or
+10 %) of the least load, by how full their caches are (in sixteenths, all of 15/16 and above
+counting as full), then load; the overloaded follow by load.
 So affinity decides while the cluster is roughly balanced (at 60 vs 70 running requests a
 prefix still goes where it is cached), and one hot prefix cannot pile onto one replica.
 A prefix that no replica holds goes where the cache has the most room, as SGLang's
@@ -35,7 +36,10 @@ follow it, so new prefixes placed by the load of the moment (one request more or
 put three tenants' contexts on one replica and one on the other, and the three evict each
 other while half the other cache sits empty. Fullness counts the pages a replica reports
 (`resident_pages`: cached, or of prompts it accepted in the last 10 s) and those this router
-sent it since. Once every cache is full (the steady state) load decides again.
+sent it since. Once every cache is full (the steady state) load decides again, as it does
+for calls whose prompts fill no page (they place nothing in the cache): a replica with more
+room must not draw every short request (it did, up to the imbalance threshold, until the
+slack and that exception).
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ ROUTER_CLASS_PATHS = {
 }
 STALLED_LOAD = 1e9  # the load a replica stuck in a step is ranked with
 FULLNESS_STEPS = 16  # caches whose fullness differs by less than this share rank alike
+# cache room decides among replicas at most this far above the least load (requests, share)
+FULLNESS_SLACK, FULLNESS_SLACK_RATIO = 1.0, 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,12 +118,18 @@ def rank_replicas(
     def overloaded_(v: ReplicaView) -> bool:
         return v.load > least + imbalance_threshold and v.load > least * imbalance_ratio
 
-    def fullness(v: ReplicaView) -> int:
+    slack = max(FULLNESS_SLACK, FULLNESS_SLACK_RATIO * least)
+
+    def room(v: ReplicaView) -> int:
+        """How full the cache is, in steps, where it may decide: only for a call with pages
+        to place, and only among replicas within `slack` of the least load."""
+        if not any(prompts) or v.load > least + slack:
+            return FULLNESS_STEPS
         return min(int(v.fullness * FULLNESS_STEPS), FULLNESS_STEPS - 1)
 
     balanced = [v for v in order if not overloaded_(v)]
     overloaded = [v for v in order if overloaded_(v)]
-    balanced.sort(key=lambda v: (-affinity(v), fullness(v), v.load, v.kv_usage))
+    balanced.sort(key=lambda v: (-affinity(v), room(v), v.load, v.kv_usage))
     overloaded.sort(key=lambda v: (v.load, v.kv_usage))
     return [v.replica_id for v in balanced + overloaded]
 

@@ -62,17 +62,32 @@ def test_affinity_holds_while_load_is_within_the_ratio_and_yields_past_it() -> N
 
 def test_a_prefix_no_replica_holds_goes_to_the_emptier_cache_until_both_are_full() -> None:
     hint = RouteHint(page_hashes=(tuple(KEYS),), num_requests=1)
-    emptier = ReplicaView("emptier", load=3, fullness=0.25)
     fuller = ReplicaView("fuller", load=1, fullness=0.5)
-    assert rank_replicas(hint, [fuller, emptier], 8.0)[0] == "emptier"
+    assert (
+        rank_replicas(hint, [fuller, ReplicaView("emptier", 2, fullness=0.25)], 8.0)[0] == "emptier"
+    )
+    # more than one request (or 10 %) above the least load, load decides
+    assert (
+        rank_replicas(hint, [fuller, ReplicaView("emptier", 3, fullness=0.25)], 8.0)[0] == "fuller"
+    )
+    busy = [ReplicaView("a", 110, fullness=0.25), ReplicaView("b", 100, fullness=0.5)]
+    assert rank_replicas(hint, busy, 16.0)[0] == "a"
     # within one sixteenth, or both full (15/16 and up), load decides as before
-    near = [ReplicaView("a", 3, fullness=0.30), ReplicaView("b", 1, fullness=0.27)]
+    near = [ReplicaView("a", 2, fullness=0.30), ReplicaView("b", 1, fullness=0.27)]
     assert rank_replicas(hint, near, 8.0)[0] == "b"
-    full = [ReplicaView("a", 3, fullness=0.94), ReplicaView("b", 1, fullness=1.3)]
+    full = [ReplicaView("a", 2, fullness=0.94), ReplicaView("b", 1, fullness=1.3)]
     assert rank_replicas(hint, full, 8.0)[0] == "b"
+    # a call whose prompts fill no page places nothing in a cache: load alone
+    short = RouteHint(page_hashes=((),), num_requests=1)
+    assert (
+        rank_replicas(short, [fuller, ReplicaView("emptier", 2, fullness=0.0)], 8.0)[0] == "fuller"
+    )
+    assert (
+        rank_replicas(None, [fuller, ReplicaView("emptier", 2, fullness=0.0)], 8.0)[0] == "fuller"
+    )
     # affinity still comes first, and an overloaded replica last
     cached = ReplicaView("cached", load=2, keys=frozenset(KEYS), fullness=0.9)
-    assert rank_replicas(hint, [emptier, cached], 8.0)[0] == "cached"
+    assert rank_replicas(hint, [ReplicaView("e", 1, fullness=0.0), cached], 8.0)[0] == "cached"
     assert rank_replicas(hint, [ReplicaView("e", 12, fullness=0.0), fuller], 8.0)[0] == "fuller"
 
 
