@@ -267,6 +267,7 @@ class Ingress:
         info = await self._engine_info()
         for prompt in prompts:
             self._check_length(prompt, params.max_tokens, info, chat)
+        limits.check_logit_bias(params, info.get("vocab_size", self._tokenizer.vocab_size))
         rid, model = new_id("chatcmpl" if chat else "cmpl"), self._config.model_name
         group = self._group(rid, prompts, params, req.n, info)
         stream = self._dispatcher.submit(group)

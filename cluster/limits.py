@@ -15,6 +15,7 @@ from cluster.config import RequestLimits
 from cluster.errors import ApiError
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
 from worker import validation
+from worker.sampling import SamplingParams
 from worker.validation import InvalidRequest
 
 _JSON_SUBTYPE = "json"
@@ -131,6 +132,14 @@ def check_prompt_ids(prompt: Sequence[int], vocab_size: int, field: str) -> None
         validation.check_prompt_ids(prompt, vocab_size)
     except InvalidRequest as exc:
         raise _api_error(exc, field) from None
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """Biased token ids must name tokens of the vocabulary (the worker's own rule)."""
+    try:
+        validation.check_logit_bias(params, vocab_size)
+    except InvalidRequest as exc:
+        raise _api_error(exc, "logit_bias") from None
 
 
 def check_prompt_tokens(prompt: Sequence[int], cap: int | None, field: str) -> None:

@@ -54,6 +54,17 @@ def check_prompt_ids(prompt: Sequence[object], vocab_size: int, field: str = "pr
             )
 
 
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """The tokens a request biases are tokens of the vocabulary."""
+    for token, _ in params.logit_bias:
+        if token >= vocab_size:
+            raise InvalidRequest(
+                f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})",
+                param="logit_bias",
+                code="invalid_token_id",
+            )
+
+
 def check_context(
     prompt_len: int, max_tokens: int | None, max_seq_len: int, field: str = "prompt"
 ) -> None:
@@ -91,13 +102,7 @@ def check_request(request: EngineRequest, vocab_size: int, max_seq_len: int) -> 
         raise InvalidRequest("the prompt is a list of token ids", param="prompt")
     check_prompt_ids(request.prompt_token_ids, vocab_size)
     check_context(len(request.prompt_token_ids), request.params.max_tokens, max_seq_len)
-    for token, _ in request.params.logit_bias:
-        if token >= vocab_size:
-            raise InvalidRequest(
-                f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})",
-                param="logit_bias",
-                code="invalid_token_id",
-            )
+    check_logit_bias(request.params, vocab_size)
     if request.params.guided is not None:
         try:
             check_guided(request.params.guided)

@@ -22,8 +22,9 @@ async def one_stream(client: httpx.AsyncClient, i: int, started: asyncio.Queue[s
     """A long stream; the finish reason of its last chunk, or 'error'."""
     body = completion_body(f"Epic {i}:", max_tokens=80, ignore_eos=True, stream=True)
     async with client.stream("POST", "/v1/completions", json=body) as response:
+        # put before asserting: a refused stream must fail the test, not leave it waiting
+        await started.put(response.headers.get(REPLICA_HEADER, f"HTTP {response.status_code}"))
         assert response.status_code == 200
-        await started.put(response.headers[REPLICA_HEADER])
         lines = [line async for line in response.aiter_lines() if line.startswith("data:")]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
@@ -46,7 +47,7 @@ def test_scaling_workers_down_lets_running_streams_finish(app: Served) -> None:
             tasks, replicas = [], set()
             while len(tasks) < 4 or (len(replicas) < 2 and len(tasks) < 8):
                 tasks.append(asyncio.create_task(one_stream(client, len(tasks), started)))
-                replicas.add(await started.get())
+                replicas.add(await asyncio.wait_for(started.get(), 120))
             redeploy = threading.Thread(
                 target=serve.run,
                 args=(build_app(smaller),),
@@ -77,7 +78,7 @@ def test_draining_ingress_refuses_new_requests_and_finishes_running_ones(app: Se
         started: asyncio.Queue[str] = asyncio.Queue()
         async with httpx.AsyncClient(base_url=app.base_url, timeout=300) as client:
             running = asyncio.create_task(one_stream(client, 0, started))
-            await started.get()
+            await asyncio.wait_for(started.get(), 120)
             drain = asyncio.create_task(asyncio.to_thread(drain_ingress, app.config))
             while not await asyncio.to_thread(draining):
                 await asyncio.sleep(0.2)
