@@ -19,7 +19,10 @@ what stays cached.
 Every `--policies` entry (`advanced.router.policy`) runs both loads on the same replicas
 with prompts of its own (fresh random tokens), so one policy's cache never helps the next.
 Each reports throughput, TTFT and ITL, and the engine's prefix hit rate (cached prompt
-tokens over prompt tokens) per replica. Then, with the first policy deployed:
+tokens over prompt tokens) per replica; for the tenants also where their questions went
+(`placement`, from the replica each response names: the share served at their tenant's
+usual replica, and how many tenants each replica is home to; `warmup_tenants_per_replica`
+for the warm-up). Then, with the first policy deployed:
 - staleness: how long a prompt the engine has just cached takes to reach a router's view
   (`staleness_probe`);
 - the routing decision's cost at `--router-replicas` simulated replicas (`router_cost`).
@@ -32,12 +35,13 @@ import asyncio
 import os
 import time
 import uuid
+from collections import Counter
 from typing import Any
 
 import numpy as np
 
-from benchmarks.serve import http_run
-from benchmarks.stats import BenchSample, RequestPlan, make_arrivals
+from benchmarks.serve import http_load
+from benchmarks.stats import BenchSample, RequestPlan, RequestResult, make_arrivals
 from cluster.config import ClusterConfig
 
 POLICIES = "prefix_load,power_of_two,round_robin"
@@ -155,18 +159,23 @@ def prefix_scenario(
         warmup, tenants = tenant_samples(args, vocab, args.seed + 200 + i)
         if warmup:
             start = time.monotonic()
-            warm = _send(args, url, config.model_name, warmup, args.seed + 100 + i)
+            warm, results = _send(args, url, config.model_name, warmup, args.seed + 100 + i)
             if warm["failed"]:
                 raise RuntimeError(f"{policy}: {warm['failed']} warm-up requests failed")
             time.sleep(4 * config.advanced.router.stats_period_s)  # the routers see the pages
             runs["warmup_s"] = time.monotonic() - start
+            # where each tenant's first question went: its context's first home
+            where = placement(warmup, results, args.tenant_context_len)
+            runs["warmup_tenants_per_replica"] = where["tenants_per_replica"]
         loads = {"tenants": tenants}
         if args.control:
             loads["control"] = control_samples(args, vocab, args.seed + 300 + i)
         for load, samples in loads.items():
             before = _worker_stats()
-            summary = _send(args, url, config.model_name, samples, args.seed + i)
+            summary, results = _send(args, url, config.model_name, samples, args.seed + i)
             summary.update(_hit_rate(before, _worker_stats()))
+            if load == "tenants":
+                summary["placement"] = placement(samples, results, args.tenant_context_len)
             runs[load] = summary
             _show(f"{policy}, {load}", summary)
             print(
@@ -174,6 +183,13 @@ def prefix_scenario(
                 f"{[round(h, 3) for h in summary['per_replica_hit_rate']]}",
                 flush=True,
             )
+            if "placement" in summary:
+                where = summary["placement"]
+                print(
+                    f"    placement: {where['home_share']:.3f} of the questions on their "
+                    f"tenant's replica, tenants per replica {where['tenants_per_replica']}",
+                    flush=True,
+                )
         result["policies"][policy] = runs
         if i == 0 and args.staleness_trials > 0:
             result["staleness"] = staleness_probe(
@@ -188,10 +204,11 @@ def prefix_scenario(
 
 def _send(
     args: argparse.Namespace, url: str, model: str, samples: list[BenchSample], seed: int
-) -> dict[str, Any]:
-    """`samples` over HTTP with Poisson arrivals at --tenant-rate: the latency summary."""
-    return asyncio.run(
-        http_run(
+) -> tuple[dict[str, Any], list[RequestResult]]:
+    """`samples` over HTTP with Poisson arrivals at --tenant-rate: the latency summary, and
+    each sample's result."""
+    measured = asyncio.run(
+        http_load(
             url,
             "unused",
             model,
@@ -202,6 +219,31 @@ def _send(
             warm_up=False,  # _deploy warmed the replicas; a warm-up would count as misses
         )
     )
+    return measured.summary(), measured.results
+
+
+def placement(
+    samples: list[BenchSample], results: list[RequestResult], context_len: int
+) -> dict[str, Any]:
+    """Where the router put each tenant's questions (from the replica each response names):
+    a tenant's home is the replica that served most of them; `home_share` is the share of
+    answered questions served at their tenant's home (1.0: no tenant was ever split), and
+    `tenants_per_replica` how many homes each replica is, most first."""
+    by_tenant: dict[tuple[int, ...], list[str]] = {}
+    for sample, result in zip(samples, results, strict=True):
+        if result.replica is not None:
+            by_tenant.setdefault(tuple(sample.prompt[:context_len]), []).append(result.replica)
+    homes: dict[str, int] = {}
+    at_home = answered = 0
+    for replicas in by_tenant.values():
+        home, count = Counter(replicas).most_common(1)[0]
+        homes[home] = homes.get(home, 0) + 1
+        at_home, answered = at_home + count, answered + len(replicas)
+    return {
+        "home_share": at_home / answered if answered else 0.0,
+        "tenants_per_replica": sorted(homes.values(), reverse=True),
+        "questions_away": answered - at_home,
+    }
 
 
 def _config(

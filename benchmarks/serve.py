@@ -51,6 +51,7 @@ from benchmarks.stats import (
 from worker.heap import frozen_heap
 
 NO_PLAN = RequestPlan()
+REPLICA_HEADER = "x-kvray-replica"  # cluster/api.py's (not imported: the client stays off Ray)
 
 
 @dataclass(frozen=True)
@@ -495,6 +496,7 @@ async def _stream(
             result.outcome = "rejected" if response.status == 429 else "error"
             result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
             return
+        result.replica = response.headers.get(REPLICA_HEADER)
         await _read_events(response, plan, result, start)
 
 

@@ -48,6 +48,7 @@ class RequestResult:
     retry_after: str | None = None
     response_id: str | None = None  # the response's `id`
     sent_at: float = 0.0  # time.perf_counter() when it was sent
+    replica: str | None = None  # the worker replica that served it (kvray's response header)
 
     @property
     def ok(self) -> bool:

@@ -69,6 +69,10 @@ def test_every_policy_answers_every_request_of_both_loads(result: dict[str, Any]
             assert run["ttft_ms"]["p50"] <= run["ttft_ms"]["p90"]
             assert run["itl_ms"]["p50"] <= run["itl_ms"]["p99"]
             rates = [run["prefix_hit_rate"], *run["per_replica_hit_rate"]]
+            if load == "tenants":  # every answer named its replica: one home per tenant
+                where = run["placement"]
+                assert sum(where["tenants_per_replica"]) == TENANTS, (policy, where)
+                assert 0.5 <= where["home_share"] <= 1.0 and where["questions_away"] >= 0
             assert runs["warmup_s"] > 0  # every tenant asked once before the measured run
             assert len(rates) == 3 and all(0.0 <= r <= 1.0 for r in rates), (policy, load, rates)
 
@@ -82,6 +86,8 @@ def test_kvrays_policy_hits_the_cache_at_least_as_often_as_power_of_two(
     # two tenants a replica: placed by load alone, three could share one replica's 12 pages
     # and evict each other there (0.42 on it, 0.52 in all: below power-of-two in one CI run)
     assert min(kvray["tenants"]["per_replica_hit_rate"]) > 0.5, runs
+    assert kvray["warmup_tenants_per_replica"] == [2, 2], runs
+    assert kvray["tenants"]["placement"]["tenants_per_replica"] == [2, 2], runs
     # the tenants' contexts are what hits: the control shares nothing past a stray page
     assert kvray["tenants"]["prefix_hit_rate"] > kvray["control"]["prefix_hit_rate"] + 0.2
 
@@ -96,3 +102,16 @@ def test_the_router_views_staleness_and_decision_cost_are_reported(
     decision = result["router_decision"]
     assert decision["replicas"] == 64
     assert 0 < decision["decision_us_p50"] <= decision["decision_us_p99"]
+
+
+def test_placement_finds_each_tenants_home_and_the_questions_sent_elsewhere() -> None:
+    from benchmarks.cluster_prefix import placement
+    from benchmarks.stats import BenchSample, RequestResult
+
+    a, b = [1, 2, 3], [4, 5, 6]  # two tenants' contexts
+    prompts = [a + [7], b + [8], a + [9], a + [10], b + [11], b + [12], a + [13]]
+    served = ["r1", "r2", "r1", "r2", "r2", None, "r1"]  # None: no answer, not counted
+    where = placement(
+        [BenchSample(p, 4) for p in prompts], [RequestResult(replica=r) for r in served], 3
+    )
+    assert where == {"home_share": 5 / 6, "tenants_per_replica": [1, 1], "questions_away": 1}
