@@ -118,12 +118,13 @@ def rank_replicas(
     def overloaded_(v: ReplicaView) -> bool:
         return v.load > least + imbalance_threshold and v.load > least * imbalance_ratio
 
-    slack = max(FULLNESS_SLACK, FULLNESS_SLACK_RATIO * least)
+    # cache room decides only for a call with pages to place, among replicas within slack
+    # of the least load
+    within = least + max(FULLNESS_SLACK, FULLNESS_SLACK_RATIO * least) if any(prompts) else -1.0
 
     def room(v: ReplicaView) -> int:
-        """How full the cache is, in steps, where it may decide: only for a call with pages
-        to place, and only among replicas within `slack` of the least load."""
-        if not any(prompts) or v.load > least + slack:
+        """How full the cache is, in steps; FULLNESS_STEPS where it may not decide."""
+        if v.load > within:
             return FULLNESS_STEPS
         return min(int(v.fullness * FULLNESS_STEPS), FULLNESS_STEPS - 1)
 

@@ -318,7 +318,7 @@ class Engine:
         free pages are too few to rule out a preemption.
         """
         sched, cache = self.scheduler, self.executor.cache
-        if current.needs_host_logprobs:
+        if current.wants_logprobs:
             return None
         deltas.extend(self._drain())  # requests that arrived during this step join the next one
         if self._num_penalized:

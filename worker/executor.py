@@ -71,10 +71,6 @@ class PendingStep:
             return None
         return self.started.elapsed_time(self.done) / 1e3
 
-    @property
-    def needs_host_logprobs(self) -> bool:
-        return self.wants_logprobs
-
 
 class Executor:
     def __init__(
