@@ -51,7 +51,7 @@ from worker.heap import freeze_heap
 from worker.outputs import merge_steps
 from worker.request import ScheduledTask
 from worker.streams import OutputStream
-from worker.validation import InvalidRequest
+from worker.validation import EngineRequest, InvalidRequest
 
 HEARTBEAT = encode_deltas([])  # an empty step frame: "still queued, the engine is stepping"
 ANSWERED_REPORT_S = 600.0  # a sender's answered count is reported while it sent in this window
@@ -170,9 +170,15 @@ class WorkerDeployment:
             requests = decode_requests(payload)
         except InvalidRequest as exc:
             return encode_refused("invalid", exc.message)
+        answer = self._accept(hint, requests, ingress_id)
+        # Counted once the prompts' keys are queued: a report that shows the answer shows
+        # their pages (the routers add the unanswered requests' pages themselves).
         if isinstance(hint.sender, str):  # counted here: the hint's count is the caller's word
             count, _ = self._answered.get(hint.sender, (0, 0.0))
             self._answered[hint.sender] = (count + len(requests), time.monotonic())
+        return answer
+
+    def _accept(self, hint: RouteHint, requests: list[EngineRequest], ingress_id: str) -> bytes:
         box = self._mailboxes.get(ingress_id)
         if box is None or box.stream.closed:
             box = Mailbox(OutputStream([], self._engine.abort))

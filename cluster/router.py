@@ -35,11 +35,11 @@ cache-aware router sends it to the smallest tree: where it lands is where its ne
 follow it, so new prefixes placed by the load of the moment (one request more or less) could
 put three tenants' contexts on one replica and one on the other, and the three evict each
 other while half the other cache sits empty. Fullness counts the pages a replica reports
-(`resident_pages`: cached, or of prompts it accepted in the last 10 s) and those this router
-sent it since. Once every cache is full (the steady state) load decides again, as it does
-for calls whose prompts fill no page (they place nothing in the cache): a replica with more
-room must not draw every short request (it did, up to the imbalance threshold, until the
-slack and that exception).
+(`resident_pages`: cached, or of prompts it accepted in the last 10 s) and those of the
+requests this router sent it that the report had not answered. Once every cache is full
+(the steady state) load decides again, as it does for calls whose prompts fill no page
+(they place nothing in the cache): a replica with more room must not draw every short
+request (it did, up to the imbalance threshold, until the slack and that exception).
 """
 
 from __future__ import annotations
@@ -175,13 +175,15 @@ def _unanswered(memory: _ReplicaMemory, answered: Mapping[str, int]) -> int:
     return min(unanswered, sum(s.num_requests for s in memory.sent))
 
 
-def _pages_sent_after(sent: deque[_Sent], at: float) -> int:
-    """Prompt pages of the calls sent after `at` (a report's time): not in that report."""
+def _unanswered_pages(sent: deque[_Sent], unanswered: int) -> int:
+    """Prompt pages of the last `unanswered` requests sent: those a report had not accepted,
+    so its `resident_pages` lacks them (a report's time says nothing of that: one taken after
+    a call was sent may still predate its acceptance)."""
     pages = 0
     for s in reversed(sent):
-        if s.at <= at:
+        if unanswered <= 0:
             break
-        pages += s.num_pages
+        pages, unanswered = pages + s.num_pages, unanswered - s.num_requests
     return pages
 
 
@@ -295,14 +297,15 @@ class PrefixLoadRouter(KvrayRouter):
         if memory.claimed:
             keys = _KnownKeys(memory.reported_keys, memory.claimed, now)
         reported_load = float(stats.get("num_running", 0)) + float(stats.get("num_waiting", 0))
-        load = reported_load + _unanswered(memory, stats.get("answered") or {})
+        unanswered = _unanswered(memory, stats.get("answered") or {})
+        load = reported_load + unanswered
         if float(stats.get("stalled_s", 0.0)) > self._stalled_after_s:
             load = STALLED_LOAD  # stuck in a step: ranked last until it reports progress
         total_pages = float(stats.get("num_total_pages", 0))
         fullness = 0.0
         if total_pages:
             resident = float(stats.get("resident_pages", 0))
-            fullness = (resident + _pages_sent_after(memory.sent, stats_time)) / total_pages
+            fullness = (resident + _unanswered_pages(memory.sent, unanswered)) / total_pages
         return ReplicaView(
             replica.replica_id.unique_id,
             load,
