@@ -44,7 +44,7 @@ from cluster.protocol import (
     now,
     openapi_components,
 )
-from cluster.responses import ChunkWriter, Collector, usage_of
+from cluster.responses import ChunkWriter, Collector, Echo, usage_of
 from cluster.router import RouteHint
 from worker.guided import GuidedDecoding, check_guided
 from worker.heap import freeze_heap
@@ -181,12 +181,20 @@ class Ingress:
         arrival = time.perf_counter()
         req = await self._parse(request, CompletionRequest)
         assert isinstance(req, CompletionRequest)
+        texts = req.prompts()
         prompts = [
             await self._tokenize(len(p), self._tokenizer.encode, p) if isinstance(p, str) else p
-            for p in req.prompts()
+            for p in texts
         ]
+        echo = None
+        if req.echo:  # each prompt as sent (token ids: their text), once per choice
+            echo = [
+                Echo(t if isinstance(t, str) else self._tokenizer.decode(p), list(p))
+                for t, p in zip(texts, prompts, strict=True)
+                for _ in range(req.n)
+            ]
         return await self._generate(
-            req, [list(p) for p in prompts], req.sampling_params(), arrival, chat=False
+            req, [list(p) for p in prompts], req.sampling_params(), arrival, chat=False, echo=echo
         )
 
     # -- request handling -----------------------------------------------------------------
@@ -261,6 +269,7 @@ class Ingress:
         params: SamplingParams,
         arrival: float,
         chat: bool,
+        echo: list[Echo] | None = None,
     ) -> Response:
         if self._dispatcher.draining:
             raise self._draining_error()
@@ -299,7 +308,7 @@ class Ingress:
                 body, gen.stream.close, media_type="text/event-stream", headers=headers
             )
         collector = Collector(
-            len(stream.group.requests), params.logprobs is not None, tool_calls=calls
+            len(stream.group.requests), params.logprobs is not None, tool_calls=calls, echo=echo
         )
         try:
             async for deltas in gen.deltas():

@@ -37,6 +37,7 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None
     finish_reason: FinishReason | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on its first delta, if asked
 
 
 @dataclass(slots=True)
@@ -119,7 +120,9 @@ class Generation:
             self._record(choice, now)
         if delta.metrics is not None and self.on_engine_metrics is not None:
             self.on_engine_metrics(delta.metrics)
-        return ChoiceDelta(choice.index, text, delta.new_token_ids, delta.logprobs, finish)
+        return ChoiceDelta(
+            choice.index, text, delta.new_token_ids, delta.logprobs, finish, delta.prompt_logprobs
+        )
 
     def _record(self, choice: _Choice, now: float) -> None:
         first = choice.first_token_at if choice.first_token_at is not None else now

@@ -210,4 +210,4 @@ def fit_context(prompt_len: int, max_tokens: int | None, max_seq_len: int) -> in
     there anyway), so every request a worker receives passes its context check."""
     if max_tokens is None:
         return None
-    return max(1, min(max_tokens, max_seq_len - prompt_len))
+    return min(max_tokens, max(1, max_seq_len - prompt_len))  # 0 (echo) stays 0

@@ -4,7 +4,7 @@ Requests are validated here, so a bad field is a 400 naming that field before an
 reaches a worker. Types are strict, as OpenAI's are (`"n": "2"` or `"n": true` is an
 error, not a 2 or a 1); integers that reach a worker are bounded so they fit its wire
 format. Unknown fields are ignored (clients send fields of newer API versions); fields
-that ask for a feature kvray lacks (echo, suffix, legacy functions, ...) are refused.
+that ask for a feature kvray lacks (suffix, legacy functions, ...) are refused.
 Limits an operator sets (stop list size, prompt count, ...) are checked by `cluster.limits`.
 
 Structured output (`response_format`, and vLLM's `guided_json` / `guided_regex` /
@@ -53,6 +53,7 @@ def _whole_float(value: Any) -> Any:
 _WHOLE = BeforeValidator(_whole_float)
 Int = Annotated[int, _WHOLE]
 PositiveInt = Annotated[int, Field(ge=1), _WHOLE]
+NonNegativeInt = Annotated[int, Field(ge=0), _WHOLE]
 Int32 = Annotated[int, Field(ge=0, lt=_INT32), _WHOLE]  # token ids, min_tokens
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**63), _WHOLE]
 TopK = Annotated[int, Field(ge=-1, lt=_INT32), _WHOLE]
@@ -347,9 +348,9 @@ class CompletionRequest(_Request):
     prompt: str | list[str] | list[Int] | list[list[Int]] = Field(
         description="text, texts, token ids, or lists of token ids"
     )
-    max_tokens: PositiveInt | None = 16
+    max_tokens: NonNegativeInt | None = 16  # 0 with echo: score the prompt only
     logprobs: NumLogprobs | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt before the text; with logprobs, its tokens' too
 
     @field_validator("prompt")
     @classmethod
@@ -361,9 +362,6 @@ class CompletionRequest(_Request):
     def _refused_extras(self) -> dict[str, Any]:
         return {**super()._refused_extras(), "suffix": None, "best_of": self.n}
 
-    def refused_field(self) -> str | None:
-        return "echo" if self.echo else super().refused_field()
-
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompt as a list of texts or a list of token-id lists."""
         p = self.prompt
@@ -374,7 +372,14 @@ class CompletionRequest(_Request):
         return cast(list[str] | list[list[int]], list(p))
 
     def sampling_params(self) -> SamplingParams:
-        return self._sampling(self.max_tokens, self.logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise FieldError("max_tokens 0 returns nothing without echo", "max_tokens")
+        if self.echo and self.stream:
+            raise FieldError("echo is not supported with stream", "echo")
+        params = self._sampling(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            return params.model_copy(update={"prompt_logprobs": self.logprobs})
+        return params
 
 
 # ---- responses -------------------------------------------------------------------------

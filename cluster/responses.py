@@ -78,11 +78,38 @@ def completion_logprobs(
     return out
 
 
+def echo_logprobs(
+    token_text: TokenText, prompt_ids: list[int], scored: list[TokenLogprobs | None] | None
+) -> CompletionLogprobs:
+    """The logprobs of an echoed prompt's tokens: null for the first, which nothing scores."""
+    out, offset = CompletionLogprobs(), 0
+    for j, token_id in enumerate(prompt_ids):
+        text = token_text(token_id)
+        lp = scored[j] if scored is not None and j < len(scored) else None
+        out.tokens.append(text)
+        out.token_logprobs.append(None if lp is None else lp.logprob)
+        out.top_logprobs.append(
+            None if lp is None else {token_text(tid): v for tid, v in lp.top.items()}
+        )
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion choice's prompt, returned before its text (`echo`)."""
+
+    text: str
+    token_ids: list[int]
+
+
 @dataclass
 class _Collected:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def _finish(reason: FinishReason | None, called: bool) -> FinishReason | None:
@@ -99,6 +126,7 @@ class Collector:
     wants_logprobs: bool
     choices: dict[int, _Collected] = field(default_factory=dict)
     tool_calls: bool = False
+    echo: list[Echo] | None = None  # each choice's prompt, for a completion with `echo`
 
     def __post_init__(self) -> None:
         self.choices = {
@@ -111,6 +139,8 @@ class Collector:
         c.text.append(delta.text)
         if c.logprobs is not None and delta.logprobs:
             c.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            c.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason:
             c.finish_reason = delta.finish_reason
 
@@ -144,15 +174,28 @@ class Collector:
     def completion(
         self, rid: str, created: int, model: str, usage: Usage, token_text: TokenText
     ) -> Completion:
-        choices = [
-            CompletionChoice(
-                index=i,
-                text="".join(c.text),
-                logprobs=completion_logprobs(token_text, c.logprobs, 0),
-                finish_reason=c.finish_reason,
+        choices = []
+        for i, c in sorted(self.choices.items()):
+            text = "".join(c.text)
+            logprobs = completion_logprobs(token_text, c.logprobs, 0)
+            if self.echo is not None:
+                prompt = self.echo[i]
+                if logprobs is not None:
+                    head = echo_logprobs(token_text, prompt.token_ids, c.prompt_logprobs)
+                    tail = completion_logprobs(token_text, c.logprobs, len(prompt.text))
+                    assert tail is not None
+                    logprobs = CompletionLogprobs(
+                        tokens=head.tokens + tail.tokens,
+                        token_logprobs=head.token_logprobs + tail.token_logprobs,
+                        top_logprobs=head.top_logprobs + tail.top_logprobs,
+                        text_offset=head.text_offset + tail.text_offset,
+                    )
+                text = prompt.text + text
+            choices.append(
+                CompletionChoice(
+                    index=i, text=text, logprobs=logprobs, finish_reason=c.finish_reason
+                )
             )
-            for i, c in sorted(self.choices.items())
-        ]
         return Completion(id=rid, created=created, model=model, choices=choices, usage=usage)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import msgpack
 from pydantic import ValidationError
@@ -103,6 +103,16 @@ def _unpack_logprobs(rows: list[Any] | None) -> list[TokenLogprobs] | None:
     return [TokenLogprobs(tid, lp, {int(k): v for k, v in top}) for tid, lp, top in rows]
 
 
+def _pack_prompt_logprobs(scored: list[TokenLogprobs | None] | None) -> list[Any] | None:
+    """The first entry (the prompt's first token, never scored) is None: it is left out."""
+    return None if scored is None else _pack_logprobs(cast(list[TokenLogprobs], scored[1:]))
+
+
+def _unpack_prompt_logprobs(rows: list[Any] | None) -> list[TokenLogprobs | None] | None:
+    scored = _unpack_logprobs(rows)
+    return None if scored is None else [None, *scored]
+
+
 def encode_deltas(deltas: list[RequestDelta]) -> bytes:
     rows = [
         [
@@ -114,6 +124,7 @@ def encode_deltas(deltas: list[RequestDelta]) -> bytes:
             d.num_prompt_tokens,
             d.num_cached_tokens,
             None if d.metrics is None else dataclasses.astuple(d.metrics),
+            _pack_prompt_logprobs(d.prompt_logprobs),
         ]
         for d in deltas
     ]
@@ -131,8 +142,9 @@ def decode_deltas(frame: bytes) -> list[RequestDelta]:
             n_prompt,
             n_cached,
             None if metrics is None else RequestMetrics(*metrics),
+            _unpack_prompt_logprobs(prompt_lps),
         )
-        for rid, ids, lps, finish, error, n_prompt, n_cached, metrics in msgpack.unpackb(
+        for rid, ids, lps, finish, error, n_prompt, n_cached, metrics, prompt_lps in msgpack.unpackb(
             frame, strict_map_key=False
         )
     ]

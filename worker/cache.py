@@ -451,7 +451,11 @@ class PageCache(KVCache):
             _extend_keys(request, self.page_size, request.num_tokens - 1)
             first = request.num_preemptions == 0
             keys = request.page_keys[: (request.num_tokens - 1) // self.page_size]
-            hits = self.prefix.match(keys)
+            scored = request.prompt_logprobs
+            if scored is not None and len(scored) < len(request.prompt_ids):
+                hits = []  # every prompt token it has not scored yet must run
+            else:
+                hits = self.prefix.match(keys)
             for page in hits:
                 self._ref[page] += 1
             if hits:

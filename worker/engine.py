@@ -24,7 +24,7 @@ from worker.executor import Executor, PendingStep, StepResult
 from worker.grammar import CompiledGrammar, GrammarCompiler, fill_threads
 from worker.model.config import ModelConfig
 from worker.model.demo import resolve_model_path
-from worker.outputs import FinishReason, RequestDelta
+from worker.outputs import FinishReason, RequestDelta, TokenLogprobs
 from worker.request import PENDING, Request, ScheduledTask, Status
 from worker.scheduler import Scheduler
 from worker.stats import EngineStats, StepObserver, StepRecord, request_metrics
@@ -182,7 +182,12 @@ class Engine:
         gen = None
         if r.params.seed is not None:
             gen = torch.Generator(self.executor.device).manual_seed(r.params.seed)
-        return Request(r.request_id, list(r.prompt_token_ids), r.params, generator=gen)
+        scored: list[TokenLogprobs | None] | None = None
+        if r.params.prompt_logprobs is not None:
+            scored = [None]  # the first prompt token: nothing before it scores it
+        return Request(
+            r.request_id, list(r.prompt_token_ids), r.params, generator=gen, prompt_logprobs=scored
+        )
 
     # -- stepping ------------------------------------------------------------------------
     @property
@@ -388,6 +393,10 @@ class Engine:
                 t.request.num_computed += t.num_new
             if t.request.row >= 0:
                 cache.commit(t.request)
+        for i, first, entries in result.prompt_logprobs:
+            scored = tasks[i].request.prompt_logprobs
+            if live[i] and scored is not None and first <= len(scored):
+                scored[first:] = entries
         deltas = []
         for i, token, lp in zip(
             result.task_indices, result.token_ids, result.logprobs, strict=True
@@ -395,6 +404,13 @@ class Engine:
             if not live[i]:
                 continue
             request = tasks[i].request
+            if request.params.max_tokens == 0:  # it only scored its prompt: no token
+                if step.advanced:
+                    request.output_ids.pop()  # its PENDING placeholder
+                request.first_token_time = now
+                self.observer.prompt_tokens += len(request.prompt_ids)
+                deltas.append(self._finish(request, "length"))
+                continue
             if step.advanced:
                 request.output_ids[-1] = token  # over its PENDING placeholder
             else:
@@ -444,6 +460,11 @@ class Engine:
         return self._delta(request, new_tokens or [], lp)
 
     def _delta(self, request: Request, tokens: list[int], lp) -> RequestDelta:
+        scored = request.prompt_logprobs
+        prompt_logprobs = None  # on the first delta after the whole prompt was scored
+        sent = request.prompt_logprobs_sent
+        if scored is not None and len(scored) == len(request.prompt_ids) and not sent:
+            prompt_logprobs, request.prompt_logprobs_sent = list(scored), True
         return RequestDelta(
             request.request_id,
             tokens,
@@ -453,6 +474,7 @@ class Engine:
             num_prompt_tokens=len(request.prompt_ids),
             num_cached_tokens=request.num_cached,
             metrics=request_metrics(request) if request.finish_time is not None else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _publish(self, deltas: list[RequestDelta]) -> None:

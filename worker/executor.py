@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -40,6 +41,36 @@ class StepResult:
     task_indices: list[int]
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # (task index, index in its prompt of the first token scored, their logprobs) for the
+    # tasks whose requests asked for prompt logprobs
+    prompt_logprobs: list[tuple[int, int, list[TokenLogprobs]]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PromptScores:
+    """Prompt logprobs a step queued on the device (`Executor._score_prompts`)."""
+
+    spans: list[tuple[int, int, int, int]]  # (task index, first prompt index, count, top k)
+    targets: list[int]  # the scored prompt tokens, spans in order
+    chosen: torch.Tensor  # [T] float32: each scored token's logprob
+    top_ids: torch.Tensor | None  # [T, K] int64, the K = most top alternatives asked for
+    top_logprobs: torch.Tensor | None  # [T, K] float32
+
+    def read(self) -> list[tuple[int, int, list[TokenLogprobs]]]:
+        chosen = self.chosen.tolist()
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        top_lp = self.top_logprobs.tolist() if self.top_logprobs is not None else None
+        out, row = [], 0
+        for task, first, count, k in self.spans:
+            entries = []
+            for i in range(row, row + count):
+                top = {}
+                if k and top_ids is not None and top_lp is not None:
+                    top = dict(zip(top_ids[i][:k], top_lp[i][:k], strict=True))
+                entries.append(TokenLogprobs(self.targets[i], chosen[i], top))
+            out.append((task, first, entries))
+            row += count
+        return out
 
 
 @dataclass(slots=True)
@@ -62,6 +93,7 @@ class PendingStep:
     # the sampling still to queue, behind its grammars' masks (`Executor.finish_sampling`)
     unsampled: Callable[[], None] | None = None
     error: BaseException | None = None  # queueing that sampling failed: the step has no ids
+    prompt_scores: PromptScores | None = None  # prompt logprobs it computed, read at resolve
 
     def device_seconds(self) -> float | None:
         """The step's span on the device stream, from its first queued work to the copy of its
@@ -171,14 +203,17 @@ class Executor:
             and self.graphs.bucket(batch.batch_size)
         ):
             return self.graphs.run(batch)
+        hidden = self._hidden(batch)
+        return self.model.compute_logits(hidden if all_logits else hidden[batch.logits_indices])
+
+    def _hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """The last hidden state of every token of the batch (no decode graph)."""
         if self.prompt_graphs is not None and (
             bucket := self.prompt_graphs.bucket(batch.num_tokens)
         ):
-            hidden = self.prompt_graphs.run(batch, bucket)
-        else:
-            self.backend.prepare(batch, self.cache)
-            hidden = self.model(batch.input_ids, batch.positions, self.cache, self.backend)
-        return self.model.compute_logits(hidden if all_logits else hidden[batch.logits_indices])
+            return self.prompt_graphs.run(batch, bucket)
+        self.backend.prepare(batch, self.cache)
+        return self.model(batch.input_ids, batch.positions, self.cache, self.backend)
 
     @torch.inference_mode()
     def launch(
@@ -211,7 +246,8 @@ class Executor:
             logprobs: list[TokenLogprobs | None] = [None] * n
             if pending.sampled is not None:
                 logprobs = self._logprobs(pending.tasks, pending.rows, pending.sampled)
-            return StepResult(pending.rows, token_ids, logprobs)
+            prompt = pending.prompt_scores.read() if pending.prompt_scores is not None else []
+            return StepResult(pending.rows, token_ids, logprobs, prompt)
         except BaseException:
             self.discard()
             raise
@@ -256,11 +292,18 @@ class Executor:
             ws.input_ids[: batch.steady.batch_size].copy_(
                 ws.next_token_ids[: batch.steady.batch_size]
             )
-        logits = self.forward(batch)
+        scored = _prompt_spans(tasks, batch)
+        prompt_scores = None
+        if scored:
+            hidden = self._hidden(batch)
+            prompt_scores = self._score_prompts(tasks, batch, scored, hidden)
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+        else:
+            logits = self.forward(batch)
         rows = [i for i, t in enumerate(tasks) if t.samples]
         if not rows:
             self._sampling = None
-            self._previous = PendingStep(tasks, rows)
+            self._previous = PendingStep(tasks, rows, prompt_scores=prompt_scores)
             return self._previous
         if len(rows) < len(tasks):
             assert batch.sample_rows is not None and len(batch.sample_rows) == len(rows)
@@ -278,6 +321,7 @@ class Executor:
             self._done[slot],
             wants_logprobs=info.max_logprobs is not None,
             started=started,
+            prompt_scores=prompt_scores,
         )
         self._previous = pending
         if mask is None:
@@ -360,6 +404,45 @@ class Executor:
         )
         return self._sampling
 
+    def _score_prompts(
+        self,
+        tasks: list[ScheduledTask],
+        batch: ForwardBatch,
+        spans: list[tuple[int, int, int, int]],
+        hidden: torch.Tensor,
+    ) -> PromptScores:
+        """Each span's prompt tokens scored by the model's logits at the token before each:
+        their logprobs and the top alternatives, the model's own (no sampling settings),
+        queued on the device in slices so that the float32 logits stay small."""
+        rows: list[int] = []
+        targets: list[int] = []
+        packed = [0, *accumulate(batch.q_lens)]  # where each task's tokens start in the batch
+        for task, first, count, _ in spans:
+            start = batch.seq_lens_host[task] - batch.q_lens[task]  # its first position
+            row = packed[task] + first - 1 - start  # token j is scored at position j - 1
+            rows += range(row, row + count)
+            targets += tasks[task].request.prompt_ids[first : first + count]
+        k = max(s[3] for s in spans)
+        # from host tensors without a blocking copy, which would wait for the forward
+        idx = torch.tensor(rows, dtype=torch.long).to(hidden.device, non_blocking=True)
+        tgt = torch.tensor(targets, dtype=torch.long).to(hidden.device, non_blocking=True)
+        chosen, top_ids, top_lp = [], [], []
+        for lo in range(0, len(rows), _SCORE_SLICE):
+            logits = self.model.compute_logits(hidden[idx[lo : lo + _SCORE_SLICE]]).float()
+            lp = torch.log_softmax(logits, dim=-1)
+            chosen.append(lp.gather(1, tgt[lo : lo + _SCORE_SLICE, None]).view(-1))
+            if k:
+                top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+                top_ids.append(top.indices)
+                top_lp.append(top.values)
+        return PromptScores(
+            spans,
+            targets,
+            torch.cat(chosen),
+            torch.cat(top_ids) if k else None,
+            torch.cat(top_lp) if k else None,
+        )
+
     def _logprobs(
         self, tasks: list[ScheduledTask], rows: list[int], out: SamplerOutput
     ) -> list[TokenLogprobs | None]:
@@ -382,3 +465,26 @@ class Executor:
             )
             result.append(TokenLogprobs(ids[j], chosen[j], top))
         return result
+
+
+_SCORE_SLICE = 512  # prompt tokens scored at once: float32 logits of 512 x 128k vocab = 256 MiB
+
+
+def _prompt_spans(
+    tasks: list[ScheduledTask], batch: ForwardBatch
+) -> list[tuple[int, int, int, int]]:
+    """(task index, first prompt index, count, top k) of the prompt tokens this step scores
+    for requests that asked for prompt logprobs: token j > 0 needs the logits at position
+    j - 1; tokens scored before a preemption are not scored again."""
+    spans = []
+    for i, t in enumerate(tasks):
+        request = t.request
+        scored = request.prompt_logprobs
+        if scored is None or len(scored) >= len(request.prompt_ids):
+            continue
+        start = batch.seq_lens_host[i] - t.num_new
+        first = max(start + 1, len(scored))  # the first prompt token this step can score
+        last = min(start + t.num_new, len(request.prompt_ids) - 1)  # and the last
+        if last >= first:
+            spans.append((i, first, last + 1 - first, request.params.prompt_logprobs or 0))
+    return spans

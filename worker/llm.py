@@ -120,6 +120,7 @@ class _Job:
         self.error: str | None = None
         self.num_cached = 0
         self.metrics = None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def done(self) -> bool:
@@ -133,6 +134,7 @@ class _Job:
         if self.logprobs is not None and delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         self.num_cached = delta.num_cached_tokens
+        self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs
         piece = self.text.push(delta.new_token_ids) if self.text else ""
         if self.text is not None and self.text.stopped:
             self.finish_reason = "stop"
@@ -155,6 +157,7 @@ class _Job:
             self.error,
             self.num_cached,
             self.metrics,
+            self.prompt_logprobs,
         )
 
 

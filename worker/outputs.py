@@ -40,6 +40,9 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None  # on the request's last delta
+    # with prompt_logprobs asked for: prompt token j's at index j (None for the first), on
+    # the request's first delta
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -69,6 +72,7 @@ def merge_steps(frames: list[list[RequestDelta]]) -> list[RequestDelta]:
                 d.num_prompt_tokens,
                 max(prev.num_cached_tokens, d.num_cached_tokens),
                 d.metrics or prev.metrics,
+                prev.prompt_logprobs or d.prompt_logprobs,
             )
     return list(merged.values())
 
@@ -86,3 +90,4 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # index j: prompt token j's

@@ -43,6 +43,9 @@ class Request:
     generator: torch.Generator | None = None
     page_keys: list[int] = field(default_factory=list)  # chained hashes of its full pages
     logprobs: list[TokenLogprobs] | None = None
+    # with params.prompt_logprobs: prompt token j's logprobs at index j (None for the first)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False  # on a delta already (the request's first)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

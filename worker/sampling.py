@@ -62,7 +62,9 @@ class SamplingParams(BaseModel):
     )
     seed: int | None = Field(None, description="per-request seed: same seed, same output")
     max_tokens: int | None = Field(
-        None, ge=1, description="most new tokens; None = up to the context limit"
+        None,
+        ge=0,
+        description="most new tokens; None = up to the context limit; 0 = only score the prompt",
     )
     min_tokens: int = Field(
         0, ge=0, description="EOS and stop ids are suppressed until this many tokens"
@@ -75,6 +77,13 @@ class SamplingParams(BaseModel):
         ge=0,
         le=MAX_LOGPROBS,
         description="return the sampled token's logprob and this many top alternatives",
+    )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="return each prompt token's logprob (after the first) and this many top "
+        "alternatives; the prompt is computed in full, not read from the prefix cache",
     )
     skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
     include_stop_str_in_output: bool = Field(

@@ -571,7 +571,7 @@ def unsupported(b: _Builder) -> None:
         b.add(name, b.chat(**{name: value}), param=name)
     legacy = [{"role": "assistant", "content": None, "function_call": call["function"]}]
     b.add("history-function_call", b.chat(messages=legacy), param="messages.0.function_call")
-    for name, value in {"echo": True, "suffix": "x", "best_of": 3}.items():
+    for name, value in {"suffix": "x", "best_of": 3}.items():
         b.add(f"completion-{name}", b.completion(**{name: value}), param=name, path=COMPLETIONS)
 
 
@@ -838,6 +838,9 @@ def logprobs(b: _Builder) -> None:
             path=COMPLETIONS,
         )
     b.add("logprobs=5", b.chat(logprobs=5), param="logprobs")
+    # echo returns the whole prompt at once, and max_tokens 0 asks for nothing else
+    b.add("echo-stream", b.completion(echo=True, stream=True), param="echo", path=COMPLETIONS)
+    b.add("max_tokens-0-no-echo", b.completion(max_tokens=0), param="max_tokens", path=COMPLETIONS)
 
 
 def deep_nesting(b: _Builder) -> None:

@@ -69,7 +69,7 @@ def narrowed(spec: dict[str, Any], model: str) -> dict[str, Any]:
         props["stop"]["anyOf"][1]["maxItems"] = 4
         props["stop_token_ids"]["anyOf"][0]["maxItems"] = 4
         body["required"] = sorted({*body.get("required", []), "max_tokens"})
-        body["additionalProperties"] = False  # extra fields are refused functions, echo, ...
+        body["additionalProperties"] = False  # extra fields are refused functions, suffix, ...
         props.pop("logit_bias")  # its keys must be token ids of the vocabulary: test_logit_bias
         # a schema, regex or grammar valid JSON may still not compile (400): test_structured
         for name in ("guided_json", "guided_regex", "guided_grammar", "tools", "tool_choice"):
@@ -87,7 +87,7 @@ def narrowed(spec: dict[str, Any], model: str) -> dict[str, Any]:
         message["additionalProperties"] = False
     completion = schemas["CompletionRequest"]["properties"]
     completion["prompt"] = {"type": "string", "minLength": 1, "maxLength": 100}
-    completion["echo"] = {"type": "boolean", "enum": [False]}
+    completion["echo"] = {"type": "boolean", "enum": [False]}  # with stream: a 400 (bad_inputs)
     return spec
 
 

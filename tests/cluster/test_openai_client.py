@@ -119,6 +119,43 @@ def test_logprobs_and_top_logprobs(client: OpenAI) -> None:
     assert "".join(e.token for e in content) == reply.choices[0].message.content
 
 
+def test_echo_returns_the_prompt_and_its_logprobs_as_the_engine_scores_them(
+    client: OpenAI,
+) -> None:
+    """lm-evaluation-harness's loglikelihood request: echo, max_tokens 0, logprobs."""
+    prompt = "The capital of France is Paris"
+    scored = client.completions.create(
+        model="demo", prompt=prompt, echo=True, max_tokens=0, logprobs=1, temperature=0
+    )
+    choice = scored.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0
+    llm = LLM(**ENGINE)
+    try:
+        [local] = llm.generate(prompt, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    finally:
+        llm.engine.shutdown()
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(local.prompt_token_ids) == scored.usage.prompt_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(
+        [e.logprob for e in local.prompt_logprobs[1:]], abs=1e-3
+    )
+    assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+
+    more = client.completions.create(
+        model="demo", prompt=prompt, echo=True, max_tokens=4, logprobs=1, temperature=0
+    )
+    plain = client.completions.create(model="demo", prompt=prompt, max_tokens=4, temperature=0)
+    text, n = more.choices[0].text, len(lp.tokens)
+    assert text == prompt + plain.choices[0].text
+    assert len(more.choices[0].logprobs.tokens) == n + more.usage.completion_tokens
+    assert more.choices[0].logprobs.token_logprobs[1:n] == pytest.approx(
+        lp.token_logprobs[1:], abs=1e-3
+    )
+    assert more.choices[0].logprobs.text_offset[n] == len(prompt)
+
+
 def test_logit_bias_bans_and_forces_tokens(client: OpenAI, served: Served) -> None:
     tokenizer = Tokenizer.from_dir(str(resolve_model_path(served.config.engine.model)))
 

@@ -8,7 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.errors import from_validation
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.protocol import ChatCompletionRequest, CompletionRequest, FieldError
+from worker.sampling import SamplingParams
 
 
 def test_chat_request_maps_onto_sampling_params() -> None:
@@ -63,10 +64,24 @@ def test_unsupported_features_are_named() -> None:
     )
     assert (
         CompletionRequest.model_validate(
-            {"model": "m", "prompt": "x", "echo": True}
+            {"model": "m", "prompt": "x", "suffix": "y"}
         ).refused_field()
-        == "echo"
+        == "suffix"
     )
+
+
+def test_echo_with_logprobs_asks_the_engine_for_prompt_logprobs() -> None:
+    def params(**fields: object) -> SamplingParams:
+        body = {"model": "m", "prompt": "x", **fields}
+        return CompletionRequest.model_validate(body).sampling_params()
+
+    assert params(echo=True, logprobs=2, max_tokens=0).prompt_logprobs == 2
+    assert params(echo=True, max_tokens=0).prompt_logprobs is None  # the text alone
+    assert params(logprobs=2).prompt_logprobs is None
+    with pytest.raises(FieldError, match="echo"):
+        params(echo=True, stream=True)
+    with pytest.raises(FieldError, match="max_tokens"):
+        params(max_tokens=0)
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,9 @@ from worker.validation import EngineRequest
 
 
 def test_requests_round_trip_through_msgpack() -> None:
-    params = SamplingParams(temperature=0.5, stop=("x", "yz"), seed=3, logprobs=2, max_tokens=7)
+    params = SamplingParams(
+        temperature=0.5, stop=("x", "yz"), seed=3, logprobs=2, max_tokens=7, prompt_logprobs=1
+    )
     requests = [
         EngineRequest("r-0", [1, 2, 3], params),
         EngineRequest("r-1", [4], SamplingParams()),
@@ -37,5 +39,15 @@ def test_deltas_round_trip_with_logprobs() -> None:
         RequestDelta("a", [5], [TokenLogprobs(5, -0.25, {5: -0.25, 9: -2.0})], None, None, 12, 4),
         RequestDelta("b", [], None, "abort", None, 3, 0, RequestMetrics(0.5, 1.0, 0.25, 3.0, 1)),
         RequestDelta("c", [7, 8], None, "error", "boom", 0, 0),
+        RequestDelta(
+            "d",
+            [],
+            None,
+            "length",
+            None,
+            2,
+            0,
+            prompt_logprobs=[None, TokenLogprobs(11, -1.5, {11: -1.5})],
+        ),
     ]
     assert decode_deltas(encode_deltas(deltas)) == deltas

@@ -337,6 +337,60 @@ def test_mixed_steps_match_the_torch_backend(request, engine_fixture, shape_dir)
         assert (ours - ref).abs().max().item() <= 2e-2 * ref.abs().max().item(), chunk_first
 
 
+def _scored(engine: Engine, prompts: list[list[int]]) -> dict[str, list]:
+    """Every other prompt scored (3 alternatives, 4 tokens after), every fourth only scored
+    (max_tokens 0), the rest plain greedy requests beside them: each request's prompt
+    logprobs (None for plain ones), stepped to the end with chunks of 64 tokens a step."""
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(max_tokens=0, prompt_logprobs=0),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    ]
+    reqs = [EngineRequest(f"p{i}", p, kinds[i % 4]) for i, p in enumerate(prompts)]
+    stream = engine.submit(reqs)
+    while engine.has_work:
+        engine.step()
+    out: dict[str, list] = {}
+    for frame in stream.poll():
+        for d in frame:
+            got = out.setdefault(d.request_id, [None, []])
+            got[0] = got[0] or d.prompt_logprobs
+            got[1] += d.new_token_ids
+    return out
+
+
+@pytest.mark.parametrize("prompt_graph_tokens", [0, 2048])
+def test_prompt_logprobs_match_the_torch_backend(shape_dir, prompt_graph_tokens):
+    """Prompts scored in 64-token chunks beside greedy requests that decode, with overlap,
+    decode graphs and (2048) piecewise prompt graphs: the logprobs of every prompt token
+    match the torch backend's, the plain requests' tokens are the plain engine's."""
+    ours = _engine(
+        shape_dir, token_budget=64, max_running=16, prompt_graph_tokens=prompt_graph_tokens
+    )
+    ref = _engine(shape_dir, backend="torch", cuda_graphs=False, token_budget=64, max_running=16)
+    prompts = random_prompts([3, 40, 17, 129, 300, 64, 9, 200], vocab=49152, seed=12)
+    got, want = _scored(ours, prompts), _scored(ref, prompts)
+    for i, prompt in enumerate(prompts):
+        (scored, tokens), (ref_scored, ref_tokens) = got[f"p{i}"], want[f"p{i}"]
+        if i % 2:
+            assert scored is None and tokens == ref_tokens
+            continue
+        assert len(tokens) == (4 if i % 4 == 0 else 0)
+        assert len(scored) == len(prompt) and scored[0] is None
+        assert [lp.token_id for lp in scored[1:]] == prompt[1:]
+        lps = torch.tensor([lp.logprob for lp in scored[1:]])
+        ref_lps = torch.tensor([lp.logprob for lp in ref_scored[1:]])
+        assert (lps - ref_lps).abs().max().item() <= 5e-2 * ref_lps.abs().max().item(), i
+        assert all(len(lp.top) == (3 if i % 4 == 0 else 0) for lp in scored[1:])
+        if i % 4 == 0:  # the most likely token at each position: the same but for near ties
+            same = [
+                next(iter(a.top)) == next(iter(b.top))
+                for a, b in zip(scored[1:], ref_scored[1:], strict=True)
+            ]
+            assert sum(same) >= 0.8 * len(same), i
+
+
 def test_cuda_backend_matches_torch_backend_at_logits_level(graph_engine, shape_dir):
     torch_engine = _engine(shape_dir, backend="torch", cuda_graphs=False, max_running=8)
     prompts = random_prompts([3, 40, 17, 129, 64], vocab=49152, seed=7)

@@ -450,7 +450,7 @@ INVALID = st.one_of(
     st.tuples(
         st.just("temperature"), st.sampled_from([math.nan, math.inf, -math.inf, -0.5, 101.0])
     ),
-    st.tuples(st.just("max_tokens"), st.integers(max_value=0)),
+    st.tuples(st.just("max_tokens"), st.integers(max_value=-1)),
     st.tuples(st.just("top_p"), st.sampled_from([0.0, -0.1, 1.5, math.nan])),
     st.tuples(st.just("logprobs"), st.integers(min_value=MAX_LOGPROBS + 1)),
     st.tuples(st.just("top_k"), st.integers(max_value=-1)),
@@ -660,11 +660,12 @@ _INVALID: dict[str, list[Any]] = {
     "presence_penalty": [math.inf, -3.0],
     "repetition_penalty": [0.0, -1.0, 10.5, math.nan],
     "seed": [2**64, -(2**63) - 1, 1.5],
-    "max_tokens": [0, -5],
+    "max_tokens": [-1, -5],
     "min_tokens": [-1],
     "stop": [("",), ("a", "")],
     "stop_token_ids": [(-1,), (1, -2)],
     "logprobs": [-1, MAX_LOGPROBS + 1],
+    "prompt_logprobs": [-1, MAX_LOGPROBS + 1],
     "ignore_eos": ["maybe"],
 }
 _CASES = [(name, value) for name, values in _INVALID.items() for value in values]
