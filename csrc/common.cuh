@@ -6,12 +6,55 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+#include <cuda_runtime.h>
 #include <cstdint>
+#include <cstdlib>
 
 namespace kvray {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kWarp = 32;
+
+// Programmatic dependent launch (Hopper and later): `launch` lets a kernel's blocks be
+// scheduled while the kernel before it in the stream finishes, hiding most of the launch
+// gap between the many small kernels of a decode step. Every kernel it launches first
+// waits, before touching memory, until the grid before it has completed and flushed, then
+// lets the next one be scheduled, so the order of effects is the stream's as before.
+// KVRAY_PDL=0 turns it off (launches as plain `<<<>>>` ones).
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+inline bool pdl_enabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("KVRAY_PDL");
+    if (env != nullptr && env[0] == '0') return false;
+    int device = 0, major = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return false;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    return major >= 9;
+  }();
+  return enabled;
+}
+
+template <typename... Params, typename... Args>
+inline cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                          cudaStream_t stream, const Args&... args) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = pdl_enabled() ? 1 : 0;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
 
 // Per-dtype operations: packing two floats into one 32-bit MMA operand, and the MMA.
 template <typename T>

@@ -422,6 +422,7 @@ __device__ void write_zeros(const DecodeParams& p, int b, int head0, int n_rows,
 // interleaved tiles of the split and merge their states through shared memory at the end.
 template <typename T, typename KV, int D, int NW, int TT, int ST>
 __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParams p) {
+  grid_dependency_wait();
   using C = Cfg<KV, D, NW, TT, ST>;
   constexpr bool kFp8 = kIsFp8<KV>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
@@ -509,6 +510,7 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
 // cross-warp merge is needed.
 template <typename T, typename KV, int D, int NW, int TT, int ST>
 __global__ void __launch_bounds__(NW * 32) decode_head_kernel(const DecodeParams p) {
+  grid_dependency_wait();
   using C = Cfg<KV, D, NW, TT, ST>;
   constexpr bool kFp8 = kIsFp8<KV>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
@@ -568,6 +570,7 @@ __global__ void __launch_bounds__(NW * 32) decode_head_kernel(const DecodeParams
 template <typename T, int D>
 __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams p, int tile,
                                                              int min_chunk) {
+  grid_dependency_wait();
   constexpr int E = D / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int idx = blockIdx.x * 4 + warp;
@@ -641,10 +644,10 @@ cudaError_t run(const DecodeParams& p, cudaStream_t stream) {
   const int group = p.num_q_heads / p.num_kv_heads;
   const int units = p.num_kv_heads * ((group + kRows - 1) / kRows);
   dim3 grid(p.num_splits, (units + ki.units_per_block - 1) / ki.units_per_block, p.batch);
-  kernel_fn<L, T, KV, D, NW, TT, ST>()<<<grid, ki.threads, ki.smem, stream>>>(p);
+  launch(kernel_fn<L, T, KV, D, NW, TT, ST>(), grid, ki.threads, ki.smem, stream, p);
   if (p.num_splits > 1) {
     const int pairs = p.batch * p.num_q_heads;
-    decode_combine_kernel<T, D><<<(pairs + 3) / 4, 128, 0, stream>>>(p, ki.tile, ki.min_chunk);
+    launch(decode_combine_kernel<T, D>, (pairs + 3) / 4, 128, 0, stream, p, ki.tile, ki.min_chunk);
   }
   return cudaGetLastError();
 }

@@ -136,6 +136,7 @@ __device__ __forceinline__ void scale_row(const T* src, const T* w, T* dst, int 
 // ADD: residual = round(residual + x), then x = norm(residual). Else out = norm(x).
 template <typename T, int VEC, bool ADD>
 __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const NormParams p) {
+  grid_dependency_wait();
   __shared__ float partial[kMaxThreads];
   __shared__ float inv_rms[kMaxThreads];
   const int lane = threadIdx.x, lanes = blockDim.x, y = threadIdx.y;
@@ -193,6 +194,7 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const NormParams 
 // 32 for 32 rows of 4096) every lane waits on ~100 dependent loads, and 8 rows share a block.
 template <typename T, int VEC, bool ADD>
 __global__ void __launch_bounds__(kMaxThreads) rms_norm_row_kernel(const NormParams p) {
+  grid_dependency_wait();
   extern __shared__ __align__(16) unsigned char staged[];
   __shared__ float partial[kMaxThreads];
   __shared__ float inv_rms;
@@ -259,6 +261,7 @@ int last_pow2(int n) {
 // One thread per (token, head, d < D/2) of q then k: the pair (d, d + D/2) rotates together.
 template <typename T>
 __global__ void __launch_bounds__(256) rotary_kernel(const RotaryParams p) {
+  grid_dependency_wait();
   const int half = p.head_dim / 2;
   const int64_t per_token = static_cast<int64_t>(p.num_q_heads + p.num_k_heads) * half;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -290,6 +293,7 @@ __global__ void __launch_bounds__(256) rotary_kernel(const RotaryParams p) {
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(256) silu_and_mul_kernel(const SiluMulParams p) {
+  grid_dependency_wait();
   const int c = blockIdx.y * blockDim.x + threadIdx.x;
   if (c * VEC >= p.inter) return;
   const int64_t t = blockIdx.x;
@@ -321,22 +325,22 @@ struct LaunchNorm {
       const unsigned threads = static_cast<unsigned>(std::max(p.lanes, 256));
       const dim3 rows(static_cast<unsigned>(p.rows));
       if (p.residual != nullptr) {
-        if (p.vec_ok) rms_norm_row_kernel<T, kVec, true><<<rows, threads, row_bytes, stream>>>(p);
-        else rms_norm_row_kernel<T, 1, true><<<rows, threads, row_bytes, stream>>>(p);
+        if (p.vec_ok) launch(rms_norm_row_kernel<T, kVec, true>, rows, threads, row_bytes, stream, p);
+        else launch(rms_norm_row_kernel<T, 1, true>, rows, threads, row_bytes, stream, p);
       } else {
-        if (p.vec_ok) rms_norm_row_kernel<T, kVec, false><<<rows, threads, row_bytes, stream>>>(p);
-        else rms_norm_row_kernel<T, 1, false><<<rows, threads, row_bytes, stream>>>(p);
+        if (p.vec_ok) launch(rms_norm_row_kernel<T, kVec, false>, rows, threads, row_bytes, stream, p);
+        else launch(rms_norm_row_kernel<T, 1, false>, rows, threads, row_bytes, stream, p);
       }
       return cudaGetLastError();
     }
     const dim3 block(p.lanes, std::max(1, 256 / p.lanes));
     const dim3 grid(static_cast<unsigned>((p.rows + block.y - 1) / block.y));
     if (p.residual != nullptr) {
-      if (p.vec_ok) rms_norm_kernel<T, kVec, true><<<grid, block, 0, stream>>>(p);
-      else rms_norm_kernel<T, 1, true><<<grid, block, 0, stream>>>(p);
+      if (p.vec_ok) launch(rms_norm_kernel<T, kVec, true>, grid, block, 0, stream, p);
+      else launch(rms_norm_kernel<T, 1, true>, grid, block, 0, stream, p);
     } else {
-      if (p.vec_ok) rms_norm_kernel<T, kVec, false><<<grid, block, 0, stream>>>(p);
-      else rms_norm_kernel<T, 1, false><<<grid, block, 0, stream>>>(p);
+      if (p.vec_ok) launch(rms_norm_kernel<T, kVec, false>, grid, block, 0, stream, p);
+      else launch(rms_norm_kernel<T, 1, false>, grid, block, 0, stream, p);
     }
     return cudaGetLastError();
   }
@@ -346,7 +350,7 @@ template <typename T>
 struct LaunchRotary {
   static cudaError_t run(const RotaryParams& p, cudaStream_t stream) {
     const int64_t work = p.num_tokens * (p.num_q_heads + p.num_k_heads) * (p.head_dim / 2);
-    rotary_kernel<T><<<static_cast<unsigned>((work + 255) / 256), 256, 0, stream>>>(p);
+    launch(rotary_kernel<T>, static_cast<unsigned>((work + 255) / 256), 256, 0, stream, p);
     return cudaGetLastError();
   }
 };
@@ -357,8 +361,8 @@ struct LaunchSiluMul {
     constexpr int kVec = 16 / sizeof(T);
     const int vec = p.vec_ok ? kVec : 1;
     const dim3 grid(static_cast<unsigned>(p.num_tokens), (p.inter / vec + 255) / 256);
-    if (p.vec_ok) silu_and_mul_kernel<T, kVec><<<grid, 256, 0, stream>>>(p);
-    else silu_and_mul_kernel<T, 1><<<grid, 256, 0, stream>>>(p);
+    if (p.vec_ok) launch(silu_and_mul_kernel<T, kVec>, grid, 256, 0, stream, p);
+    else launch(silu_and_mul_kernel<T, 1>, grid, 256, 0, stream, p);
     return cudaGetLastError();
   }
 };

@@ -28,6 +28,7 @@ __device__ __forceinline__ void unpack8(const uint4& v, float f[8]) {
 
 template <typename T, int M>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
+  grid_dependency_wait();
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int row0 = (blockIdx.x * kWarps + warp) * kRows;
   if (row0 >= p.n) return;
@@ -91,7 +92,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
 template <typename T, int M>
 cudaError_t launch_rows(const GemvParams& p, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((p.n + kWarps * kRows - 1) / (kWarps * kRows));
-  gemv_kernel<T, M><<<blocks, kThreads, 0, stream>>>(p);
+  launch(gemv_kernel<T, M>, blocks, kThreads, 0, stream, p);
   return cudaGetLastError();
 }
 

@@ -51,6 +51,7 @@ __device__ __forceinline__ float2 unpack2(uint32_t v) {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) mla_decode_kernel(MlaDecodeParams p) {
+  grid_dependency_wait();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem& s = *reinterpret_cast<Smem*>(smem_raw);
   const int split = blockIdx.x, group = blockIdx.y, b = blockIdx.z;
@@ -196,6 +197,7 @@ __global__ void __launch_bounds__(kThreads) mla_decode_kernel(MlaDecodeParams p)
 // l * 2^(m - max m).
 template <typename T>
 __global__ void __launch_bounds__(128) mla_combine_kernel(MlaDecodeParams p) {
+  grid_dependency_wait();
   const int head = blockIdx.x, b = blockIdx.y;
   const int len = p.seq_lens[b];
   const int active = max(1, min(p.num_splits, (len + mla_chunk(len, p.num_splits) - 1) /
@@ -233,9 +235,9 @@ cudaError_t launch_typed(const MlaDecodeParams& p, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   const dim3 grid(p.num_splits, (p.num_heads + kHeads - 1) / kHeads, p.batch);
-  kern<<<grid, kThreads, smem, stream>>>(p);
+  launch(kern, grid, kThreads, smem, stream, p);
   if (p.num_splits > 1) {
-    mla_combine_kernel<T><<<dim3(p.num_heads, p.batch), 128, 0, stream>>>(p);
+    launch(mla_combine_kernel<T>, dim3(p.num_heads, p.batch), 128, 0, stream, p);
   }
   return cudaGetLastError();
 }

@@ -63,6 +63,7 @@ struct Tiling {
 
 template <typename T, int D, int MT, int NW>
 __global__ void __launch_bounds__(NW * 32) prefill_kernel(const PrefillParams p) {
+  grid_dependency_wait();
   using Tl = Tiling<D, MT, NW>;
   constexpr int kBM = Tl::kBM, kThreads = Tl::kThreads;
   constexpr int kChunks = D / 8;
@@ -289,7 +290,7 @@ template <typename T, int D, int MT, int NW>
 cudaError_t run(const PrefillParams& p, cudaStream_t stream) {
   const PrefillInfo& pi = info<T, D, MT, NW>();
   dim3 grid(p.num_q_heads, (p.num_tokens + pi.tile_m - 1) / pi.tile_m + p.batch);
-  prefill_kernel<T, D, MT, NW><<<grid, pi.threads, pi.smem, stream>>>(p);
+  launch(prefill_kernel<T, D, MT, NW>, grid, pi.threads, pi.smem, stream, p);
   return cudaGetLastError();
 }
 

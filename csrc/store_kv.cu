@@ -11,6 +11,7 @@ namespace kvray {
 namespace {
 
 __global__ void __launch_bounds__(256) store_kv_kernel(const StoreParams p) {
+  grid_dependency_wait();
   const int chunks = p.head_dim / 8;
   const int64_t per_token = static_cast<int64_t>(p.num_kv_heads) * chunks;
   const int64_t total = p.num_tokens * per_token;
@@ -40,6 +41,7 @@ constexpr float kScaleFloor = 1e-12f;
 // The loop bound is the same for every lane of a warp, so the shuffles see the whole warp.
 template <typename T, int D>
 __global__ void __launch_bounds__(256) store_kv_fp8_kernel(const StoreParams p) {
+  grid_dependency_wait();
   constexpr int kLanes = D / 8;
   constexpr int kRowsPerWarp = 32 / kLanes;
   const int lane = threadIdx.x % 32, sub = lane / kLanes, part = lane % kLanes;
@@ -96,9 +98,9 @@ cudaError_t launch_fp8(const StoreParams& p, cudaStream_t stream) {
   const int64_t lanes = 2LL * p.num_tokens * p.num_kv_heads * (p.head_dim / 8);
   const int blocks = static_cast<int>(std::min<int64_t>((lanes + 255) / 256, 4096));
   if (p.head_dim == 128) {
-    store_kv_fp8_kernel<T, 128><<<blocks, 256, 0, stream>>>(p);
+    launch(store_kv_fp8_kernel<T, 128>, blocks, 256, 0, stream, p);
   } else if (p.head_dim == 64) {
-    store_kv_fp8_kernel<T, 64><<<blocks, 256, 0, stream>>>(p);
+    launch(store_kv_fp8_kernel<T, 64>, blocks, 256, 0, stream, p);
   } else {
     return cudaErrorInvalidValue;
   }
@@ -115,7 +117,7 @@ cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream) {
   }
   const int64_t work = 2LL * p.num_tokens * p.num_kv_heads * (p.head_dim / 8);
   const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, 4096));
-  store_kv_kernel<<<blocks, 256, 0, stream>>>(p);
+  launch(store_kv_kernel, blocks, 256, 0, stream, p);
   return cudaGetLastError();
 }
 
