@@ -171,8 +171,16 @@ def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return [torch.randint(10, 30000, (length,), generator=g).tolist() for _ in range(count)]
 
 
-def _set(engine: Engine, graphs: Any, overlap: bool) -> None:
-    engine.executor.graphs = graphs
+Graphs = tuple[Any, Any]  # an executor's decode and prompt graph runners
+
+
+def _graphs(engine: Engine) -> Graphs:
+    return engine.executor.graphs, engine.executor.prompt_graphs
+
+
+def _set(engine: Engine, graphs: Graphs | None, overlap: bool) -> None:
+    """Graphs on (both kinds) or off (None: every step eager), and overlap on or off."""
+    engine.executor.graphs, engine.executor.prompt_graphs = graphs or (None, None)
     advanced = engine.config.advanced.model_copy(update={"overlap": overlap})
     engine.config = engine.config.model_copy(update={"advanced": advanced})
 
@@ -185,14 +193,14 @@ def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) 
     engine = make_engine(shape, max(args.batches), args.context, args.steps, 0, tokenizer)
     model = engine.executor.model
     kv_per_token = kv_bytes_per_token(engine.model_config, torch.bfloat16)  # MLA: latent rows
-    graphs = engine.executor.graphs
+    graphs = _graphs(engine)
     kernels = _kernels_per_step(engine)
     for number, batch in enumerate(args.batches):
         row: dict[str, Any] = {"shape": shape, "batch": batch, "kernels_per_step": kernels}
         for index, (key, with_graphs, overlap) in enumerate(VARIANTS):
             _set(engine, graphs if with_graphs else None, overlap)
             seed = 100 * number + index
-            replay = key == "graph_ms" and graphs is not None
+            replay = key == "graph_ms" and graphs[0] is not None
             row[key], gpu_ms = _time_decode(engine, batch, args.context, args.steps, seed, replay)
             if gpu_ms is not None:
                 row["gpu_replay_ms"] = gpu_ms
@@ -292,11 +300,14 @@ def _replay_ms(engine: Engine, batch: int, n: int = 30) -> float:
 
 
 def _kernels_per_step(engine: Engine) -> int:
-    """GPU kernels (copies and memsets left out) of one steady eager decode step at B=1."""
+    """GPU kernels (copies and memsets left out) of one steady eager decode step at B=1: the
+    kernels its decode graph holds. (Before 2026-12-05 the prompt graphs stayed on here, and
+    a step without decode graphs ran through them, with cuBLAS's linear layers: that path's
+    kernels were counted.)"""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    graphs = engine.executor.graphs
+    graphs = _graphs(engine)
     _set(engine, None, False)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     stream = engine.submit([EngineRequest("kernels", list(range(10, 42)), params)])
@@ -384,9 +395,8 @@ def _print_breakdown(label: str, b: dict[str, Any]) -> None:
 
 def _profile_shape(engine: Engine, shape: str, batches: list[int], context: int) -> dict[str, Any]:
     """Eager step breakdowns: decode at the smallest and largest batch, and one lone prompt."""
-    graphs = engine.executor.graphs, engine.executor.prompt_graphs
+    graphs = _graphs(engine)
     _set(engine, None, False)
-    engine.executor.prompt_graphs = None
     out: dict[str, Any] = {"shape": shape}
     for batch in sorted({min(batches), max(batches)}):
         params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -411,8 +421,7 @@ def _profile_shape(engine: Engine, shape: str, batches: list[int], context: int)
             engine.step()
     out["prompt"] = b
     _print_breakdown(f"{shape} one {context}-token prompt", b)
-    engine.executor.graphs, engine.executor.prompt_graphs = graphs
-    _set(engine, graphs[0], True)
+    _set(engine, graphs, True)
     return out
 
 
