@@ -189,7 +189,11 @@ class Ingress:
         echo = None
         if req.echo:  # each prompt as sent (token ids: their text), once per choice
             echo = [
-                Echo(t if isinstance(t, str) else self._tokenizer.decode(p), list(p))
+                Echo(
+                    t if isinstance(t, str) else self._tokenizer.decode(p),
+                    list(p),
+                    req.logprobs is not None,
+                )
                 for t, p in zip(texts, prompts, strict=True)
                 for _ in range(req.n)
             ]
@@ -301,7 +305,14 @@ class Ingress:
         calls = req.parses_tool_calls
         if req.stream:
             writer = ChunkWriter(
-                rid, now(), model, chat, self._token_text, req.include_usage, tool_calls=calls
+                rid,
+                now(),
+                model,
+                chat,
+                self._token_text,
+                req.include_usage,
+                tool_calls=calls,
+                echo=echo,
             )
             body = self._sse(gen, writer, len(stream.group.requests))
             return ClosingStreamingResponse(

@@ -374,8 +374,6 @@ class CompletionRequest(_Request):
     def sampling_params(self) -> SamplingParams:
         if self.max_tokens == 0 and not self.echo:
             raise FieldError("max_tokens 0 returns nothing without echo", "max_tokens")
-        if self.echo and self.stream:
-            raise FieldError("echo is not supported with stream", "echo")
         params = self._sampling(self.max_tokens, self.logprobs)
         if self.echo and self.logprobs is not None:
             return params.model_copy(update={"prompt_logprobs": self.logprobs})

@@ -98,10 +98,35 @@ def echo_logprobs(
 
 @dataclass(frozen=True)
 class Echo:
-    """A completion choice's prompt, returned before its text (`echo`)."""
+    """A completion choice's prompt, returned before its text (`echo`), with its tokens'
+    logprobs when the request asked for logprobs."""
 
     text: str
     token_ids: list[int]
+    logprobs: bool
+
+
+def echoed(
+    token_text: TokenText,
+    prompt: Echo,
+    text: str,
+    scored: list[TokenLogprobs | None] | None,
+    logprobs: CompletionLogprobs | None,
+) -> tuple[str, CompletionLogprobs | None]:
+    """A choice's text and logprobs (the first chunk's, or the whole choice's) with its
+    prompt before them: `scored` are the prompt's logprobs, `logprobs` the text's own (at
+    offsets from the prompt's end)."""
+    text = prompt.text + text
+    if not prompt.logprobs:
+        return text, logprobs
+    head = echo_logprobs(token_text, prompt.token_ids, scored)
+    tail = logprobs or CompletionLogprobs()
+    return text, CompletionLogprobs(
+        tokens=head.tokens + tail.tokens,
+        token_logprobs=head.token_logprobs + tail.token_logprobs,
+        top_logprobs=head.top_logprobs + tail.top_logprobs,
+        text_offset=head.text_offset + tail.text_offset,
+    )
 
 
 @dataclass
@@ -179,18 +204,9 @@ class Collector:
             text = "".join(c.text)
             logprobs = completion_logprobs(token_text, c.logprobs, 0)
             if self.echo is not None:
-                prompt = self.echo[i]
-                if logprobs is not None:
-                    head = echo_logprobs(token_text, prompt.token_ids, c.prompt_logprobs)
-                    tail = completion_logprobs(token_text, c.logprobs, len(prompt.text))
-                    assert tail is not None
-                    logprobs = CompletionLogprobs(
-                        tokens=head.tokens + tail.tokens,
-                        token_logprobs=head.token_logprobs + tail.token_logprobs,
-                        top_logprobs=head.top_logprobs + tail.top_logprobs,
-                        text_offset=head.text_offset + tail.text_offset,
-                    )
-                text = prompt.text + text
+                start = len(self.echo[i].text)
+                own = completion_logprobs(token_text, c.logprobs, start)
+                text, logprobs = echoed(token_text, self.echo[i], text, c.prompt_logprobs, own)
             choices.append(
                 CompletionChoice(
                     index=i, text=text, logprobs=logprobs, finish_reason=c.finish_reason
@@ -211,6 +227,7 @@ class ChunkWriter:
     token_text: TokenText
     include_usage: bool
     tool_calls: bool = False
+    echo: list[Echo] | None = None  # each choice's prompt, before its first chunk's text
     _offsets: dict[int, int] = field(default_factory=dict)
     _parsers: dict[int, tools.CallParser] = field(default_factory=dict)
 
@@ -242,13 +259,19 @@ class ChunkWriter:
             ]
         choices = []
         for d in deltas:
+            first = d.index not in self._offsets
             offset = self._offsets.get(d.index, 0)
+            text, logprobs = d.text, None
+            if first and self.echo is not None:
+                offset = len(self.echo[d.index].text)
+                own = completion_logprobs(self.token_text, d.logprobs, offset)
+                prompt = self.echo[d.index]
+                text, logprobs = echoed(self.token_text, prompt, text, d.prompt_logprobs, own)
+            else:
+                logprobs = completion_logprobs(self.token_text, d.logprobs, offset)
             choices.append(
                 CompletionChoice(
-                    index=d.index,
-                    text=d.text,
-                    logprobs=completion_logprobs(self.token_text, d.logprobs, offset),
-                    finish_reason=d.finish_reason,
+                    index=d.index, text=text, logprobs=logprobs, finish_reason=d.finish_reason
                 )
             )
             self._offsets[d.index] = offset + len(d.text)

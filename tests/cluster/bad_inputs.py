@@ -838,8 +838,6 @@ def logprobs(b: _Builder) -> None:
             path=COMPLETIONS,
         )
     b.add("logprobs=5", b.chat(logprobs=5), param="logprobs")
-    # echo returns the whole prompt at once (max_tokens 0 without echo: token_limits)
-    b.add("echo-stream", b.completion(echo=True, stream=True), param="echo", path=COMPLETIONS)
 
 
 def deep_nesting(b: _Builder) -> None:

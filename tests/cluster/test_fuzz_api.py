@@ -87,7 +87,6 @@ def narrowed(spec: dict[str, Any], model: str) -> dict[str, Any]:
         message["additionalProperties"] = False
     completion = schemas["CompletionRequest"]["properties"]
     completion["prompt"] = {"type": "string", "minLength": 1, "maxLength": 100}
-    completion["echo"] = {"type": "boolean", "enum": [False]}  # with stream: a 400 (bad_inputs)
     return spec
 
 

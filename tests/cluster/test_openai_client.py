@@ -155,6 +155,23 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_the_engine_scores_them(
     )
     assert more.choices[0].logprobs.text_offset[n] == len(prompt)
 
+    chunks = list(
+        client.completions.create(
+            model="demo",
+            prompt=prompt,
+            echo=True,
+            max_tokens=4,
+            logprobs=1,
+            temperature=0,
+            stream=True,
+        )
+    )
+    assert chunks[0].choices[0].text.startswith(prompt)  # the prompt comes first, whole
+    assert "".join(c.choices[0].text for c in chunks) == text
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and len(streamed) == len(more.choices[0].logprobs.tokens)
+    assert streamed[1:] == pytest.approx(more.choices[0].logprobs.token_logprobs[1:], abs=1e-3)
+
 
 def test_logit_bias_bans_and_forces_tokens(client: OpenAI, served: Served) -> None:
     tokenizer = Tokenizer.from_dir(str(resolve_model_path(served.config.engine.model)))

@@ -78,8 +78,6 @@ def test_echo_with_logprobs_asks_the_engine_for_prompt_logprobs() -> None:
     assert params(echo=True, logprobs=2, max_tokens=0).prompt_logprobs == 2
     assert params(echo=True, max_tokens=0).prompt_logprobs is None  # the text alone
     assert params(logprobs=2).prompt_logprobs is None
-    with pytest.raises(FieldError, match="echo"):
-        params(echo=True, stream=True)
     with pytest.raises(FieldError, match="max_tokens"):
         params(max_tokens=0)
 
