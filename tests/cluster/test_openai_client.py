@@ -172,6 +172,16 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_the_engine_scores_them(
     assert streamed[0] is None and len(streamed) == len(more.choices[0].logprobs.tokens)
     assert streamed[1:] == pytest.approx(more.choices[0].logprobs.token_logprobs[1:], abs=1e-3)
 
+    ids = local.prompt_token_ids  # token-id prompts, two at once, as lm-eval sends them
+    batch = client.completions.create(
+        model="demo", prompt=[ids, ids[:4]], echo=True, max_tokens=0, logprobs=1, temperature=0
+    )
+    assert [len(c.logprobs.tokens) for c in batch.choices] == [len(ids), 4]
+    assert batch.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+        lp.token_logprobs[1:], abs=1e-3
+    )
+    assert batch.choices[0].text == choice.text  # token ids echo as their text
+
 
 def test_logit_bias_bans_and_forces_tokens(client: OpenAI, served: Served) -> None:
     tokenizer = Tokenizer.from_dir(str(resolve_model_path(served.config.engine.model)))
