@@ -202,11 +202,10 @@ class Collector:
         choices = []
         for i, c in sorted(self.choices.items()):
             text = "".join(c.text)
-            logprobs = completion_logprobs(token_text, c.logprobs, 0)
+            start = len(self.echo[i].text) if self.echo is not None else 0
+            logprobs = completion_logprobs(token_text, c.logprobs, start)
             if self.echo is not None:
-                start = len(self.echo[i].text)
-                own = completion_logprobs(token_text, c.logprobs, start)
-                text, logprobs = echoed(token_text, self.echo[i], text, c.prompt_logprobs, own)
+                text, logprobs = echoed(token_text, self.echo[i], text, c.prompt_logprobs, logprobs)
             choices.append(
                 CompletionChoice(
                     index=i, text=text, logprobs=logprobs, finish_reason=c.finish_reason
@@ -259,16 +258,11 @@ class ChunkWriter:
             ]
         choices = []
         for d in deltas:
-            first = d.index not in self._offsets
-            offset = self._offsets.get(d.index, 0)
-            text, logprobs = d.text, None
-            if first and self.echo is not None:
-                offset = len(self.echo[d.index].text)
-                own = completion_logprobs(self.token_text, d.logprobs, offset)
-                prompt = self.echo[d.index]
-                text, logprobs = echoed(self.token_text, prompt, text, d.prompt_logprobs, own)
-            else:
-                logprobs = completion_logprobs(self.token_text, d.logprobs, offset)
+            prompt = self.echo[d.index] if self.echo and d.index not in self._offsets else None
+            offset = len(prompt.text) if prompt else self._offsets.get(d.index, 0)
+            text, logprobs = d.text, completion_logprobs(self.token_text, d.logprobs, offset)
+            if prompt is not None:  # the choice's first chunk
+                text, logprobs = echoed(self.token_text, prompt, text, d.prompt_logprobs, logprobs)
             choices.append(
                 CompletionChoice(
                     index=d.index, text=text, logprobs=logprobs, finish_reason=d.finish_reason

@@ -62,12 +62,10 @@ class PromptScores:
         top_lp = self.top_logprobs.tolist() if self.top_logprobs is not None else None
         out, row = [], 0
         for task, first, count, k in self.spans:
-            entries = []
-            for i in range(row, row + count):
-                top = {}
-                if k and top_ids is not None and top_lp is not None:
-                    top = dict(zip(top_ids[i][:k], top_lp[i][:k], strict=True))
-                entries.append(TokenLogprobs(self.targets[i], chosen[i], top))
+            entries = [
+                _token_logprobs(self.targets[i], chosen[i], top_ids, top_lp, i, k)
+                for i in range(row, row + count)
+            ]
             out.append((task, first, entries))
             row += count
         return out
@@ -292,7 +290,7 @@ class Executor:
             ws.input_ids[: batch.steady.batch_size].copy_(
                 ws.next_token_ids[: batch.steady.batch_size]
             )
-        scored = _prompt_spans(tasks, batch)
+        scored = _prompt_spans(tasks, batch) if batch.steady is None else []  # no prompt in it
         prompt_scores = None
         if scored:
             hidden = self._hidden(batch)
@@ -455,16 +453,24 @@ class Executor:
         ids = out.token_ids.tolist()
         result: list[TokenLogprobs | None] = []
         for j, k in enumerate(wanted):
-            if k is None:
-                result.append(None)
-                continue
-            top = (
-                dict(zip(top_ids[j][:k], top_lp[j][:k], strict=True))
-                if (k and top_ids and top_lp)
-                else {}
-            )
-            result.append(TokenLogprobs(ids[j], chosen[j], top))
+            entry = None if k is None else _token_logprobs(ids[j], chosen[j], top_ids, top_lp, j, k)
+            result.append(entry)
         return result
+
+
+def _token_logprobs(
+    token_id: int,
+    logprob: float,
+    top_ids: list[list[int]] | None,
+    top_logprobs: list[list[float]] | None,
+    row: int,
+    k: int,
+) -> TokenLogprobs:
+    """A token's logprob and the first k of its row's top alternatives (host lists)."""
+    top = {}
+    if k and top_ids is not None and top_logprobs is not None:
+        top = dict(zip(top_ids[row][:k], top_logprobs[row][:k], strict=True))
+    return TokenLogprobs(token_id, logprob, top)
 
 
 _SCORE_SLICE = 512  # prompt tokens scored at once: float32 logits of 512 x 128k vocab = 256 MiB
