@@ -26,30 +26,41 @@ __device__ __forceinline__ void unpack8(const uint4& v, float f[8]) {
   }
 }
 
+// kUnroll 16-byte chunks of each of this warp's kRows rows of w, from a lane's chunk c0 on.
+template <typename T>
+__device__ __forceinline__ void load_w(const uint4* w, int chunks, bool second_row, int c0,
+                                       uint4 (&wv)[kUnroll][kRows]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int c = c0 + u * kWarp;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const bool ok = c < chunks && (r == 0 || second_row);
+      wv[u][r] = ok ? __ldcs(w + static_cast<int64_t>(r) * chunks + c) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// The warp's first chunks of w are loaded before the wait on the kernel before: weights are
+// never a previous kernel's output, so with programmatic dependent launch their first bytes
+// are in flight while that kernel finishes.
 template <typename T, int M>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
-  grid_dependency_wait();
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int row0 = (blockIdx.x * kWarps + warp) * kRows;
-  if (row0 >= p.n) return;
   const int chunks = p.k / 8;
   const uint4* w = reinterpret_cast<const uint4*>(static_cast<const T*>(p.w)) +
                    static_cast<int64_t>(row0) * chunks;
+  const bool second_row = row0 + 1 < p.n;
+  uint4 wv[kUnroll][kRows];
+  if (row0 < p.n) load_w<T>(w, chunks, second_row, lane, wv);
+  grid_dependency_wait();
+  if (row0 >= p.n) return;
   const uint4* x = reinterpret_cast<const uint4*>(p.x);
   const int64_t x_chunks = p.x_stride / 8;
-  const bool second_row = row0 + 1 < p.n;
   float acc[M][kRows] = {};
   for (int c0 = lane; c0 < chunks; c0 += kWarp * kUnroll) {
-    uint4 wv[kUnroll][kRows];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int c = c0 + u * kWarp;
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const bool ok = c < chunks && (r == 0 || second_row);
-        wv[u][r] = ok ? __ldcs(w + static_cast<int64_t>(r) * chunks + c) : make_uint4(0, 0, 0, 0);
-      }
-    }
+    if (c0 != lane) load_w<T>(w, chunks, second_row, c0, wv);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int c = c0 + u * kWarp;
