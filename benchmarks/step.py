@@ -57,6 +57,7 @@ from worker.model.demo import resolve_model_path
 from worker.model.moe import MoE
 from worker.model.random_model import get_shape, hf_config
 from worker.sampling import SamplingParams
+from worker.stats import StepRecord
 
 VARIANTS = (  # (key, CUDA graphs, overlap)
     ("graph_ms", True, True),
@@ -201,19 +202,25 @@ def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) 
             _set(engine, graphs if with_graphs else None, overlap)
             seed = 100 * number + index
             replay = key == "graph_ms" and graphs[0] is not None
-            row[key], gpu_ms = _time_decode(engine, batch, args.context, args.steps, seed, replay)
+            row[key], gpu_ms, host = _time_decode(
+                engine, batch, args.context, args.steps, seed, replay
+            )
             if gpu_ms is not None:
                 row["gpu_replay_ms"] = gpu_ms
+            if key == "graph_ms":
+                row["host_ms"] = host
         if args.constrained > 0:
             _set(engine, graphs, True)
             row["constrained"] = n = max(1, round(args.constrained * batch))
-            row["graph_constrained_ms"], _ = _time_decode(
+            row["graph_constrained_ms"], _, row["constrained_host_ms"] = _time_decode(
                 engine, batch, args.context, args.steps, 100 * number + 9, False, n
             )
             row["constrained_overhead"] = row["graph_constrained_ms"] / row["graph_ms"] - 1
             print(
                 f"{shape:14s} B={batch:4d}  {n} constrained: {row['graph_constrained_ms']:7.3f} ms "
-                f"({100 * row['constrained_overhead']:+.1f} % over unconstrained)",
+                f"({100 * row['constrained_overhead']:+.1f} % over unconstrained)\n"
+                f"{'':20s} host a step, unconstrained: {_host_text(row['host_ms'])}\n"
+                f"{'':20s} host a step, constrained:   {_host_text(row['constrained_host_ms'])}",
                 flush=True,
             )
         kv_bytes = batch * (args.context + args.steps // 2) * kv_per_token
@@ -242,6 +249,13 @@ def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) 
         )
 
 
+HOST_PARTS = ("schedule", "launch", "device_wait", "mask_wait")
+
+
+def _host_text(host: dict[str, float]) -> str:
+    return ", ".join(f"{part} {host[part]:.3f}" for part in HOST_PARTS) + " ms"
+
+
 def _time_decode(
     engine: Engine,
     batch: int,
@@ -250,9 +264,10 @@ def _time_decode(
     seed: int,
     replay: bool,
     constrained: int = 0,
-) -> tuple[float, float | None]:
+) -> tuple[float, float | None, dict[str, float]]:
     """ms per steady decode step of `batch` requests, the first `constrained` of them by a
-    grammar; with `replay`, also the GPU time alone."""
+    grammar; with `replay`, also the GPU time alone; and the host's mean ms a step choosing
+    tasks, launching, and (within those) blocked on the device or on grammar masks."""
     # Prompts finish prefill over several steps, and the first ones decode meanwhile: room for
     # that skew, so no request ends in the timed window.
     params = SamplingParams(temperature=0, max_tokens=steps + 48, ignore_eos=True)
@@ -267,10 +282,20 @@ def _time_decode(
         engine.step()
     torch.cuda.synchronize()
     overlapped = engine.num_overlapped_steps
+    log: list[StepRecord] = []
+    engine.step_log = log
     start = time.perf_counter()
     for _ in range(steps - 4):
         engine.step()
     ms = (time.perf_counter() - start) / (steps - 4) * 1e3
+    engine.step_log = None
+    n = max(1, len(log))
+    host = {
+        "schedule": sum(r.schedule_seconds for r in log) / n * 1e3,
+        "launch": sum(r.launch_seconds for r in log) / n * 1e3,
+        "device_wait": sum(r.device_wait_seconds for r in log) / n * 1e3,
+        "mask_wait": sum(r.mask_wait_seconds for r in log) / n * 1e3,
+    }
     if (running := engine.stats().num_running) != batch:  # a smaller batch was timed
         raise RuntimeError(f"B={batch}: {batch - running} requests ended before the timing did")
     overlapped = engine.num_overlapped_steps - overlapped
@@ -280,7 +305,7 @@ def _time_decode(
     stream.close()
     while engine.has_work:
         engine.step()
-    return ms, gpu_ms
+    return ms, gpu_ms, host
 
 
 def _replay_ms(engine: Engine, batch: int, n: int = 30) -> float:

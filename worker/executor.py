@@ -86,6 +86,10 @@ class PendingStep:
     started: torch.cuda.Event | None = None  # recorded before its first kernel (CUDA only)
     launch_seconds: float = 0.0  # host time of `Executor.launch` (bind, forward, sampling queued)
     schedule_seconds: float = 0.0  # host time the engine spent choosing its tasks (Engine.step)
+    # of the host's time on this step, blocked: on the device (the previous step's ids, read
+    # at launch for its grammars, and this step's at resolve), and on its grammars' masks
+    device_wait_seconds: float = 0.0
+    mask_wait_seconds: float = 0.0
     num_decodes: int = 0  # set at launch when the engine times its steps (worker/stats.py)
     num_prompt_tokens: int = 0
     # the sampling still to queue, behind its grammars' masks (`Executor.finish_sampling`)
@@ -237,8 +241,7 @@ class Executor:
             self.finish_sampling(pending)
             if pending.error is not None:
                 raise pending.error
-            if pending.done is not None:
-                pending.done.synchronize()
+            pending.device_wait_seconds += _wait(pending.done)
             n = len(pending.rows)
             token_ids = pending.host_ids[:n].tolist() if pending.host_ids is not None else []
             logprobs: list[TokenLogprobs | None] = [None] * n
@@ -310,7 +313,7 @@ class Executor:
         # The grammars' masks are filled while the device runs the forward queued above, and
         # (CUDA) while the engine reads the step before: the sampling is queued at the latest,
         # when the next step is launched or this one resolved.
-        mask = self._grammar_mask(tasks, rows, info) if info.grammar_rows else None
+        mask, waited = self._grammar_mask(tasks, rows, info) if info.grammar_rows else (None, 0.0)
         self._flip = slot
         pending = PendingStep(
             tasks,
@@ -320,12 +323,20 @@ class Executor:
             wants_logprobs=info.max_logprobs is not None,
             started=started,
             prompt_scores=prompt_scores,
+            device_wait_seconds=waited,
         )
         self._previous = pending
         if mask is None:
             self._sample(pending, logits, info, None)
-        else:
-            pending.unsampled = lambda: self._sample(pending, logits, info, mask())
+            return pending
+
+        def sample_when_masked() -> None:
+            start = time.perf_counter()
+            ready = mask()
+            pending.mask_wait_seconds = time.perf_counter() - start
+            self._sample(pending, logits, info, ready)
+
+        pending.unsampled = sample_when_masked
         return pending
 
     def _sample(
@@ -352,34 +363,36 @@ class Executor:
 
     def _grammar_mask(
         self, tasks: list[ScheduledTask], rows: list[int], info: SamplingBatchInfo
-    ) -> Callable[[], TokenMask]:
+    ) -> tuple[Callable[[], TokenMask], float]:
         """This step's masks of the rows with a grammar, each grammar first brought up to date
-        with its request's output. A token the step in flight sampled is not on the host yet
-        (PENDING, overlapped scheduling): it is read from that step's copy, which the device
-        finishes before the forward just queued."""
+        with its request's output, and the seconds spent waiting for that output. A token the
+        step in flight sampled is not on the host yet (PENDING, overlapped scheduling): it is
+        read from that step's copy, which the device finishes before the forward just queued."""
         if self._masks is None:
             vocab, rows_max = self.model_config.vocab_size, self.config.max_running
             self._masks = MaskBuilder(vocab, rows_max, self.device)
         states: list[GrammarState] = []
         pending: dict[int, int] | None = None
+        waited = 0.0
         for row in info.grammar_rows:
             request = tasks[rows[row]].request
             state = request.grammar
             assert state is not None, "a constrained request reached a step before its grammar"
             new = request.output_ids[state.consumed :]
             if new and new[-1] == PENDING:
-                pending = pending if pending is not None else self._previous_ids()
+                if pending is None:
+                    waited = _wait(self._previous.done if self._previous else None)
+                    pending = self._previous_ids()
                 new[-1] = pending[id(request)]
             state.consume(new)
             states.append(state)
-        return self._masks.start(states, info.grammar_rows, len(rows))
+        return self._masks.start(states, info.grammar_rows, len(rows)), waited
 
     def _previous_ids(self) -> dict[int, int]:
-        """The sampled ids of the step launched before this one, by id() of their request."""
+        """The sampled ids of the step launched before this one (resolved on the device), by
+        id() of their request."""
         prev = self._previous
         assert prev is not None and prev.host_ids is not None
-        if prev.done is not None:
-            prev.done.synchronize()
         ids = prev.host_ids[: len(prev.rows)].tolist()
         return {id(prev.tasks[i].request): ids[j] for j, i in enumerate(prev.rows)}
 
@@ -494,3 +507,12 @@ def _prompt_spans(
         if last >= first:
             spans.append((i, first, last + 1 - first, request.params.prompt_logprobs or 0))
     return spans
+
+
+def _wait(event: torch.cuda.Event | None) -> float:
+    """Block until `event` (a step's ids copied to the host) has happened; the seconds that took."""
+    if event is None:
+        return 0.0
+    start = time.perf_counter()
+    event.synchronize()
+    return time.perf_counter() - start

@@ -22,6 +22,8 @@ class StepRecord:
     overlapped: bool  # queued on the device before its predecessor's tokens were read
     launch_seconds: float = 0.0  # host time that queued it (bind, forward, sampling launched)
     schedule_seconds: float = 0.0  # host time that chose its tasks (and drained inputs)
+    device_wait_seconds: float = 0.0  # host time blocked on the device for its tokens
+    mask_wait_seconds: float = 0.0  # host time blocked on its grammars' masks
 
 
 @dataclass(slots=True)
@@ -89,6 +91,8 @@ class StepObserver:
                     step.overlapped,
                     step.launch_seconds,
                     step.schedule_seconds,
+                    step.device_wait_seconds,
+                    step.mask_wait_seconds,
                 )
             )
 

@@ -189,6 +189,33 @@ def test_overlapped_steps_read_the_token_in_flight_into_the_grammar(
         engine.shutdown()
 
 
+def test_the_step_log_shows_the_host_waiting_for_slow_masks(random_dir, monkeypatch) -> None:
+    """Where a constrained step's host time goes: a mask that takes 100 ms to fill shows as
+    mask wait on every step with a grammar, and never on a step without one."""
+    engine = _engine(random_dir, overlap=True)
+    builder = MaskBuilder(49152, 8, torch.device("cpu"), threaded=True)
+    fill = builder._fill
+
+    def slow_fill(states, masks) -> None:
+        time.sleep(0.1)
+        fill(states, masks)
+
+    monkeypatch.setattr(builder, "_fill", slow_fill)
+    engine.executor._masks = builder
+    engine.step_log = []
+    free = SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY)
+    _until_finished(engine, [EngineRequest("free", [5, 6, 7], free)])
+    unconstrained = list(engine.step_log)
+    engine.step_log = []
+    _until_finished(engine, _constrained(1, max_tokens=6))
+    assert unconstrained and all(r.mask_wait_seconds == 0 for r in unconstrained)
+    sampled = [r for r in engine.step_log if r.num_decodes or r.num_prompt_tokens]
+    assert len(sampled) >= 5
+    assert all(r.mask_wait_seconds > 0.02 for r in sampled), [r.mask_wait_seconds for r in sampled]
+    assert all(r.device_wait_seconds == 0 for r in engine.step_log)  # no device events on CPU
+    engine.shutdown()
+
+
 def test_a_mask_that_fails_ends_its_steps_requests_and_the_engine_goes_on(
     random_dir, monkeypatch: pytest.MonkeyPatch
 ) -> None:
