@@ -249,7 +249,7 @@ def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) 
         )
 
 
-HOST_PARTS = ("schedule", "launch", "device_wait", "mask_wait")
+HOST_PARTS = ("schedule", "launch", "device_wait", "mask_wait", "step_p50", "step_max")
 
 
 def _host_text(host: dict[str, float]) -> str:
@@ -267,7 +267,8 @@ def _time_decode(
 ) -> tuple[float, float | None, dict[str, float]]:
     """ms per steady decode step of `batch` requests, the first `constrained` of them by a
     grammar; with `replay`, also the GPU time alone; and the host's mean ms a step choosing
-    tasks, launching, and (within those) blocked on the device or on grammar masks."""
+    tasks, launching, and (within those) blocked on the device or on grammar masks, with the
+    median and longest step."""
     # Prompts finish prefill over several steps, and the first ones decode meanwhile: room for
     # that skew, so no request ends in the timed window.
     params = SamplingParams(temperature=0, max_tokens=steps + 48, ignore_eos=True)
@@ -295,6 +296,9 @@ def _time_decode(
         "launch": sum(r.launch_seconds for r in log) / n * 1e3,
         "device_wait": sum(r.device_wait_seconds for r in log) / n * 1e3,
         "mask_wait": sum(r.mask_wait_seconds for r in log) / n * 1e3,
+        # a mean over steady steps, or a few slow ones? (the engine.step() calls' wall times)
+        "step_p50": sorted(r.seconds for r in log)[len(log) // 2] * 1e3 if log else 0.0,
+        "step_max": max((r.seconds for r in log), default=0.0) * 1e3,
     }
     if (running := engine.stats().num_running) != batch:  # a smaller batch was timed
         raise RuntimeError(f"B={batch}: {batch - running} requests ended before the timing did")
