@@ -40,17 +40,20 @@ import os
 import time
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import copy_tokenizer, environment
+from benchmarks.common import BF16_TFLOPS, COPY_TBPS, copy_tokenizer, environment
 from benchmarks.schema_corpus import ENDLESS
+from benchmarks.step import active_params, decode_weight_bytes
 from worker.config import EngineAdvanced, EngineConfig
 from worker.engine import StepRecord
 from worker.guided import GuidedDecoding
+from worker.kv_sizing import kv_bytes_per_token
 from worker.llm import LLM
 from worker.model.config import ModelConfig
 from worker.model.demo import demo_model_dir, resolve_model_path
@@ -211,6 +214,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     num_pages = llm.engine.executor.cache.num_total_pages
     _warm_up(llm, args, vocab)
     kvray = _bench_engine(llm, workload, args.temperature, args.constrained_fraction)
+    if cfg.device.startswith("cuda"):
+        model = llm.engine.executor.model
+        per_token = kv_bytes_per_token(llm.engine.model_config, cfg.kv_torch_dtype)
+        kvray["floor"] = floor = workload_floor(
+            workload, lambda b: decode_weight_bytes(model, b), per_token, active_params(model)
+        )
+        floor["of_floor"] = kvray["output_tok_s"] / floor["output_tok_s"]
     outputs = kvray.pop("token_ids")
     del llm
     _release_memory()  # before transformers loads: the engine's KV cache holds most of a GPU
@@ -256,6 +266,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result_json).write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def workload_floor(
+    workload: Workload,
+    weight_bytes: Callable[[int], float],
+    kv_bytes_per_token: int,
+    params_per_token: int,
+) -> dict[str, float]:
+    """The fastest an H200 could run `workload` one step at a time, as the engine does, all
+    requests starting together, as here: a request's prompt step gives its first token, then
+    decode step k (k >= 1) carries every request with more than k output tokens and reads the
+    weights (`weight_bytes(batch)`) and each one's KV (prompt + k tokens) at the copy
+    bandwidth; the prompts take 2 x params FLOPs a token at the bf16 peak. Prompt tokens
+    sharing steps with decodes could go below it; this is the floor of steps in series."""
+    ins = torch.tensor([len(p) for p in workload.prompts], dtype=torch.float64)
+    outs = torch.tensor(workload.output_lens)
+    decode_s = 0.0
+    for k in range(1, int(outs.max()) if len(outs) else 0):
+        live = outs > k
+        batch = int(live.sum())
+        kv = float((ins[live] + k).sum()) * kv_bytes_per_token
+        decode_s += (weight_bytes(batch) + kv) / (COPY_TBPS * 1e12)
+    prefill_s = 2 * params_per_token * workload.input_tokens / (BF16_TFLOPS * 1e12)
+    seconds = decode_s + prefill_s
+    return {
+        "decode_s": decode_s,
+        "prefill_s": prefill_s,
+        "output_tok_s": workload.output_tokens / seconds if seconds else 0.0,
+    }
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -543,6 +582,13 @@ def _print_summary(r: dict[str, Any]) -> None:
         f"kvray:        {k['seconds']:8.2f} s  {k['output_tok_s']:10.1f} output tok/s  ({k['steps']} steps, "
         f"{k['preemptions']} preemptions, other processes used {k['others_cpu_cores']} cores)"
     )
+    floor = k.get("floor")
+    if floor is not None:
+        print(
+            f"floor (H200 copy bandwidth and bf16 peak, steps in series): decode "
+            f"{floor['decode_s']:.2f} s + prompts {floor['prefill_s']:.2f} s = "
+            f"{floor['output_tok_s']:.0f} output tok/s; measured {100 * floor['of_floor']:.1f} % of it"
+        )
     print(
         "  where the time went:  kind                    batch<=  steps  seconds  ms/step  decodes  prompt tok"
     )

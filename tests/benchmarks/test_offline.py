@@ -290,3 +290,23 @@ def test_the_constrained_share_is_spread_over_the_workload() -> None:
     assert not any(p.guided for p in _params(workload, 0.0, 0.0))
     assert all(p.guided and p.ignore_eos for p in _params(workload, 0.0, 1.0))
     assert [p.max_tokens for p in _params(workload, 0.0, 0.5)] == workload.output_lens
+
+
+def test_the_workload_floor_reads_weights_and_live_kv_each_step_and_counts_prompt_flops():
+    """A 3-token request decodes twice after its prompt step (KV of 11, then 12 tokens); a
+    1-token one only has its prompt step; the prompts' 30 tokens cost 2 x params FLOPs each."""
+    from benchmarks.common import BF16_TFLOPS, COPY_TBPS
+    from benchmarks.offline import Workload, workload_floor
+
+    workload = Workload(prompts=[[7] * 10, [7] * 20], output_lens=[3, 1])
+    batches: list[int] = []
+
+    def weights(batch: int) -> float:
+        batches.append(batch)
+        return 1e6 * batch
+
+    floor = workload_floor(workload, weights, kv_bytes_per_token=100, params_per_token=5)
+    assert batches == [1, 1]
+    assert floor["decode_s"] == pytest.approx((1e6 + 1100 + 1e6 + 1200) / (COPY_TBPS * 1e12))
+    assert floor["prefill_s"] == pytest.approx(2 * 5 * 30 / (BF16_TFLOPS * 1e12))
+    assert floor["output_tok_s"] == pytest.approx(4 / (floor["decode_s"] + floor["prefill_s"]))
