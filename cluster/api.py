@@ -1,7 +1,7 @@
 """The ingress: FastAPI under `serve.ingress`, speaking the OpenAI API.
 
 Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions. A request is authorized, parsed, templated and tokenized here
+POST /v1/chat/completions, and vLLM's POST /tokenize and /detokenize. A request is authorized, parsed, templated and tokenized here
 (on CPU, so worker replicas never tokenize), checked against the model's context length,
 then handed to the Dispatcher, which batches and routes it to a worker replica. Any
 failure becomes an OpenAI error body with the matching status code; a streaming request
@@ -37,12 +37,17 @@ from cluster.metrics import CONTENT_TYPE, Metrics, rss_bytes
 from cluster.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     FieldError,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     new_id,
     now,
     openapi_components,
+    template_messages,
 )
 from cluster.responses import ChunkWriter, Collector, Echo, usage_of
 from cluster.router import RouteHint
@@ -65,6 +70,7 @@ _TEMPLATE_CHARS_PER_MESSAGE = 32  # what a chat template adds around each messag
 _INLINE_GRAMMAR_CHARS = 16_384  # longer grammars are checked in a thread
 
 ParsedRequest = ChatCompletionRequest | CompletionRequest
+Body = ChatCompletionRequest | CompletionRequest | TokenizeRequest | DetokenizeRequest
 
 
 @serve.ingress()
@@ -120,6 +126,18 @@ class Ingress:
             methods=["POST"],
             openapi_extra=_openapi_op("ChatCompletion", "ChatCompletionRequest"),
         )
+        app.add_api_route(
+            "/tokenize",
+            self.tokenize,
+            methods=["POST"],
+            openapi_extra=_openapi_op("TokenizeResponse", "TokenizeRequest", streams=False),
+        )
+        app.add_api_route(
+            "/detokenize",
+            self.detokenize,
+            methods=["POST"],
+            openapi_extra=_openapi_op("DetokenizeResponse", "DetokenizeRequest", streams=False),
+        )
         app.openapi = lambda: self._openapi(app)  # type: ignore[method-assign]
         return app
 
@@ -154,15 +172,55 @@ class Ingress:
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        if self._info is None:  # the context length comes from a worker, asked once
-            # none up yet: list the model without it
-            with contextlib.suppress(ApiError, TimeoutError):
-                await asyncio.wait_for(self._engine_info(), _MODELS_INFO_TIMEOUT_S)
-        info = self._info or {}
         card = ModelCard(
-            id=self._config.model_name, created=self._created, max_model_len=info.get("max_seq_len")
+            id=self._config.model_name,
+            created=self._created,
+            max_model_len=await self._max_model_len(),
         )
         return JSONResponse(ModelList(data=[card]).model_dump())
+
+    async def tokenize(self, request: Request) -> Response:
+        """Token ids of a prompt, or of chat messages as the chat route renders them."""
+        req = await self._read(request, TokenizeRequest)
+        assert isinstance(req, TokenizeRequest)
+        if req.messages is not None:
+            takes_tools = self._tokenizer.template_takes_tools
+            messages, shown = tools.template_inputs(
+                template_messages(req.messages, takes_tools), req.functions, takes_tools
+            )
+            size = sum(len(m["content"]) for m in messages) + len(json.dumps(shown or []))
+            render = functools.partial(
+                self._tokenizer.apply_chat_template,
+                add_generation_prompt=req.add_generation_prompt,
+                tools=shown,
+            )
+            tokens = await self._run_tokenizer(size, render, messages)
+        else:
+            assert req.prompt is not None
+            encode = functools.partial(
+                self._tokenizer.encode, add_special_tokens=req.add_special_tokens
+            )
+            tokens = await self._run_tokenizer(len(req.prompt), encode, req.prompt)
+        strs = self._tokenizer.hf_tokenizer.convert_ids_to_tokens(tokens)
+        body = TokenizeResponse(
+            count=len(tokens),
+            max_model_len=await self._max_model_len(),
+            tokens=tokens,
+            token_strs=list(strs) if req.return_token_strs else None,
+        )
+        return JSONResponse(body.model_dump())
+
+    async def detokenize(self, request: Request) -> Response:
+        """The text of token ids, special tokens included."""
+        req = await self._read(request, DetokenizeRequest)
+        assert isinstance(req, DetokenizeRequest)
+        vocab = self._tokenizer.vocab_size
+        for i, token in enumerate(req.tokens):
+            if token >= vocab:
+                message = f"token id {token} is outside the vocabulary (size {vocab})"
+                raise ApiError(400, message, param=f"tokens.{i}", code="invalid_value")
+        text = self._tokenizer.decode(req.tokens, skip_special_tokens=False)
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
@@ -203,8 +261,39 @@ class Ingress:
 
     # -- request handling -----------------------------------------------------------------
 
+    async def _max_model_len(self) -> int | None:
+        """The context length, from a worker asked once; None while none can say."""
+        if self._info is None:
+            with contextlib.suppress(ApiError, TimeoutError):
+                await asyncio.wait_for(self._engine_info(), _MODELS_INFO_TIMEOUT_S)
+        return (self._info or {}).get("max_seq_len")
+
     async def _parse(self, request: Request, model: type[ParsedRequest]) -> ParsedRequest:
         """Authorize, read the body under its size limit, validate it and apply the limits."""
+        req = await self._read(request, model)
+        assert isinstance(req, ChatCompletionRequest | CompletionRequest)
+        refused = req.refused_field()
+        if refused:
+            raise ApiError(
+                400,
+                f"'{refused}' is not supported by this server",
+                param=refused,
+                code="unsupported",
+            )
+        limits.check_request(req, self._limits)
+        await self._check_fan_out(req)
+        req = limits.with_default_max_tokens(req, self._limits.max_tokens)
+        try:  # what the protocol lets through must also make valid SamplingParams
+            params = req.sampling_params()
+        except ValidationError as exc:
+            raise from_validation(exc) from None
+        except FieldError as exc:
+            raise ApiError(400, exc.message, param=exc.param, code="invalid_value") from None
+        await self._check_grammars(req, params.guided)
+        return req
+
+    async def _read(self, request: Request, model: type[Body]) -> Body:
+        """Authorize, read the body under its size limit, validate it, check the model name."""
         self._authorize(request)
         cap = self._limits.max_request_bytes
         limits.check_content_length(request.headers, cap)
@@ -226,24 +315,6 @@ class Ingress:
                 param="model",
                 code="model_not_found",
             )
-        refused = req.refused_field()
-        if refused:
-            raise ApiError(
-                400,
-                f"'{refused}' is not supported by this server",
-                param=refused,
-                code="unsupported",
-            )
-        limits.check_request(req, self._limits)
-        await self._check_fan_out(req)
-        req = limits.with_default_max_tokens(req, self._limits.max_tokens)
-        try:  # what the protocol lets through must also make valid SamplingParams
-            params = req.sampling_params()
-        except ValidationError as exc:
-            raise from_validation(exc) from None
-        except FieldError as exc:
-            raise ApiError(400, exc.message, param=exc.param, code="invalid_value") from None
-        await self._check_grammars(req, params.guided)
         return req
 
     async def _check_grammars(self, req: ParsedRequest, guided: GuidedDecoding | None) -> None:
@@ -435,7 +506,11 @@ class Ingress:
         chat = isinstance(arg, list)
         texts = [m["content"] for m in arg] if chat else [arg]
         await self._check_text_size(sum(len(t) for t in texts), "messages" if chat else "prompt")
-        if chat:  # many empty messages still make a long template
+        return await self._run_tokenizer(size, fn, arg)
+
+    async def _run_tokenizer(self, size: int, fn: Any, arg: Any) -> list[int]:
+        """`fn(arg)` inline, or in a thread for long inputs so other streams keep flowing."""
+        if isinstance(arg, list):  # many empty messages still make a long template
             size = max(size, len(arg) * _TEMPLATE_CHARS_PER_MESSAGE)
         try:
             if size > _INLINE_TOKENIZE_CHARS:
@@ -540,8 +615,9 @@ _METRICS_OP = {
 }
 
 
-def _openapi_op(response: str, body: str | None = None) -> dict[str, Any]:
-    """OpenAPI operation fields of a route taking a raw Request: its body and answers."""
+def _openapi_op(response: str, body: str | None = None, streams: bool = True) -> dict[str, Any]:
+    """OpenAPI operation fields of a route taking a raw Request: its body and answers (an
+    event stream too where the body can ask for one)."""
 
     def content(name: str) -> dict[str, Any]:
         return {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}
@@ -550,7 +626,8 @@ def _openapi_op(response: str, body: str | None = None) -> dict[str, Any]:
     ok: dict[str, Any] = {"description": "success", "content": content(response)}
     op: dict[str, Any] = {"responses": {"200": ok, "401": error, "404": error, "503": error}}
     if body is not None:
-        ok["content"]["text/event-stream"] = {"schema": _SSE_EVENT}  # 3.1: one event
+        if streams:
+            ok["content"]["text/event-stream"] = {"schema": _SSE_EVENT}  # 3.1: one event
         op["requestBody"] = {"required": True, "content": content(body)}
         for status in ("400", "413", "415", "429", "500"):
             op["responses"][status] = error

@@ -18,7 +18,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from pydantic.json_schema import models_json_schema
 
 from cluster.formats import (
@@ -271,6 +279,28 @@ ChatMessage = Annotated[
 ]
 
 
+def template_messages(messages: list[ChatMessage], with_tools: bool) -> list[dict[str, Any]]:
+    """The messages as chat templates take them: a past call's `arguments` parsed (most
+    templates write them out as JSON themselves). `with_tools` False: calls and tool results
+    as plain text, for a template that knows neither."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        role = "system" if m.role == "developer" else m.role
+        message: dict[str, Any] = {"role": role, "content": m.text()}
+        if isinstance(m, AssistantMessageParam) and m.tool_calls:
+            if with_tools:
+                message["tool_calls"] = [template_call(c) for c in m.tool_calls]
+            else:
+                calls = [call_text(c.function.name, c.function.arguments) for c in m.tool_calls]
+                message["content"] = "\n".join([message["content"], *calls]).strip()
+        if isinstance(m, ToolMessageParam) and with_tools:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: PositiveInt | None = None
@@ -318,25 +348,7 @@ class ChatCompletionRequest(_Request):
         return {"tool_choice": calls_grammar(functions, one_call=one), **asked}
 
     def template_messages(self, with_tools: bool = True) -> list[dict[str, Any]]:
-        """The messages as chat templates take them: a past call's `arguments` parsed (most
-        templates write them out as JSON themselves). `with_tools` False: calls and tool
-        results as plain text, for a template that knows neither."""
-        out: list[dict[str, Any]] = []
-        for m in self.messages:
-            role = "system" if m.role == "developer" else m.role
-            message: dict[str, Any] = {"role": role, "content": m.text()}
-            if isinstance(m, AssistantMessageParam) and m.tool_calls:
-                if with_tools:
-                    message["tool_calls"] = [template_call(c) for c in m.tool_calls]
-                else:
-                    calls = [call_text(c.function.name, c.function.arguments) for c in m.tool_calls]
-                    message["content"] = "\n".join([message["content"], *calls]).strip()
-            if isinstance(m, ToolMessageParam) and with_tools:
-                message["tool_call_id"] = m.tool_call_id
-            if m.name is not None:
-                message["name"] = m.name
-            out.append(message)
-        return out
+        return template_messages(self.messages, with_tools)
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
@@ -471,6 +483,52 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a prompt as /v1/completions tokenizes it, or chat messages (and
+    tools) as /v1/chat/completions renders them with the model's template."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[ToolParam] | None = None
+    add_generation_prompt: bool = True  # messages: end with the assistant's turn opened
+    add_special_tokens: bool = True  # prompt: the tokenizer's own (BOS), as completions adds
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either 'prompt' or 'messages'")
+        return self
+
+    @property
+    def functions(self) -> list[Function]:
+        tools = self.tools or []
+        return [
+            Function(t.function.name, t.function.description, t.function.parameters) for t in tools
+        ]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str
+    tokens: list[Annotated[int, Field(ge=0, lt=_INT32), _WHOLE]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -509,6 +567,10 @@ def openapi_components() -> dict[str, Any]:
         (ChatCompletion, "serialization"),
         (Completion, "serialization"),
         (ModelList, "serialization"),
+        (TokenizeRequest, "validation"),
+        (TokenizeResponse, "serialization"),
+        (DetokenizeRequest, "validation"),
+        (DetokenizeResponse, "serialization"),
         (ErrorResponse, "serialization"),
     ]
     _, top = models_json_schema(models, ref_template="#/components/schemas/{model}")

@@ -17,6 +17,8 @@ from typing import Any
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MODELS = "/v1/models"
+TOKENIZE = "/tokenize"
+DETOKENIZE = "/detokenize"
 ANY = "<any>"  # the error's param is not checked
 MIB = 1024 * 1024
 NO_HEADER = ""  # a header value that means: leave the header out
@@ -886,6 +888,49 @@ def unicode_edges(b: _Builder) -> None:
     b.add("surrogate-pair-split-stop", dumps(b.chat()).replace(b'"Hi"', b'"Hi", "stop": "\\ud83d"'))
 
 
+def tokenization(b: _Builder) -> None:
+    """vLLM's /tokenize and /detokenize: one input of the right kind, ids in the vocabulary."""
+    model, vocab = b.t.model, b.t.vocab_size
+    hi = [{"role": "user", "content": "Hi"}]
+    for name, body, param in [
+        ("neither-prompt-nor-messages", {"model": model}, ANY),
+        ("prompt-and-messages", {"model": model, "prompt": "Hi", "messages": hi}, ANY),
+        ("no-model", {"prompt": "Hi"}, "model"),
+        ("prompt=5", {"model": model, "prompt": 5}, "prompt"),
+        ("prompt=[1, 2]", {"model": model, "prompt": [1, 2]}, "prompt"),
+        ("messages=[]", {"model": model, "messages": []}, "messages"),
+        ("messages='Hi'", {"model": model, "messages": "Hi"}, "messages"),
+        ("message-without-role", {"model": model, "messages": [{"content": "Hi"}]}, ANY),
+        ("add_generation_prompt='yes'", {"model": model, "messages": hi, "add_generation_prompt": "yes"},
+         "add_generation_prompt"),
+        ("return_token_strs=1", {"model": model, "prompt": "Hi", "return_token_strs": 1},
+         "return_token_strs"),
+    ]:  # fmt: skip
+        b.add(f"tokenize-{name}", body, param=param, path=TOKENIZE)
+    b.add("tokenize-unknown-model", {"model": "nope", "prompt": "Hi"}, 404, "model", path=TOKENIZE)
+    b.add("tokenize-invalid-utf8", b'{"model": "' + model.encode() + b'", "prompt": "\xff"}',
+          param=None, path=TOKENIZE)  # fmt: skip
+    for name, tokens, param in [
+        ("past-the-vocabulary", [1, vocab], "tokens.1"),
+        ("negative", [-1], "tokens.0"),
+        ("2**63", [2**63], "tokens.0"),
+        ("fraction", [1.5], "tokens.0"),
+        ("bool", [True], "tokens.0"),
+        ("string", ["1"], "tokens.0"),
+        ("not-a-list", "1 2", "tokens"),
+        ("nested", [[1]], "tokens.0"),
+    ]:
+        b.add(
+            f"detokenize-{name}", {"model": model, "tokens": tokens}, param=param, path=DETOKENIZE
+        )
+    b.add("detokenize-no-tokens", {"model": model}, param="tokens", path=DETOKENIZE)
+    for path in (TOKENIZE, DETOKENIZE):
+        b.add(f"{path[1:]}-no-key", {"model": model, "prompt": "Hi", "tokens": [1]}, 401,
+              path=path, headers={"Authorization": NO_HEADER})  # fmt: skip
+        b.add(f"{path[1:]}-get", None, 405, path=path, method="GET")
+        b.add(f"{path[1:]}-array", b"[]", param=None, path=path)
+
+
 FAMILIES: list[Callable[[_Builder], None]] = [
     bad_json,
     not_an_object,
@@ -912,6 +957,7 @@ FAMILIES: list[Callable[[_Builder], None]] = [
     messages_and_parts,
     logprobs,
     deep_nesting,
+    tokenization,
     unicode_edges,
 ]
 

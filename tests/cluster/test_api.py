@@ -92,3 +92,106 @@ def test_the_operators_default_max_tokens_is_fitted_to_each_prompts_context() ->
         (34, 34),
         (50, 40),
     ]
+
+
+def _ingress(monkeypatch, info: dict[str, int] | None = None):
+    """An ingress without Ray whose worker answers the engine info `info`."""
+    from types import SimpleNamespace
+
+    import cluster.api as api
+
+    ingress_class = api.Ingress.__mro__[1]  # the class under serve.ingress's wrapper
+    context = SimpleNamespace(replica_id=SimpleNamespace(unique_id="ing-1"))
+    monkeypatch.setattr(api.serve, "get_replica_context", lambda: context)
+
+    class Worker:
+        def __init__(self) -> None:
+            self.info = self
+
+        def options(self, **_: object) -> Worker:
+            return self
+
+        async def remote(self, hint: RouteHint) -> dict[str, int]:
+            if info is None:
+                raise RuntimeError("no replica")
+            return info
+
+    return ingress_class(ClusterConfig(), Worker())
+
+
+def _post(handler, body: dict) -> tuple[int, dict]:
+    """Call a POST route's handler with a JSON body: (status, JSON answer)."""
+    import json
+
+    from starlette.requests import Request
+
+    from cluster.errors import ApiError
+
+    data = json.dumps(body).encode()
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": data, "more_body": False}
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    request = Request({"type": "http", "method": "POST", "headers": headers}, receive)
+    try:
+        response = asyncio.run(handler(request))
+    except ApiError as exc:
+        response = exc.response()
+    return response.status_code, json.loads(bytes(response.body))
+
+
+def test_tokenize_gives_the_ids_the_generation_routes_would_send(monkeypatch) -> None:
+    """A prompt is tokenized as /v1/completions does (BOS and all), chat messages as
+    /v1/chat/completions renders them; the count, the context length and, when asked, each
+    token's string come with them; /detokenize turns the ids back into the text."""
+    ingress = _ingress(monkeypatch, {"max_seq_len": 512})
+    tok = ingress._tokenizer
+    text = "The capital of France is Paris. Ünïcode, too."
+    status, body = _post(ingress.tokenize, {"model": "demo", "prompt": text})
+    assert status == 200
+    assert body == {
+        "count": len(tok.encode(text)),
+        "max_model_len": 512,
+        "tokens": tok.encode(text),
+        "token_strs": None,
+    }
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    status, chat = _post(ingress.tokenize, {"model": "demo", "messages": messages})
+    assert status == 200 and chat["tokens"] == tok.apply_chat_template(messages)
+    status, open_turn = _post(
+        ingress.tokenize,
+        {"model": "demo", "messages": messages, "add_generation_prompt": False},
+    )
+    assert status == 200
+    assert open_turn["tokens"] == tok.apply_chat_template(messages, add_generation_prompt=False)
+    assert open_turn["count"] < chat["count"]
+    bare = {"model": "demo", "prompt": text, "add_special_tokens": False, "return_token_strs": True}
+    status, plain = _post(ingress.tokenize, bare)
+    assert status == 200 and plain["tokens"] == tok.encode(text, add_special_tokens=False)
+    assert plain["token_strs"] == tok.hf_tokenizer.convert_ids_to_tokens(plain["tokens"])
+    status, back = _post(ingress.detokenize, {"model": "demo", "tokens": plain["tokens"]})
+    assert (status, back) == (200, {"prompt": text})
+
+
+def test_tokenize_and_detokenize_refuse_what_they_cannot_answer(monkeypatch) -> None:
+    ingress = _ingress(monkeypatch)  # no worker answers: the context length is unknown
+    status, body = _post(ingress.tokenize, {"model": "demo", "prompt": "hi"})
+    assert status == 200 and body["max_model_len"] is None
+    vocab = ingress._tokenizer.vocab_size
+    cases = [
+        (ingress.tokenize, {"model": "demo"}, 400, None),
+        (ingress.tokenize, {"model": "demo", "prompt": "a", "messages": []}, 400, None),
+        (ingress.tokenize, {"model": "other", "prompt": "a"}, 404, "model"),
+        (ingress.detokenize, {"model": "demo", "tokens": [1, vocab]}, 400, "tokens.1"),
+        (ingress.detokenize, {"model": "demo", "tokens": [-1]}, 400, "tokens.0"),
+        (ingress.detokenize, {"model": "demo", "tokens": "12"}, 400, "tokens"),
+    ]
+    for handler, body, status, param in cases:
+        got, answer = _post(handler, body)
+        assert got == status, (body, answer)
+        if param is not None:
+            assert answer["error"]["param"] == param, (body, answer)

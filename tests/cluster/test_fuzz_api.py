@@ -30,7 +30,7 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.cluster.conftest import Served
 
-MAX_EXAMPLES = 50  # per operation and run; five operations
+MAX_EXAMPLES = 50  # per operation and run; seven operations
 FUZZ_SETTINGS = settings(
     max_examples=MAX_EXAMPLES,
     deadline=None,  # one request may wait on a busy 2-core engine; the client timeout bounds it
@@ -87,6 +87,18 @@ def narrowed(spec: dict[str, Any], model: str) -> dict[str, Any]:
         message["additionalProperties"] = False
     completion = schemas["CompletionRequest"]["properties"]
     completion["prompt"] = {"type": "string", "minLength": 1, "maxLength": 100}
+    # /tokenize takes a prompt or messages, not both (a rule the schema cannot say): prompts
+    tokenize = schemas["TokenizeRequest"]
+    for name in ("messages", "tools"):
+        tokenize["properties"].pop(name)
+    tokenize["properties"]["model"] = {"type": "string", "enum": [model]}
+    tokenize["properties"]["prompt"] = {"type": "string", "maxLength": 100}
+    tokenize["required"], tokenize["additionalProperties"] = ["model", "prompt"], False
+    detokenize = schemas["DetokenizeRequest"]
+    detokenize["properties"]["model"] = {"type": "string", "enum": [model]}
+    ids = {"type": "integer", "minimum": 0, "maximum": 49151}  # the demo's vocabulary
+    detokenize["properties"]["tokens"] = {"type": "array", "items": ids, "maxItems": 50}
+    detokenize["additionalProperties"] = False
     return spec
 
 
@@ -96,6 +108,8 @@ OPERATIONS = [
     ("GET", "/v1/models"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
 ]
 BODIES = [op for op in OPERATIONS if op[0] == "POST"]
 

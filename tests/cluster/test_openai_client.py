@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -28,6 +29,28 @@ def test_models_lists_the_served_model(client: OpenAI) -> None:
     models = client.models.list().data  # the module's first request: its length is asked for
     assert [m.id for m in models] == ["demo"]
     assert models[0].model_extra == {"max_model_len": ENGINE["max_seq_len"]}
+
+
+def test_tokenize_counts_the_prompt_tokens_a_completion_is_billed(
+    client: OpenAI, served: Served
+) -> None:
+    """vLLM's /tokenize over HTTP: its count for the messages is the usage's prompt_tokens."""
+    import httpx
+
+    post = functools.partial(httpx.post, headers=served.headers(), timeout=60)
+    counted = post(f"{served.base_url}/tokenize", json={"model": "demo", "messages": QUESTION})
+    assert counted.status_code == 200, counted.text
+    reply = client.chat.completions.create(model="demo", messages=QUESTION, max_tokens=1)
+    assert counted.json()["count"] == reply.usage.prompt_tokens
+    assert counted.json()["max_model_len"] == ENGINE["max_seq_len"]
+    text = post(
+        f"{served.base_url}/detokenize", json={"model": "demo", "tokens": counted.json()["tokens"]}
+    )
+    assert "What is the capital of France?" in text.json()["prompt"]
+    assert (
+        httpx.post(f"{served.base_url}/tokenize", json={"model": "demo", "prompt": "x"}).status_code
+        == 401
+    )
 
 
 def test_greedy_chat_over_http_equals_llm_generate(client: OpenAI) -> None:
