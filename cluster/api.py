@@ -247,11 +247,7 @@ class Ingress:
         echo = None
         if req.echo:  # each prompt as sent (token ids: their text), once per choice
             echo = [
-                Echo(
-                    t if isinstance(t, str) else self._tokenizer.decode(p),
-                    list(p),
-                    req.logprobs is not None,
-                )
+                Echo(t if isinstance(t, str) else self._tokenizer.decode(p), list(p), req.logprobs)
                 for t, p in zip(texts, prompts, strict=True)
                 for _ in range(req.n)
             ]
@@ -392,6 +388,9 @@ class Ingress:
         collector = Collector(
             len(stream.group.requests), params.logprobs is not None, tool_calls=calls, echo=echo
         )
+        if req.prompt_logprobs is not None:  # each choice's prompt: n in a row per prompt
+            collector.scored_prompts = [p for p in prompts for _ in range(req.n)]
+            collector.prompt_alternatives = req.prompt_logprobs
         try:
             async for deltas in gen.deltas():
                 for delta in deltas:

@@ -121,6 +121,9 @@ class _Request(BaseModel):
     guided_grammar: str | None = Field(
         None, description="the output matches this grammar (Lark, or GBNF / EBNF)"
     )
+    prompt_logprobs: NumLogprobs | None = Field(
+        None, description="each prompt token's logprob, with this many alternatives (not streamed)"
+    )
 
     @field_validator("logit_bias")
     @classmethod
@@ -195,8 +198,17 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling(
+        self, max_tokens: int | None, logprobs: int | None, scored: int | None = None
+    ) -> SamplingParams:
+        """The engine's parameters; `scored`: alternatives a prompt token's logprob comes with
+        for the response to show (`prompt_logprobs`, and completions' echo), if any."""
+        if self.prompt_logprobs is not None:
+            if self.stream:
+                raise FieldError("prompt_logprobs is not available with stream", "prompt_logprobs")
+            scored = max(self.prompt_logprobs, scored or 0)
         return SamplingParams(
+            prompt_logprobs=scored,
             guided=self.guided(),
             temperature=self.temperature,
             top_p=self.top_p,
@@ -386,10 +398,8 @@ class CompletionRequest(_Request):
     def sampling_params(self) -> SamplingParams:
         if self.max_tokens == 0 and not self.echo:
             raise FieldError("max_tokens 0 returns nothing without echo", "max_tokens")
-        params = self._sampling(self.max_tokens, self.logprobs)
-        if self.echo and self.logprobs is not None:
-            return params.model_copy(update={"prompt_logprobs": self.logprobs})
-        return params
+        echoed = self.logprobs if self.echo else None
+        return self._sampling(self.max_tokens, self.logprobs, echoed)
 
 
 # ---- responses -------------------------------------------------------------------------
@@ -443,6 +453,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # with `prompt_logprobs` (vLLM)
 
 
 class DeltaMessage(BaseModel):
@@ -467,11 +478,25 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's: a prompt token's (or an alternative's) logprob, its rank among the vocabulary
+    where known (the alternatives, and the token when it is one of them), and its text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# per prompt token: token id (a string) -> its logprob, the alternatives' too; the first is null
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
+    prompt_logprobs: PromptLogprobs | None = None  # with `prompt_logprobs` (vLLM)
 
 
 class Completion(BaseModel):

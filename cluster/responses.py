@@ -21,6 +21,8 @@ from cluster.protocol import (
     CompletionLogprobs,
     DeltaMessage,
     FinishReason,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
     Usage,
 )
@@ -78,10 +80,17 @@ def completion_logprobs(
     return out
 
 
+def _best(top: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k most likely of a token's scored alternatives (the engine may have scored more,
+    when two fields of one request asked for different counts)."""
+    return sorted(top.items(), key=lambda kv: -kv[1])[:k]
+
+
 def echo_logprobs(
-    token_text: TokenText, prompt_ids: list[int], scored: list[TokenLogprobs | None] | None
+    token_text: TokenText, prompt_ids: list[int], scored: list[TokenLogprobs | None] | None, k: int
 ) -> CompletionLogprobs:
-    """The logprobs of an echoed prompt's tokens: null for the first, which nothing scores."""
+    """The logprobs of an echoed prompt's tokens, k alternatives each: null for the first,
+    which nothing scores."""
     out, offset = CompletionLogprobs(), 0
     for j, token_id in enumerate(prompt_ids):
         text = token_text(token_id)
@@ -89,21 +98,46 @@ def echo_logprobs(
         out.tokens.append(text)
         out.token_logprobs.append(None if lp is None else lp.logprob)
         out.top_logprobs.append(
-            None if lp is None else {token_text(tid): v for tid, v in lp.top.items()}
+            None if lp is None else {token_text(tid): v for tid, v in _best(lp.top, k)}
         )
         out.text_offset.append(offset)
         offset += len(text)
     return out
 
 
+def prompt_logprobs(
+    token_text: TokenText, prompt_ids: list[int], scored: list[TokenLogprobs | None] | None, k: int
+) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: per prompt token (null for the first) its own logprob and its
+    k most likely alternatives', keyed by token id, ranked 1..k; the token's own rank is
+    given when it is one of them (the engine keeps no full ranking)."""
+    out: PromptLogprobs = []
+    for j, token_id in enumerate(prompt_ids):
+        lp = scored[j] if scored is not None and j < len(scored) else None
+        if lp is None:
+            out.append(None)
+            continue
+        best = _best(lp.top, k)
+        ranks = {tid: r for r, (tid, _) in enumerate(best, start=1)}
+        row = {
+            str(tid): PromptLogprob(logprob=v, rank=ranks[tid], decoded_token=token_text(tid))
+            for tid, v in best
+        }
+        own = PromptLogprob(
+            logprob=lp.logprob, rank=ranks.get(token_id), decoded_token=token_text(token_id)
+        )
+        out.append({str(token_id): own, **row})
+    return out
+
+
 @dataclass(frozen=True)
 class Echo:
     """A completion choice's prompt, returned before its text (`echo`), with its tokens'
-    logprobs when the request asked for logprobs."""
+    logprobs (that many alternatives each) when the request asked for logprobs."""
 
     text: str
     token_ids: list[int]
-    logprobs: bool
+    logprobs: int | None
 
 
 def echoed(
@@ -117,9 +151,9 @@ def echoed(
     prompt before them: `scored` are the prompt's logprobs, `logprobs` the text's own (at
     offsets from the prompt's end)."""
     text = prompt.text + text
-    if not prompt.logprobs:
+    if prompt.logprobs is None:
         return text, logprobs
-    head = echo_logprobs(token_text, prompt.token_ids, scored)
+    head = echo_logprobs(token_text, prompt.token_ids, scored, prompt.logprobs)
     tail = logprobs or CompletionLogprobs()
     return text, CompletionLogprobs(
         tokens=head.tokens + tail.tokens,
@@ -152,6 +186,9 @@ class Collector:
     choices: dict[int, _Collected] = field(default_factory=dict)
     tool_calls: bool = False
     echo: list[Echo] | None = None  # each choice's prompt, for a completion with `echo`
+    # `prompt_logprobs`: each choice's prompt ids and the alternatives to show
+    scored_prompts: list[list[int]] | None = None
+    prompt_alternatives: int = 0
 
     def __post_init__(self) -> None:
         self.choices = {
@@ -194,7 +231,14 @@ class Collector:
                     finish_reason=_finish(c.finish_reason, bool(calls)),
                 )
             )
-        return ChatCompletion(id=rid, created=created, model=model, choices=choices, usage=usage)
+        return ChatCompletion(
+            id=rid,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=usage,
+            prompt_logprobs=self._prompt_logprobs(0, token_text),  # the choices share one prompt
+        )
 
     def completion(
         self, rid: str, created: int, model: str, usage: Usage, token_text: TokenText
@@ -208,10 +252,21 @@ class Collector:
                 text, logprobs = echoed(token_text, self.echo[i], text, c.prompt_logprobs, logprobs)
             choices.append(
                 CompletionChoice(
-                    index=i, text=text, logprobs=logprobs, finish_reason=c.finish_reason
+                    index=i,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    prompt_logprobs=self._prompt_logprobs(i, token_text),
                 )
             )
         return Completion(id=rid, created=created, model=model, choices=choices, usage=usage)
+
+    def _prompt_logprobs(self, choice: int, token_text: TokenText) -> PromptLogprobs | None:
+        if self.scored_prompts is None:
+            return None
+        scored = self.choices[choice].prompt_logprobs
+        ids = self.scored_prompts[choice]
+        return prompt_logprobs(token_text, ids, scored, self.prompt_alternatives)
 
 
 @dataclass

@@ -840,6 +840,13 @@ def logprobs(b: _Builder) -> None:
             path=COMPLETIONS,
         )
     b.add("logprobs=5", b.chat(logprobs=5), param="logprobs")
+    for value in [21, -1, "2", True]:
+        b.add(f"prompt_logprobs={json.dumps(value)}", b.chat(prompt_logprobs=value),
+              param="prompt_logprobs")  # fmt: skip
+    b.add("prompt_logprobs-streamed", b.chat(prompt_logprobs=1, stream=True),
+          param="prompt_logprobs")  # fmt: skip
+    b.add("completion-prompt_logprobs-streamed", b.completion(prompt_logprobs=0, stream=True),
+          param="prompt_logprobs", path=COMPLETIONS)  # fmt: skip
 
 
 def deep_nesting(b: _Builder) -> None:

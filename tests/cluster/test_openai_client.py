@@ -206,6 +206,46 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_the_engine_scores_them(
     assert batch.choices[0].text == choice.text  # token ids echo as their text
 
 
+def test_prompt_logprobs_as_vllm_returns_them(client: OpenAI, served: Served) -> None:
+    """vLLM's `prompt_logprobs`: on each completion choice, once at the top of a chat reply;
+    the scores echo gives, keyed by token id; refused with stream."""
+    import openai
+
+    prompt = "The capital of France is Paris"
+    ids = Tokenizer.from_dir(str(resolve_model_path(served.config.engine.model))).encode(prompt)
+    echo = client.completions.create(
+        model="demo", prompt=prompt, echo=True, max_tokens=0, logprobs=0, temperature=0
+    )
+    plain = client.completions.create(model="demo", prompt=prompt, max_tokens=2, temperature=0)
+    assert plain.choices[0].model_extra["prompt_logprobs"] is None
+    reply = client.completions.create(
+        model="demo", prompt=prompt, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    assert reply.choices[0].text == plain.choices[0].text  # the text is not echoed
+    rows = reply.choices[0].model_extra["prompt_logprobs"]
+    assert len(rows) == len(ids) == reply.usage.prompt_tokens and rows[0] is None
+    echoed = echo.choices[0].logprobs.token_logprobs
+    for row, token_id, want in zip(rows[1:], ids[1:], echoed[1:], strict=True):
+        own = row[str(token_id)]
+        assert own["logprob"] == pytest.approx(want, abs=1e-3)
+        ranked = sorted((e["rank"], e["logprob"]) for e in row.values() if e["rank"] is not None)
+        assert [r for r, _ in ranked] == [1, 2] and ranked[0][1] >= ranked[1][1]
+        if own["rank"] is None:  # not among the top two: less likely than both
+            assert len(row) == 3 and own["logprob"] <= ranked[1][1]
+        else:
+            assert len(row) == 2 and ranked[own["rank"] - 1][1] == own["logprob"]
+    chat = client.chat.completions.create(
+        model="demo", messages=QUESTION, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    scored = chat.model_extra["prompt_logprobs"]
+    assert len(scored) == chat.usage.prompt_tokens and scored[0] is None
+    assert all(len(row) == 1 for row in scored[1:])
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.chat.completions.create(
+            model="demo", messages=QUESTION, stream=True, extra_body={"prompt_logprobs": 1}
+        )
+
+
 def test_logit_bias_bans_and_forces_tokens(client: OpenAI, served: Served) -> None:
     tokenizer = Tokenizer.from_dir(str(resolve_model_path(served.config.engine.model)))
 

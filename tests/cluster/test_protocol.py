@@ -82,6 +82,23 @@ def test_echo_with_logprobs_asks_the_engine_for_prompt_logprobs() -> None:
         params(max_tokens=0)
 
 
+def test_prompt_logprobs_ask_the_engine_to_score_the_prompt_and_not_with_stream() -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert ChatCompletionRequest.model_validate(chat).sampling_params().prompt_logprobs is None
+    asked = ChatCompletionRequest.model_validate({**chat, "prompt_logprobs": 3})
+    assert asked.sampling_params().prompt_logprobs == 3
+    # echo's own count and prompt_logprobs': the engine scores the larger
+    both = {"model": "m", "prompt": "x", "echo": True, "logprobs": 1, "prompt_logprobs": 4}
+    assert CompletionRequest.model_validate(both).sampling_params().prompt_logprobs == 4
+    few = {**both, "logprobs": 5, "prompt_logprobs": 0}
+    assert CompletionRequest.model_validate(few).sampling_params().prompt_logprobs == 5
+    with pytest.raises(FieldError, match="stream") as refused:
+        ChatCompletionRequest.model_validate(
+            {**chat, "prompt_logprobs": 1, "stream": True}
+        ).sampling_params()
+    assert refused.value.param == "prompt_logprobs"
+
+
 @pytest.mark.parametrize(
     ("message", "param"),
     [
