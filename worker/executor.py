@@ -381,20 +381,20 @@ class Executor:
             new = request.output_ids[state.consumed :]
             if new and new[-1] == PENDING:
                 if pending is None:
-                    waited = _wait(self._previous.done if self._previous else None)
-                    pending = self._previous_ids()
+                    pending, waited = self._previous_ids()
                 new[-1] = pending[id(request)]
             state.consume(new)
             states.append(state)
         return self._masks.start(states, info.grammar_rows, len(rows)), waited
 
-    def _previous_ids(self) -> dict[int, int]:
-        """The sampled ids of the step launched before this one (resolved on the device), by
-        id() of their request."""
+    def _previous_ids(self) -> tuple[dict[int, int], float]:
+        """The sampled ids of the step launched before this one, by id() of their request,
+        once the device has them on the host; and the seconds spent waiting for that."""
         prev = self._previous
         assert prev is not None and prev.host_ids is not None
+        waited = _wait(prev.done)
         ids = prev.host_ids[: len(prev.rows)].tolist()
-        return {id(prev.tasks[i].request): ids[j] for j, i in enumerate(prev.rows)}
+        return {id(prev.tasks[i].request): ids[j] for j, i in enumerate(prev.rows)}, waited
 
     def _sampling_info(
         self, tasks: list[ScheduledTask], rows: list[int], steady: bool
