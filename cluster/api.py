@@ -17,7 +17,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,6 +36,7 @@ from cluster.generation import ClosingStreamingResponse, Generation
 from cluster.metrics import CONTENT_TYPE, Metrics, rss_bytes
 from cluster.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -184,15 +185,8 @@ class Ingress:
         req = await self._read(request, TokenizeRequest)
         assert isinstance(req, TokenizeRequest)
         if req.messages is not None:
-            takes_tools = self._tokenizer.template_takes_tools
-            messages, shown = tools.template_inputs(
-                template_messages(req.messages, takes_tools), req.functions, takes_tools
-            )
-            size = sum(len(m["content"]) for m in messages) + len(json.dumps(shown or []))
-            render = functools.partial(
-                self._tokenizer.apply_chat_template,
-                add_generation_prompt=req.add_generation_prompt,
-                tools=shown,
+            render, size, messages = self._chat_render(
+                req.messages, req.functions, req.add_generation_prompt
             )
             tokens = await self._run_tokenizer(size, render, messages)
         else:
@@ -201,12 +195,14 @@ class Ingress:
                 self._tokenizer.encode, add_special_tokens=req.add_special_tokens
             )
             tokens = await self._run_tokenizer(len(req.prompt), encode, req.prompt)
-        strs = self._tokenizer.hf_tokenizer.convert_ids_to_tokens(tokens)
+        strs = None
+        if req.return_token_strs:
+            strs = list(self._tokenizer.hf_tokenizer.convert_ids_to_tokens(tokens))
         body = TokenizeResponse(
             count=len(tokens),
             max_model_len=await self._max_model_len(),
             tokens=tokens,
-            token_strs=list(strs) if req.return_token_strs else None,
+            token_strs=strs,
         )
         return JSONResponse(body.model_dump())
 
@@ -226,12 +222,7 @@ class Ingress:
         arrival = time.perf_counter()
         req = await self._parse(request, ChatCompletionRequest)
         assert isinstance(req, ChatCompletionRequest)
-        takes_tools = self._tokenizer.template_takes_tools
-        messages, shown = tools.template_inputs(
-            req.template_messages(with_tools=takes_tools), req.functions, takes_tools
-        )
-        size = sum(len(m["content"]) for m in messages) + len(json.dumps(shown or []))
-        render = functools.partial(self._tokenizer.apply_chat_template, tools=shown)
+        render, size, messages = self._chat_render(req.messages, req.functions)
         prompt = await self._tokenize(size, render, messages)
         return await self._generate(req, [list(prompt)], req.sampling_params(), arrival, chat=True)
 
@@ -256,6 +247,26 @@ class Ingress:
         )
 
     # -- request handling -----------------------------------------------------------------
+
+    def _chat_render(
+        self,
+        messages: list[ChatMessage],
+        functions: list[tools.Function],
+        add_generation_prompt: bool = True,
+    ) -> tuple[Callable[[list[dict[str, Any]]], list[int]], int, list[dict[str, Any]]]:
+        """How the chat template renders `messages` and the tools shown beside them: the
+        tokenizing call, the characters it takes, and the messages to give it."""
+        takes_tools = self._tokenizer.template_takes_tools
+        rendered, shown = tools.template_inputs(
+            template_messages(messages, takes_tools), functions, takes_tools
+        )
+        size = sum(len(m["content"]) for m in rendered) + len(json.dumps(shown or []))
+        render = functools.partial(
+            self._tokenizer.apply_chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tools=shown,
+        )
+        return render, size, rendered
 
     async def _max_model_len(self) -> int | None:
         """The context length, from a worker asked once; None while none can say."""

@@ -359,9 +359,6 @@ class ChatCompletionRequest(_Request):
         one = isinstance(choice, NamedToolChoice) or not self.parallel_tool_calls
         return {"tool_choice": calls_grammar(functions, one_call=one), **asked}
 
-    def template_messages(self, with_tools: bool = True) -> list[dict[str, Any]]:
-        return template_messages(self.messages, with_tools)
-
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None

@@ -8,7 +8,12 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.errors import from_validation
-from cluster.protocol import ChatCompletionRequest, CompletionRequest, FieldError
+from cluster.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    FieldError,
+    template_messages,
+)
 from worker.sampling import SamplingParams
 
 
@@ -36,7 +41,7 @@ def test_chat_request_maps_onto_sampling_params() -> None:
         0,
         5,
     )
-    assert req.template_messages()[0] == {"role": "system", "content": "be brief"}
+    assert template_messages(req.messages, True)[0] == {"role": "system", "content": "be brief"}
 
 
 def test_completion_prompts_take_every_openai_shape() -> None:
@@ -123,18 +128,18 @@ def test_each_role_is_validated_by_its_own_schema_naming_the_field(
 def test_an_assistant_turn_may_be_empty_and_its_tool_calls_reach_the_template() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant"}]}
     req = ChatCompletionRequest.model_validate(body)
-    assert req.template_messages()[1] == {"role": "assistant", "content": ""}
+    assert template_messages(req.messages, True)[1] == {"role": "assistant", "content": ""}
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
     body["messages"][1] = {"role": "assistant", "content": None, "tool_calls": [call]}
     body["messages"].append({"role": "tool", "content": "42", "tool_call_id": "c1"})
     req = ChatCompletionRequest.model_validate(body)
     assert req.refused_field() is None
-    assistant, tool = req.template_messages()[1:]
+    assistant, tool = template_messages(req.messages, True)[1:]
     assert assistant["tool_calls"] == [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
     ]
     assert tool == {"role": "tool", "content": "42", "tool_call_id": "c1"}
-    plain = req.template_messages(with_tools=False)[1]  # for a template without tools
+    plain = template_messages(req.messages, False)[1]  # for a template without tools
     assert plain == {
         "role": "assistant",
         "content": '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
