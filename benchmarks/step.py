@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -390,6 +391,12 @@ def category(kernel: str) -> str:
     return "copy" if name.startswith(("memcpy", "memset")) else "other"
 
 
+def kernel_label(name: str) -> str:
+    """A kernel's name without its namespaces, template arguments and parameters."""
+    bare = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    return re.split(r"[<(]", bare)[0].split("::")[-1].strip()[:60]
+
+
 def step_breakdown(engine: Engine, steps: int = 5) -> dict[str, Any]:
     """Where `steps` eager engine steps spend their time: GPU microseconds and kernels per
     category, each step's wall time, and the host time the GPU does not cover."""
@@ -404,13 +411,22 @@ def step_breakdown(engine: Engine, steps: int = 5) -> dict[str, Any]:
         torch.cuda.synchronize()
     wall_us = (time.perf_counter() - start) / steps * 1e6
     by: dict[str, dict[str, float]] = {}
+    named: dict[str, dict[str, float]] = {}  # the same, per kernel (its name up to the template)
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
-            row = by.setdefault(category(e.name), {"us": 0.0, "kernels": 0})
-            row["us"] += e.time_range.elapsed_us() / steps
-            row["kernels"] += 1 / steps
+            for table, key in ((by, category(e.name)), (named, kernel_label(e.name))):
+                row = table.setdefault(key, {"us": 0.0, "kernels": 0})
+                row["us"] += e.time_range.elapsed_us() / steps
+                row["kernels"] += 1 / steps
     gpu_us = sum(r["us"] for r in by.values())
-    return {"wall_us": wall_us, "gpu_us": gpu_us, "host_gap_us": wall_us - gpu_us, "by": by}
+    top = dict(sorted(named.items(), key=lambda kv: -kv[1]["us"])[:12])
+    return {
+        "wall_us": wall_us,
+        "gpu_us": gpu_us,
+        "host_gap_us": wall_us - gpu_us,
+        "by": by,
+        "top_kernels": top,
+    }
 
 
 def _print_breakdown(label: str, b: dict[str, Any]) -> None:
@@ -420,6 +436,10 @@ def _print_breakdown(label: str, b: dict[str, Any]) -> None:
     for name, row in sorted(b["by"].items(), key=lambda kv: -kv[1]["us"]):
         share = 100 * row["us"] / max(b["gpu_us"], 1e-9)
         print(f"   {name:14s} {row['us']:9.1f} us {share:5.1f} %  {row['kernels']:6.1f} kernels")
+    print("   by kernel (µs a step, launches a step, µs a launch):")
+    for name, row in b["top_kernels"].items():
+        each = row["us"] / max(row["kernels"], 1e-9)
+        print(f"     {name:60s} {row['us']:8.1f} {row['kernels']:6.1f} {each:7.2f}")
 
 
 def _profile_shape(engine: Engine, shape: str, batches: list[int], context: int) -> dict[str, Any]:
