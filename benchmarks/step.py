@@ -25,8 +25,9 @@ default; on a machine without it, the `.tok/` that scripts/prepare-wheels writes
 vocabulary the grammar then works over.
 
 `--profile`: where eager steps spend their time (GPU time and kernels per category: GEMM,
-attention, KV store, norm/rope/activation, sampling; and the host time the GPU does not
-cover) for decode at the smallest and largest batch and for one lone prompt.
+attention, KV store, norm/rope/activation, sampling; the twelve costliest kernels by name;
+and the host time the GPU does not cover) for decode at the smallest and largest batch and
+for one lone prompt.
 """
 
 from __future__ import annotations
