@@ -1,11 +1,12 @@
 """The ingress: FastAPI under `serve.ingress`, speaking the OpenAI API.
 
 Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions, and vLLM's POST /tokenize and /detokenize. A request is authorized, parsed, templated and tokenized here
-(on CPU, so worker replicas never tokenize), checked against the model's context length,
-then handed to the Dispatcher, which batches and routes it to a worker replica. Any
-failure becomes an OpenAI error body with the matching status code; a streaming request
-waits for the worker to accept it before answering 200, so 429 and 400 stay statuses.
+POST /v1/chat/completions, and vLLM's POST /tokenize and /detokenize. A request is
+authorized, parsed, templated and tokenized here (on CPU, so worker replicas never
+tokenize), checked against the model's context length, then handed to the Dispatcher,
+which batches and routes it to a worker replica. Any failure becomes an OpenAI error body
+with the matching status code; a streaming request waits for the worker to accept it
+before answering 200, so 429 and 400 stay statuses.
 """
 
 from __future__ import annotations
@@ -396,12 +397,15 @@ class Ingress:
             return ClosingStreamingResponse(
                 body, gen.stream.close, media_type="text/event-stream", headers=headers
             )
+        scored = req.prompt_logprobs is not None  # each choice's prompt: n in a row per prompt
         collector = Collector(
-            len(stream.group.requests), params.logprobs is not None, tool_calls=calls, echo=echo
+            len(stream.group.requests),
+            params.logprobs is not None,
+            tool_calls=calls,
+            echo=echo,
+            scored_prompts=[p for p in prompts for _ in range(req.n)] if scored else None,
+            prompt_alternatives=req.prompt_logprobs or 0,
         )
-        if req.prompt_logprobs is not None:  # each choice's prompt: n in a row per prompt
-            collector.scored_prompts = [p for p in prompts for _ in range(req.n)]
-            collector.prompt_alternatives = req.prompt_logprobs
         try:
             async for deltas in gen.deltas():
                 for delta in deltas:

@@ -291,6 +291,14 @@ ChatMessage = Annotated[
 ]
 
 
+def shown_functions(tools: list[ToolParam] | None) -> list[Function]:
+    """The functions of `tools` as the chat template and the call grammar take them."""
+    return [
+        Function(t.function.name, t.function.description, t.function.parameters)
+        for t in tools or []
+    ]
+
+
 def template_messages(messages: list[ChatMessage], with_tools: bool) -> list[dict[str, Any]]:
     """The messages as chat templates take them: a past call's `arguments` parsed (most
     templates write them out as JSON themselves). `with_tools` False: calls and tool results
@@ -332,12 +340,7 @@ class ChatCompletionRequest(_Request):
     @property
     def functions(self) -> list[Function]:
         """The tools the model is shown (none with `tool_choice: none`)."""
-        if not self.tools or self.tool_choice == "none":
-            return []
-        return [
-            Function(t.function.name, t.function.description, t.function.parameters)
-            for t in self.tools
-        ]
+        return [] if self.tool_choice == "none" else shown_functions(self.tools)
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -527,10 +530,7 @@ class TokenizeRequest(BaseModel):
 
     @property
     def functions(self) -> list[Function]:
-        tools = self.tools or []
-        return [
-            Function(t.function.name, t.function.description, t.function.parameters) for t in tools
-        ]
+        return shown_functions(self.tools)
 
 
 class TokenizeResponse(BaseModel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -81,9 +82,9 @@ def completion_logprobs(
 
 
 def _best(top: dict[int, float], k: int) -> list[tuple[int, float]]:
-    """The k most likely of a token's scored alternatives (the engine may have scored more,
-    when two fields of one request asked for different counts)."""
-    return sorted(top.items(), key=lambda kv: -kv[1])[:k]
+    """The k most likely of a token's scored alternatives, which the engine keeps most likely
+    first (it may have scored more, when two fields of one request asked for different counts)."""
+    return list(itertools.islice(top.items(), k))
 
 
 def echo_logprobs(
