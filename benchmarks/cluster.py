@@ -40,7 +40,6 @@ import asyncio
 import json
 import multiprocessing
 import os
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -64,7 +63,7 @@ from benchmarks.stats import (
     tally,
 )
 from cluster.config import ClusterConfig
-from cluster.local_ray import ray_session
+from cluster.local_ray import free_port, ray_session
 from cluster.router import ReplicaView, RouteHint, _KnownKeys, rank_replicas
 
 APP = "kvray"
@@ -293,12 +292,6 @@ def _prefix_samples(args: argparse.Namespace, vocab: int, seed: int) -> list[Ben
 # -- Serve --------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def serve_session(config: ClusterConfig, args: argparse.Namespace) -> Iterator[tuple[int, str]]:
     """A Ray of this benchmark's own (`--ray-nodes`, `--ray-num-cpus`) set up for
@@ -313,7 +306,7 @@ def serve_session(config: ClusterConfig, args: argparse.Namespace) -> Iterator[t
     with ray_session(nodes=args.ray_nodes, num_cpus=args.ray_num_cpus, runtime_env=runtime_env,
                      include_dashboard=False, log_to_driver=False):  # fmt: skip
         try:
-            port = _free_port()
+            port = free_port()
             # a proxy on every Ray node; with --ray-nodes they share the port (SO_REUSEPORT)
             serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "EveryNode"})
             yield port, f"http://127.0.0.1:{port}"

@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from cluster.local_ray import free_port
 from cluster.protocol import Completion, CompletionChoice, Usage
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -105,17 +105,11 @@ def _serve(port: int, chunks_per_token: float, ready: Any) -> None:
     asyncio.run(main())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def running(procs: int, chunks_per_token: float) -> Iterator[str]:
     """`procs` stub processes on one free port of 127.0.0.1 for the block; its base URL."""
     context = multiprocessing.get_context("spawn")
-    port, started = _free_port(), []
+    port, started = free_port(), []
     try:
         for _ in range(procs):
             ready = context.Event()

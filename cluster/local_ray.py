@@ -11,12 +11,30 @@ the kernel spreads client connections over them.
 from __future__ import annotations
 
 import os
+import random
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 # per node when there are several: the default takes 30 % of RAM each
 OBJECT_STORE_BYTES = 2 * 1024**3
+
+# Above Ray's worker ports (10002-19999), below Serve's direct-ingress ports (30000+) and the
+# kernel's ephemeral range (32768+), where Ray's agents bind after we pick (52365 is one).
+FREE_PORTS = range(20000, 30000)
+
+
+def free_port() -> int:
+    """A port free now on 127.0.0.1 that no Ray or Serve process started later will take."""
+    for port in random.sample(FREE_PORTS, 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {FREE_PORTS}")
 
 
 @contextmanager

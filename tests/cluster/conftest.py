@@ -8,7 +8,6 @@ engine on the demo model with a small KV cache so CPU steps stay fast.
 
 from __future__ import annotations
 
-import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from cluster.app import (
     cluster_runtime_env,
 )
 from cluster.config import ClusterConfig
+from cluster.local_ray import free_port
 from cluster.router import RouteHint
 from cluster.transport import Accepted, decode_deltas, decode_first, encode_requests
 from worker.outputs import RequestDelta
@@ -43,12 +43,6 @@ ENGINE = {
     "max_seq_len": 512,
     "token_budget": 512,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

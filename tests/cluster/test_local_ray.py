@@ -13,6 +13,7 @@ import httpx
 import pytest
 import ray
 from ray import serve
+from ray._private.ray_constants import DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
 from ray.serve.schema import ProxyStatus
 
 from cluster.local_ray import (
@@ -98,6 +99,17 @@ def test_gpus_split_over_local_nodes():
     assert gpus_of_nodes(4, 2) == [[0], [1], [], []]  # two CPU-only nodes: proxies and ingress
     assert gpus_of_nodes(3, 8) == [[0, 1], [2, 3], [4, 5]]  # equal shares; GPUs 6, 7 unused
     assert gpus_of_nodes(2, 0) == [[], []]
+
+
+def test_free_ports_are_ones_ray_never_takes_after_we_pick():
+    """CI once lost the app's port to Ray's dashboard agent, started after the port was picked
+    (52365, its default); the kernel's ephemeral ports, which Ray's agents also bind, are out."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = {free_port() for _ in range(50)}
+    assert len(ports) > 1
+    for port in ports:
+        assert port != DEFAULT_DASHBOARD_AGENT_LISTEN_PORT and not low <= port <= high, port
+        assert not 10002 <= port <= 19999, port  # Ray's worker ports
 
 
 def test_local_nodes_cannot_join_an_address():

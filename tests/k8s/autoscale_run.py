@@ -30,7 +30,6 @@ import copy
 import json
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -42,6 +41,7 @@ from typing import Any
 
 import httpx
 
+from cluster.local_ray import free_port
 from tests.k8s.manifests import REPO, compose
 
 WORKER = "KvrayWorker"
@@ -126,12 +126,6 @@ def _merged(args: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 
 _SECTIONS = ("engine", "autoscaling", "advanced")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float = PHASE_TIMEOUT_S) -> bool:
