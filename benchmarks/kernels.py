@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import COPY_TBPS, write_result
-from worker.attention import cuda_ops, flash
+from worker.attention import cuda_ops, fa3, flash
 from worker.attention.kv_quant import dequantize, quantize_rows
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -455,8 +455,10 @@ def bench_store_kv() -> list[dict[str, Any]]:
     return rows
 
 
-def _prefill_case(name: str, seqs: list[tuple[int, int]]) -> dict[str, Any]:
-    """One ragged batch, seqs = [(q_len, kv_len)]: kvray at every tiling vs SDPA per sequence."""
+def _prefill_case(name: str, seqs: list[tuple[int, int]], with_fa3: bool) -> dict[str, Any]:
+    """One ragged batch, seqs = [(q_len, kv_len)]: kvray at every tiling, torch's
+    FlashAttention-2 and (`with_fa3`) FlashInfer's FA3 as the engine runs them, vs SDPA per
+    sequence."""
     batch = len(seqs)
     pages = [math.ceil(kv / PAGE) for _, kv in seqs]
     width = max(pages) * PAGE
@@ -502,6 +504,18 @@ def _prefill_case(name: str, seqs: list[tuple[int, int]]) -> dict[str, Any]:
         flash_us = graph_time_us(
             [partial(flash.prefill, q, k_cache, v_cache, plan, D**-0.5)], min_calls=8
         )
+    fa3_us, fa3_diff, fa3_error = None, None, None
+    if with_fa3 and fa3.available(DTYPE, D):  # over the cache in place, as `prefill_kernel: fa3`
+        try:
+            q_lens, kv_lens = [q for q, _ in seqs], [kv for _, kv in seqs]
+            runner, fa3_out = fa3.Fa3Prefill(q.device), torch.empty_like(q)
+            slots, _ = flash.context_slots(rt, rows_idx, lens, kv_lens)
+            runner.plan(slots, q_lens, kv_lens, HQ, HKV, D, DTYPE, D**-0.5)
+            fa3_us = graph_time_us([partial(runner.run, q, k_cache, v_cache, fa3_out)], min_calls=8)
+            kvray_call(0)()  # the reference: kvray's own kernel into `out`
+            fa3_diff = float((fa3_out.float() - out.float()).abs().max())
+        except Exception as exc:  # a FlashInfer failure must not lose the other figures
+            fa3_error = f"{type(exc).__name__}: {exc}"[:500]
     sdpa_calls: list[Callable[[], Any]] = []
     start = 0
     for b, (q_len, kv_len) in enumerate(seqs):  # SDPA on contiguous K/V, one call per sequence
@@ -532,6 +546,8 @@ def _prefill_case(name: str, seqs: list[tuple[int, int]]) -> dict[str, Any]:
             "variant_tflops": {v: flops / t / 1e6 for v, t in variants.items()},
             "sdpa_tflops": flops / sdpa / 1e6, "floor_us_at_790_tflops": flops / 790e12 * 1e6,
             "flash_us": flash_us, "flash_tflops": flops / flash_us / 1e6 if flash_us else None,
+            "fa3_us": fa3_us, "fa3_tflops": flops / fa3_us / 1e6 if fa3_us else None,
+            "fa3_max_abs_diff_vs_kvray": fa3_diff, "fa3_error": fa3_error,
             "engine_picks": "flash" if flash_us and flash.prefers_flash([q for q, _ in seqs]) else "kvray"}  # fmt: skip
 
 
@@ -558,11 +574,11 @@ def prefill_kernel_info() -> dict[str, Any]:
             for k, dt in dtypes.items() for d in (64, 128)}  # fmt: skip
 
 
-def bench_prefill() -> list[dict[str, Any]]:
+def bench_prefill(with_fa3: bool) -> list[dict[str, Any]]:
     """Ragged causal prefill over the paged cache vs SDPA on contiguous K/V (FLOP view)."""
     rows = []
     for name, seqs in prefill_cases():
-        rows.append(_prefill_case(name, seqs))
+        rows.append(_prefill_case(name, seqs, with_fa3))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -581,11 +597,16 @@ def load_flashinfer(mode: str) -> tuple[Any, str | None]:
 
 
 def warm_flashinfer() -> None:
-    """JIT-compile FlashInfer's paged decode kernels (tensor-core and CUDA-core paths) for
-    these shapes, so a later run only loads them (`scripts/gpu-check` runs this in the
-    background while the kvray kernels build and their tests run)."""
+    """JIT-compile FlashInfer's FA3 prefill and paged decode kernels (tensor-core and
+    CUDA-core paths) for these shapes, so a later run only loads them (`scripts/gpu-check`
+    runs this in the background while the kvray kernels build and their tests run)."""
     import flashinfer
 
+    t0 = time.time()
+    ready = fa3.available(DTYPE, D)
+    print(
+        f"flashinfer FA3 prefill: {'ready' if ready else 'unavailable'} in {time.time() - t0:.1f}s"
+    )
     batch, pages = 2, 4
     k = torch.randn(batch * pages, PAGE, HKV, D, device=DEV, dtype=DTYPE)
     q = torch.randn(batch, HQ, D, device=DEV, dtype=DTYPE)
@@ -630,13 +651,15 @@ def print_prefill_table(rows: list[dict[str, Any]]) -> None:
     variants = sorted(rows[0]["variant_tflops"], key=int) if rows else []
     head = " ".join(f"{'v' + v:>6}" for v in variants)
     print(
-        f"\n{'prefill case (TFLOP/s)':<34} {'kvray':>6} {head} {'FA2':>6} {'SDPA':>6}  engine picks"
+        f"\n{'prefill case (TFLOP/s)':<34} {'kvray':>6} {head} {'FA2':>6} {'FA3':>6} {'SDPA':>6}  engine picks"
     )
     for r in rows:
         cols = " ".join(f"{r['variant_tflops'][v]:6.1f}" for v in variants)
-        fa2 = f"{r['flash_tflops']:6.1f}" if r["flash_tflops"] else f"{'-':>6}"
+        fa2, fa3_ = (
+            f"{r[k]:6.1f}" if r.get(k) else f"{'-':>6}" for k in ("flash_tflops", "fa3_tflops")
+        )
         print(
-            f"{r['case']:<34} {r['kvray_tflops']:6.1f} {cols} {fa2} {r['sdpa_tflops']:6.1f}  {r['engine_picks']}"
+            f"{r['case']:<34} {r['kvray_tflops']:6.1f} {cols} {fa2} {fa3_} {r['sdpa_tflops']:6.1f}  {r['engine_picks']}"
         )
 
 
@@ -696,7 +719,7 @@ def run(args: argparse.Namespace) -> int:
     for name, fn in (
         ("decode", lambda: bench_decode(args, fi)),
         ("store_kv", bench_store_kv),
-        ("prefill", bench_prefill),
+        ("prefill", lambda: bench_prefill(with_fa3=fi is not None)),
         ("gemv", bench_gemv),
         ("mla", bench_mla),
     ):

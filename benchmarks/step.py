@@ -375,7 +375,7 @@ def _ttft_ms(engine: Engine, context: int) -> float:
 # kernel names carry cutlass types, so attention comes before GEMM).
 CATEGORIES = (
     ("attention", ("decode_split", "decode_head", "decode_combine", "prefill_kernel", "flash", "fmha",
-                   "mla_decode", "mla_combine")),
+                   "prefillwith", "vectorsparse", "mla_decode", "mla_combine")),
     ("gemm", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk")),
     ("kv store", ("store_kv",)),
     ("kv gather", ("index", "repeat_interleave", "cumsum")),

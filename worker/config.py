@@ -45,9 +45,9 @@ class EngineAdvanced(BaseModel):
     backend: Literal["auto", "torch", "cuda"] = Field(
         "auto", description="attention backend; auto = cuda on CUDA with paged cache, else torch"
     )
-    prefill_kernel: Literal["auto", "kvray", "flash"] = Field(
+    prefill_kernel: Literal["auto", "kvray", "flash", "fa3"] = Field(
         "auto",
-        description="CUDA prompt attention: kvray's kernel, torch's FlashAttention-2 over gathered K/V, or auto = per batch by shape (kvray's where FlashAttention-2 is missing)",
+        description="CUDA prompt attention: kvray's kernel, torch's FlashAttention-2 over gathered K/V, auto = per batch by shape (kvray's where FlashAttention-2 is missing), or fa3 = as auto with FlashInfer's FlashAttention-3 over the cache in place instead of FlashAttention-2 (needs flashinfer-python and an sm_90 GPU; not yet measured in the engine)",
     )
     cuda_graphs: bool = Field(True, description="capture decode CUDA graphs (CUDA backend only)")
     prompt_graph_tokens: int = Field(

@@ -401,13 +401,15 @@ def test_cuda_backend_matches_torch_backend_at_logits_level(graph_engine, shape_
         assert (ours - ref).abs().max().item() <= 2e-2 * scale
 
 
-@pytest.mark.parametrize("kernel", ["kvray", "flash"])
+@pytest.mark.parametrize("kernel", ["kvray", "flash", "fa3"])
 def test_each_prefill_kernel_matches_the_torch_backend(kernel, shape_dir):
     """Forced either way (auto picks per batch): whole prompts, then a chunk beside decodes."""
-    from worker.attention import flash
+    from worker.attention import fa3, flash
 
     if kernel == "flash" and not flash.available(torch.bfloat16, 64):
         pytest.skip("torch's FlashAttention-2 does not run here")
+    if kernel == "fa3" and not fa3.available(torch.bfloat16, 64):
+        pytest.skip("FlashInfer's FA3 prefill does not run here")
     ours_engine = _engine(shape_dir, cuda_graphs=False, max_running=8, prefill_kernel=kernel)
     torch_engine = _engine(shape_dir, backend="torch", cuda_graphs=False, max_running=8)
     prompts = random_prompts([3, 40, 17, 129, 64], vocab=49152, seed=11)

@@ -372,6 +372,33 @@ def test_flash_prefill_matches_reference(dtype, d, hq, hkv, page, seqs) -> None:
     check_close(out, ref_prefill(q, kv, qo, d**-0.5), dtype)
 
 
+@pytest.mark.parametrize(("dtype", "d", "hq", "hkv", "page", "seqs"), prefill_cases())
+def test_fa3_prefill_matches_reference(dtype, d, hq, hkv, page, seqs) -> None:
+    """FlashInfer's FA3 over the cache in place, each sequence's slots as pages of one token:
+    kvray's causal semantics (bottom-right), on strided q, into a given `out`."""
+    from worker.attention import fa3, flash
+
+    if not fa3.available(dtype, d):
+        pytest.skip("FlashInfer's FA3 prefill does not run here")
+    kv = make_paged([kv for _, kv in seqs], page, hkv, d, dtype)
+    for row, s in zip(kv.req_pool_indices.tolist(), kv.slots, strict=True):
+        kv.req_to_token[row, : s.numel()] = s.to(torch.int32)  # every position, as the engine's
+    q_lens, kv_lens = [q for q, _ in seqs], [k for _, k in seqs]
+    qo = [0]
+    for q_len in q_lens:
+        qo.append(qo[-1] + q_len)
+    qkv = torch.randn(qo[-1], hq + 2 * hkv, d, device=DEV).to(dtype)
+    q = qkv[:, :hq]  # strided rows, as from a fused projection
+    slots, _ = flash.context_slots(kv.req_to_token, kv.req_pool_indices, kv.seq_lens, kv_lens)
+    runner = fa3.Fa3Prefill(q.device)
+    out = torch.full((qo[-1], hq, d), float("nan"), device=DEV, dtype=dtype)
+    for _ in range(2):  # the second plan goes to the other wrapper
+        runner.plan(slots, q_lens, kv_lens, hq, hkv, d, dtype, d**-0.5)
+        runner.run(q, kv.k_cache, kv.v_cache, out)
+        torch.cuda.synchronize()
+        check_close(out, ref_prefill(q, kv, qo, d**-0.5), dtype)
+
+
 GEMV_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (4096, 6144), (14336, 4096),
                (264, 40), (4096, 1)]  # fmt: skip
 

@@ -1,5 +1,7 @@
 """CudaBackend: kvray's csrc kernels — fused KV store, split-KV paged decode, ragged prefill —
-and, for prompt chunks where it is faster, torch's FlashAttention-2 over gathered K/V (flash.py).
+and, for prompt chunks where it is faster, torch's FlashAttention-2 over gathered K/V (flash.py)
+or, when asked for (`prefill_kernel: fa3`), FlashInfer's FlashAttention-3 over the cache in
+place (fa3.py).
 
 Decode writes into the workspace's `decode_out` / `decode_o_part` / `decode_ml_part` and its
 launch grid depends on shapes only, so a decode step can be captured in a CUDA graph.
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.attention import cuda_ops, flash
+from worker.attention import cuda_ops, fa3, flash
 from worker.attention.base import AttentionBackend
 from worker.attention.kv_quant import dequantize_gather
 from worker.batch import ForwardBatch
@@ -32,15 +34,25 @@ class CudaBackend(AttentionBackend):
     ):
         cuda_ops.load()  # build (or load the cached build) now, not inside the first step
         self.scale = head_dim**-0.5
+        self.num_heads = num_heads
         self.ws = workspace
         # "kvray": always kvray's kernel; "flash": FlashAttention-2 wherever it runs; "auto":
-        # per batch, by `flash.prefers_flash`.
+        # per batch, by `flash.prefers_flash`; "fa3": as auto, with FlashInfer's FA3 for
+        # FlashAttention-2 (not with an FP8 cache, whose per-token scales FA3 lacks).
         self.prefill_kernel = prefill_kernel
-        if prefill_kernel == "flash" and not flash.available(workspace.decode_out.dtype, head_dim):
+        dtype = workspace.decode_out.dtype
+        if prefill_kernel == "flash" and not flash.available(dtype, head_dim):
             raise RuntimeError("prefill_kernel=flash: torch's FlashAttention-2 does not run here")
+        if prefill_kernel == "fa3" and not fa3.available(dtype, head_dim):
+            raise RuntimeError(
+                "prefill_kernel=fa3: FlashInfer's FA3 prefill does not run here "
+                "(it needs flashinfer-python and an sm_90 GPU)"
+            )
+        self._fa3 = fa3.Fa3Prefill(workspace.decode_out.device) if prefill_kernel == "fa3" else None
         self._batch: ForwardBatch | None = None
         self._plan: flash.GatherPlan | None = None  # the prompt rows' K/V, when gathered
         self._flash = False
+        self._fa3_planned = False  # this step's prompt rows go to FA3
         self._packed: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     def prepare(self, batch: ForwardBatch, view: CacheView) -> None:
@@ -51,6 +63,7 @@ class CudaBackend(AttentionBackend):
         # give each a 64-query tile per head that is almost all idle.
         self._num_leading_decodes = 0
         self._plan, self._flash, self._packed = None, False, None
+        self._fa3_planned = False
         if self._decode:
             return
         d = 0
@@ -60,6 +73,9 @@ class CudaBackend(AttentionBackend):
             d += 1
         self._num_leading_decodes = d
         self._rest_qo_indptr = batch.qo_indptr[d:] - d if d else batch.qo_indptr
+        if self._fa3 is not None and view.k_scale is None and flash.prefers_flash(batch.q_lens[d:]):
+            self._plan_fa3(batch, view, d)
+            return
         self._flash = self._wants_flash(batch.q_lens[d:], view)
         if self._flash or view.k_scale is not None:
             self._plan = flash.GatherPlan.build(
@@ -77,9 +93,22 @@ class CudaBackend(AttentionBackend):
             rows = torch.arange(table.shape[0], dtype=torch.int32, device=table.device)
             self._packed = table, rows, self._plan.max_k + 1
 
+    def _plan_fa3(self, batch: ForwardBatch, view: CacheView, d: int) -> None:
+        assert self._fa3 is not None
+        kv_lens = batch.seq_lens_host[d:]
+        slots, _ = flash.context_slots(
+            view.req_to_token, batch.req_pool_indices[d:], batch.seq_lens[d:], kv_lens
+        )
+        k_cache = view.k_cache[0]
+        self._fa3.plan(
+            slots, batch.q_lens[d:], kv_lens, self.num_heads, k_cache.shape[1], k_cache.shape[2],
+            k_cache.dtype, self.scale,
+        )  # fmt: skip
+        self._fa3_planned = True
+
     def _wants_flash(self, q_lens: list[int], view: CacheView) -> bool:
         mode = self.prefill_kernel
-        if mode == "kvray" or (mode == "auto" and not flash.prefers_flash(q_lens)):
+        if mode == "kvray" or (mode != "flash" and not flash.prefers_flash(q_lens)):
             return False
         dtype = self.ws.decode_out.dtype
         return flash.available(dtype, view.k_cache.shape[-1])
@@ -143,6 +172,16 @@ class CudaBackend(AttentionBackend):
     ) -> torch.Tensor:
         b, d, plan = self._batch, self._num_leading_decodes, self._plan
         assert b is not None
+        if self._fa3_planned:
+            assert self._fa3 is not None
+            k, v = view.k_cache[layer], view.v_cache[layer]
+            if d == 0:
+                return self._fa3.run(q, k, v, out)
+            if out is None:
+                out = torch.empty_like(q)
+            self._decode_rows(layer, q[:d], view, out[:d], b.req_pool_indices[:d], b.seq_lens[:d])
+            self._fa3.run(q[d:], k, v, out[d:])
+            return out
         if self._flash and plan is not None and d == 0 and out is None:
             return flash.attend(q, *self._gathered(layer, view, q.dtype), plan, self.scale)
         if out is None:

@@ -39,6 +39,23 @@ def prefers_flash(q_lens: list[int]) -> bool:
     return sum(q_lens) >= 64 * len(q_lens)
 
 
+def context_slots(
+    req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, kv_lens: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache slot of every token of each row's context (cached prefix and new tokens),
+    rows in order, as int32 (`req_to_token`'s type), and the rows' offsets in that list
+    (`[B+1]` int32); from device metadata and the host's lengths, without reading the device."""
+    device = seq_lens.device
+    total = sum(kv_lens)
+    cu_k = torch.zeros(len(kv_lens) + 1, dtype=torch.int32, device=device)
+    torch.cumsum(seq_lens, 0, out=cu_k[1:])
+    seq = torch.repeat_interleave(
+        torch.arange(len(kv_lens), device=device), seq_lens.long(), output_size=total
+    )
+    pos = torch.arange(total, device=device) - cu_k[seq]
+    return req_to_token[rows.long()[seq], pos], cu_k
+
+
 @dataclass(frozen=True, slots=True)
 class GatherPlan:
     """One step's packed K/V layout for the prompt rows: each sequence's whole context
@@ -60,16 +77,8 @@ class GatherPlan:
         kv_lens: list[int],
     ) -> GatherPlan:
         """From device metadata and the host's lengths, without reading the device."""
-        device = seq_lens.device
-        total = sum(kv_lens)
-        cu_k = torch.zeros(len(kv_lens) + 1, dtype=torch.int32, device=device)
-        torch.cumsum(seq_lens, 0, out=cu_k[1:])
-        seq = torch.repeat_interleave(
-            torch.arange(len(kv_lens), device=device), seq_lens.long(), output_size=total
-        )
-        pos = torch.arange(total, device=device) - cu_k[seq]
-        slots = req_to_token[rows.long()[seq], pos].long()
-        return GatherPlan(slots, cu_q, cu_k, max(q_lens), max(kv_lens))
+        slots, cu_k = context_slots(req_to_token, rows, seq_lens, kv_lens)
+        return GatherPlan(slots.long(), cu_q, cu_k, max(q_lens), max(kv_lens))
 
     def gather(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor

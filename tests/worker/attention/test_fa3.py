@@ -1,0 +1,62 @@
+"""The FA3 prefill path's glue to FlashInfer (CPU, a recording stand-in for flashinfer): the
+layout it plans (indptrs on the host, one token a page, causal), the wrappers used in turn,
+and the cache handed over in place. The kernels themselves are checked in tests/gpu."""
+
+import sys
+import types
+
+import torch
+
+from worker.attention import fa3
+
+
+class _Wrapper:
+    def __init__(self, workspace, layout, backend):
+        self.layout, self.backend, self.plans, self.runs = layout, backend, [], []
+
+    def plan(self, *args, **kwargs):
+        self.plans.append((args, kwargs))
+
+    def run(self, q, cache_kv, out=None):
+        self.runs.append((q, cache_kv, out))
+        return out
+
+
+def _runner(monkeypatch) -> fa3.Fa3Prefill:
+    fake = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_Wrapper)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    return fa3.Fa3Prefill(torch.device("cpu"))
+
+
+def test_plans_each_sequences_slots_as_one_token_pages(monkeypatch):
+    runner = _runner(monkeypatch)
+    first, second = runner._wrappers
+    assert (first.layout, first.backend) == ("NHD", "fa3") and first is not second
+    slots = torch.arange(12, dtype=torch.int32)
+    runner.plan(slots, [3, 5], [4, 8], 8, 2, 64, torch.bfloat16, 0.125)
+    (args, kwargs), = second.plans  # fmt: skip
+    qo, kv, indices, last, heads, kv_heads, head_dim, page = args
+    assert qo.tolist() == [0, 3, 8] and kv.tolist() == [0, 4, 12] and last.tolist() == [1, 1]
+    assert all(t.device.type == "cpu" and t.dtype == torch.int32 for t in (qo, kv, last))
+    assert indices is slots and (heads, kv_heads, head_dim, page) == (8, 2, 64, 1)
+    assert kwargs["causal"] and kwargs["sm_scale"] == 0.125
+    assert kwargs["q_data_type"] == kwargs["kv_data_type"] == torch.bfloat16
+
+    q, out = torch.zeros(8, 8, 64), torch.zeros(8, 8, 64)
+    k_cache, v_cache = torch.zeros(12, 2, 64), torch.zeros(12, 2, 64)
+    assert runner.run(q, k_cache, v_cache, out) is out
+    (_, (k, v), _), = second.runs  # fmt: skip
+    assert k.shape == (12, 1, 2, 64) and k.data_ptr() == k_cache.data_ptr()  # in place
+    assert v.shape == (12, 1, 2, 64) and v.data_ptr() == v_cache.data_ptr()
+
+    runner.plan(slots, [3, 5], [4, 8], 8, 2, 64, torch.bfloat16, 0.125)
+    runner.run(q, k_cache, v_cache, out)
+    assert len(first.plans) == len(first.runs) == 1  # the next step: the other wrapper
+
+
+def test_unavailable_without_a_hopper_gpu():
+    """kvray keeps its own kernels where FA3 cannot run: no CUDA here, so no FlashInfer
+    import or build is attempted."""
+    fa3.available.cache_clear()
+    assert not fa3.available(torch.bfloat16, 128)
+    assert not fa3.available(torch.float32, 128)

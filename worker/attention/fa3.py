@@ -1,0 +1,111 @@
+"""Prefill attention through FlashInfer's FlashAttention-3 kernels (Hopper: wgmma, TMA,
+warp-specialised pipelining), reading K/V in place in the paged cache.
+
+FlashInfer is optional (`pip install flashinfer-python`); without it, or off sm_90, the CUDA
+backend keeps its own kernels and torch's FlashAttention-2. The cache is handed over as
+pages of one token (`[n_slots, 1, Hkv, D]`) and each sequence's slots as its page list, so
+nothing is gathered: FlashInfer's FA3 path reads a page-size-1 cache token by token
+("vector-sparse") in any case. The first use JIT-compiles the kernels for this dtype and
+head size (minutes; cached on disk by FlashInfer afterwards).
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import cache
+from typing import Any
+
+import torch
+
+log = logging.getLogger("kvray.attention")
+
+_DTYPES = (torch.bfloat16, torch.float16)
+_HEAD_DIMS = (64, 128, 256)
+WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
+
+
+@cache
+def available(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether FlashInfer's FA3 prefill runs here for this dtype and head size: FlashInfer
+    imports, the GPU is sm_90, and one tiny call (which builds the kernels) succeeds."""
+    if dtype not in _DTYPES or head_dim not in _HEAD_DIMS or not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability() != (9, 0):
+        return False
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    try:
+        device = torch.device("cuda")
+        fa3 = Fa3Prefill(device)
+        cache_kv = torch.randn(8, 1, head_dim, dtype=dtype, device=device)
+        slots = torch.arange(8, dtype=torch.int32, device=device)
+        fa3.plan(slots, [4, 4], [4, 4], 2, 1, head_dim, dtype, head_dim**-0.5)
+        q = torch.randn(8, 2, head_dim, dtype=dtype, device=device)
+        fa3.run(q, cache_kv, cache_kv)
+        torch.cuda.synchronize()
+    except Exception as exc:  # a failed JIT build or launch: the other kernels serve
+        log.warning("FlashInfer's FA3 prefill does not run here: %s", exc)
+        return False
+    return True
+
+
+class Fa3Prefill:
+    """One planned prefill a step, run for every layer. Two FlashInfer wrappers are used in
+    turn: `plan` writes a wrapper's pinned buffer and queues its copy to the device, and with
+    overlapped scheduling the next step is planned before this one's copy has surely run."""
+
+    def __init__(self, device: torch.device):
+        import flashinfer
+
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._wrappers: list[Any] = [
+            flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa3")
+            for _ in range(2)
+        ]
+        self._turn = 0
+
+    def plan(
+        self,
+        slots: torch.Tensor,
+        q_lens: list[int],
+        kv_lens: list[int],
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        scale: float,
+    ) -> None:
+        """The step's layout: sequence i has q_lens[i] new tokens, the last of its kv_lens[i]
+        tokens, whose cache slots are `slots` (int32 on the device, sequences in order)."""
+        self._turn ^= 1
+        # the lengths on the host: FlashInfer plans from host copies, which these need no sync for
+        qo_indptr = torch.tensor([0, *q_lens]).cumsum(0, dtype=torch.int32)
+        kv_indptr = torch.tensor([0, *kv_lens]).cumsum(0, dtype=torch.int32)
+        self._wrappers[self._turn].plan(
+            qo_indptr,
+            kv_indptr,
+            slots,
+            torch.ones(len(kv_lens), dtype=torch.int32),  # every page holds one token
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            1,  # page size
+            causal=True,  # bottom-right aligned: query i sees keys up to kv_len - q_len + i
+            sm_scale=scale,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+        )
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of the planned rows' q `[T, Hq, D]` over one layer's cache `[n_slots,
+        Hkv, D]`, into `out` when given."""
+        cache_kv = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))
+        return self._wrappers[self._turn].run(q, cache_kv, out=out)
