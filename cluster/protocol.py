@@ -480,10 +480,10 @@ class ChatCompletionChunk(BaseModel):
 
 class PromptLogprob(BaseModel):
     """vLLM's: a prompt token's (or an alternative's) logprob, its rank among the vocabulary
-    where known (the alternatives, and the token when it is one of them), and its text."""
+    (1 = most likely), and its text."""
 
     logprob: float
-    rank: int | None
+    rank: int
     decoded_token: str
 
 

@@ -111,7 +111,7 @@ def prompt_logprobs(
 ) -> PromptLogprobs:
     """vLLM's `prompt_logprobs`: per prompt token (null for the first) its own logprob and its
     k most likely alternatives', keyed by token id, ranked 1..k; the token's own rank is
-    given when it is one of them (the engine keeps no full ranking)."""
+    among the whole vocabulary (1 + the tokens more likely), whether or not it is one of them."""
     out: PromptLogprobs = []
     for j, token_id in enumerate(prompt_ids):
         lp = scored[j] if scored is not None and j < len(scored) else None
@@ -124,9 +124,8 @@ def prompt_logprobs(
             str(tid): PromptLogprob(logprob=v, rank=ranks[tid], decoded_token=token_text(tid))
             for tid, v in best
         }
-        own = PromptLogprob(
-            logprob=lp.logprob, rank=ranks.get(token_id), decoded_token=token_text(token_id)
-        )
+        assert lp.rank is not None, "the engine ranks every prompt token it scores"
+        own = PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=token_text(token_id))
         out.append({str(token_id): own, **row})
     return out
 

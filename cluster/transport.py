@@ -94,13 +94,15 @@ def decode_first(frame: bytes) -> Accepted | Refused:
 def _pack_logprobs(logprobs: list[TokenLogprobs] | None) -> list[Any] | None:
     if logprobs is None:
         return None
-    return [[lp.token_id, lp.logprob, list(lp.top.items())] for lp in logprobs]
+    return [[lp.token_id, lp.logprob, list(lp.top.items()), lp.rank] for lp in logprobs]
 
 
 def _unpack_logprobs(rows: list[Any] | None) -> list[TokenLogprobs] | None:
     if rows is None:
         return None
-    return [TokenLogprobs(tid, lp, {int(k): v for k, v in top}) for tid, lp, top in rows]
+    return [
+        TokenLogprobs(tid, lp, {int(k): v for k, v in top}, rank) for tid, lp, top, rank in rows
+    ]
 
 
 def _pack_prompt_logprobs(scored: list[TokenLogprobs | None] | None) -> list[Any] | None:

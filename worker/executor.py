@@ -53,17 +53,18 @@ class PromptScores:
     spans: list[tuple[int, int, int, int]]  # (task index, first prompt index, count, top k)
     targets: list[int]  # the scored prompt tokens, spans in order
     chosen: torch.Tensor  # [T] float32: each scored token's logprob
+    ranks: torch.Tensor  # [T] int64: its rank in the vocabulary (1 + tokens more likely)
     top_ids: torch.Tensor | None  # [T, K] int64, the K = most top alternatives asked for
     top_logprobs: torch.Tensor | None  # [T, K] float32
 
     def read(self) -> list[tuple[int, int, list[TokenLogprobs]]]:
-        chosen = self.chosen.tolist()
+        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
         top_ids = self.top_ids.tolist() if self.top_ids is not None else None
         top_lp = self.top_logprobs.tolist() if self.top_logprobs is not None else None
         out, row = [], 0
         for task, first, count, k in self.spans:
             entries = [
-                _token_logprobs(self.targets[i], chosen[i], top_ids, top_lp, i, k)
+                _token_logprobs(self.targets[i], chosen[i], top_ids, top_lp, i, k, ranks[i])
                 for i in range(row, row + count)
             ]
             out.append((task, first, entries))
@@ -437,11 +438,13 @@ class Executor:
         # from host tensors without a blocking copy, which would wait for the forward
         idx = torch.tensor(rows, dtype=torch.long).to(hidden.device, non_blocking=True)
         tgt = torch.tensor(targets, dtype=torch.long).to(hidden.device, non_blocking=True)
-        chosen, top_ids, top_lp = [], [], []
+        chosen, ranks, top_ids, top_lp = [], [], [], []
         for lo in range(0, len(rows), _SCORE_SLICE):
             logits = self.model.compute_logits(hidden[idx[lo : lo + _SCORE_SLICE]]).float()
             lp = torch.log_softmax(logits, dim=-1)
-            chosen.append(lp.gather(1, tgt[lo : lo + _SCORE_SLICE, None]).view(-1))
+            own = lp.gather(1, tgt[lo : lo + _SCORE_SLICE, None])
+            chosen.append(own.view(-1))
+            ranks.append((lp > own).sum(-1) + 1)
             if k:
                 top = lp.topk(min(k, lp.shape[-1]), dim=-1)
                 top_ids.append(top.indices)
@@ -450,6 +453,7 @@ class Executor:
             spans,
             targets,
             torch.cat(chosen),
+            torch.cat(ranks),
             torch.cat(top_ids) if k else None,
             torch.cat(top_lp) if k else None,
         )
@@ -478,12 +482,13 @@ def _token_logprobs(
     top_logprobs: list[list[float]] | None,
     row: int,
     k: int,
+    rank: int | None = None,
 ) -> TokenLogprobs:
     """A token's logprob and the first k of its row's top alternatives (host lists)."""
     top = {}
     if k and top_ids is not None and top_logprobs is not None:
         top = dict(zip(top_ids[row][:k], top_logprobs[row][:k], strict=True))
-    return TokenLogprobs(token_id, logprob, top)
+    return TokenLogprobs(token_id, logprob, top, rank)
 
 
 _SCORE_SLICE = 512  # prompt tokens scored at once: float32 logits of 512 x 128k vocab = 256 MiB

@@ -15,6 +15,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
+    rank: int | None = None  # among the whole vocabulary, 1 = most likely (prompt tokens only)
 
 
 @dataclass(slots=True)

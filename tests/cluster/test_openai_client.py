@@ -228,12 +228,15 @@ def test_prompt_logprobs_as_vllm_returns_them(client: OpenAI, served: Served) ->
     for row, token_id, want in zip(rows[1:], ids[1:], echoed[1:], strict=True):
         own = row[str(token_id)]
         assert own["logprob"] == pytest.approx(want, abs=1e-3)
-        ranked = sorted((e["rank"], e["logprob"]) for e in row.values() if e["rank"] is not None)
-        assert [r for r, _ in ranked] == [1, 2] and ranked[0][1] >= ranked[1][1]
-        if own["rank"] is None:  # not among the top two: less likely than both
-            assert len(row) == 3 and own["logprob"] <= ranked[1][1]
-        else:
-            assert len(row) == 2 and ranked[own["rank"] - 1][1] == own["logprob"]
+        alternatives = sorted(
+            (e["rank"], e["logprob"]) for t, e in row.items() if t != str(token_id)
+        )
+        if own["rank"] > 2:  # not among the top two: less likely than both
+            assert [r for r, _ in alternatives] == [1, 2] and own["logprob"] <= alternatives[1][1]
+        else:  # one of them, at its own rank
+            ranked = sorted([*alternatives, (own["rank"], own["logprob"])])
+            assert len(row) == 2 and [r for r, _ in ranked] == [1, 2]
+            assert ranked[own["rank"] - 1][1] == own["logprob"] and ranked[0][1] >= ranked[1][1]
     chat = client.chat.completions.create(
         model="demo", messages=QUESTION, max_tokens=1, extra_body={"prompt_logprobs": 0}
     )

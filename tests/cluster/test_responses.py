@@ -13,15 +13,15 @@ def _text(token_id: int) -> str:
 
 
 # a three-token prompt [5, 6, 7]: the first is unscored; 6 is the most likely at its place,
-# 7 is not among the three alternatives the engine kept at its own
+# 7 is not among the three alternatives the engine kept at its own (it ranks 12th)
 SCORED = [
     None,
-    TokenLogprobs(6, -0.1, {6: -0.1, 9: -2.5, 8: -3.0}),
-    TokenLogprobs(7, -4.0, {1: -0.2, 2: -1.5, 3: -2.0}),
+    TokenLogprobs(6, -0.1, {6: -0.1, 9: -2.5, 8: -3.0}, rank=1),
+    TokenLogprobs(7, -4.0, {1: -0.2, 2: -1.5, 3: -2.0}, rank=12),
 ]
 
 
-def test_prompt_logprobs_rank_the_alternatives_and_the_token_among_them() -> None:
+def test_prompt_logprobs_rank_the_alternatives_and_the_token_in_the_vocabulary() -> None:
     got = prompt_logprobs(_text, [5, 6, 7], SCORED, k=2)
     assert got[0] is None
     assert got[1] == {
@@ -29,7 +29,7 @@ def test_prompt_logprobs_rank_the_alternatives_and_the_token_among_them() -> Non
         "9": PromptLogprob(logprob=-2.5, rank=2, decoded_token="<9>"),
     }
     assert got[2] == {
-        "7": PromptLogprob(logprob=-4.0, rank=None, decoded_token="<7>"),  # not in the top 2
+        "7": PromptLogprob(logprob=-4.0, rank=12, decoded_token="<7>"),  # not in the top 2
         "1": PromptLogprob(logprob=-0.2, rank=1, decoded_token="<1>"),
         "2": PromptLogprob(logprob=-1.5, rank=2, decoded_token="<2>"),
     }

@@ -47,7 +47,7 @@ def test_deltas_round_trip_with_logprobs() -> None:
             None,
             2,
             0,
-            prompt_logprobs=[None, TokenLogprobs(11, -1.5, {11: -1.5})],
+            prompt_logprobs=[None, TokenLogprobs(11, -1.5, {11: -1.5}, rank=1)],
         ),
     ]
     assert decode_deltas(encode_deltas(deltas)) == deltas

@@ -37,6 +37,8 @@ def _check(scored, prompt: list[int], ref: torch.Tensor) -> None:
         lp = scored[j]
         assert lp.token_id == prompt[j]
         assert lp.logprob == pytest.approx(ref[j - 1, prompt[j]].item(), abs=1e-4)
+        # the rank among the whole vocabulary, within the top alternatives or past them
+        assert lp.rank == 1 + int((ref[j - 1] > ref[j - 1, prompt[j]]).sum())
         want = ref[j - 1].topk(TOP)
         assert list(lp.top) == want.indices.tolist()
         assert list(lp.top.values()) == pytest.approx(want.values.tolist(), abs=1e-4)
