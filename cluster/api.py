@@ -116,6 +116,12 @@ class Ingress:
         app.add_api_route(
             "/v1/models", self.models, methods=["GET"], openapi_extra=_openapi_op("ModelList")
         )
+        app.add_api_route(  # `:path`: a model's name may hold slashes (`org/name`)
+            "/v1/models/{model:path}",
+            self.model,
+            methods=["GET"],
+            openapi_extra=_openapi_op("ModelCard"),
+        )
         app.add_api_route(
             "/v1/completions",
             self.completions,
@@ -174,12 +180,23 @@ class Ingress:
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        card = ModelCard(
+        return JSONResponse(ModelList(data=[await self._card()]).model_dump())
+
+    async def model(self, request: Request, model: str) -> Response:
+        """OpenAI's model retrieval (`client.models.retrieve`): the served model's card."""
+        self._authorize(request)
+        if model != self._config.model_name:
+            raise ApiError(
+                404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+            )
+        return JSONResponse((await self._card()).model_dump())
+
+    async def _card(self) -> ModelCard:
+        return ModelCard(
             id=self._config.model_name,
             created=self._created,
             max_model_len=await self._max_model_len(),
         )
-        return JSONResponse(ModelList(data=[card]).model_dump())
 
     async def tokenize(self, request: Request) -> Response:
         """Token ids of a prompt, or of chat messages as the chat route renders them."""

@@ -743,7 +743,7 @@ _UNKNOWN_PATHS = [
     "/v2/chat/completions",
     "/v1/embeddings",
     "/v1/images/generations",
-    "/v1/models/demo",
+    "/v1/model/demo",
     "/v1/engines/demo/completions",
     "/admin",
     "/docs",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from cluster.config import (
     ClusterConfig,
 )
@@ -48,6 +50,17 @@ def test_the_model_list_names_the_context_length_from_its_first_request(monkeypa
     assert [m["max_model_len"] for m in asyncio.run(listed(worker))] == [512, 512]
     assert worker.asked == 1
     assert [m["max_model_len"] for m in asyncio.run(listed(Worker(None)))] == [None, None]
+
+    async def retrieved(name: str) -> dict[str, object]:
+        ingress = ingress_class(ClusterConfig(), Worker({"max_seq_len": 512}))
+        body = await ingress.model(Request({"type": "http", "headers": []}), name)
+        return json.loads(bytes(body.body))
+
+    card = asyncio.run(retrieved(ClusterConfig().model_name))
+    assert card["id"] == ClusterConfig().model_name and card["max_model_len"] == 512
+    with pytest.raises(api.ApiError) as refused:
+        asyncio.run(retrieved("org/other"))
+    assert (refused.value.status, refused.value.code) == (404, "model_not_found")
 
 
 def test_a_responses_engine_requests_are_named_after_its_id() -> None:

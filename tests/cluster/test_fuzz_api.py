@@ -30,7 +30,7 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.cluster.conftest import Served
 
-MAX_EXAMPLES = 50  # per operation and run; seven operations
+MAX_EXAMPLES = 50  # per operation and run; eight operations
 FUZZ_SETTINGS = settings(
     max_examples=MAX_EXAMPLES,
     deadline=None,  # one request may wait on a busy 2-core engine; the client timeout bounds it
@@ -93,6 +93,8 @@ def narrowed(spec: dict[str, Any], model: str) -> dict[str, Any]:
     for name in ("messages", "tools"):
         tokenize["properties"].pop(name)
     tokenize["properties"]["model"] = {"type": "string", "enum": [model]}
+    for param in spec["paths"]["/v1/models/{model}"]["get"]["parameters"]:
+        param["schema"] = {"type": "string", "enum": [model]}
     tokenize["properties"]["prompt"] = {"type": "string", "maxLength": 100}
     tokenize["required"], tokenize["additionalProperties"] = ["model", "prompt"], False
     detokenize = schemas["DetokenizeRequest"]
@@ -107,6 +109,7 @@ OPERATIONS = [
     ("GET", "/health"),
     ("GET", "/metrics"),
     ("GET", "/v1/models"),
+    ("GET", "/v1/models/{model}"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
     ("POST", "/tokenize"),

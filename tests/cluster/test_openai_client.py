@@ -6,7 +6,7 @@ import functools
 import math
 
 import pytest
-from openai import OpenAI
+from openai import NotFoundError, OpenAI
 
 from tests.cluster.conftest import ENGINE, Served
 from worker.llm import LLM
@@ -29,6 +29,10 @@ def test_models_lists_the_served_model(client: OpenAI) -> None:
     models = client.models.list().data  # the module's first request: its length is asked for
     assert [m.id for m in models] == ["demo"]
     assert models[0].model_extra == {"max_model_len": ENGINE["max_seq_len"]}
+    assert client.models.retrieve("demo") == models[0]
+    with pytest.raises(NotFoundError, match="org/other-model") as missing:
+        client.models.retrieve("org/other-model")  # a name with a slash: one path parameter
+    assert missing.value.code == "model_not_found"
 
 
 def test_tokenize_counts_the_prompt_tokens_a_completion_is_billed(
