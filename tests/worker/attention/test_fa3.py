@@ -11,8 +11,11 @@ from worker.attention import fa3
 
 
 class _Wrapper:
+    made: list["_Wrapper"] = []
+
     def __init__(self, workspace, layout, backend):
         self.layout, self.backend, self.plans, self.runs = layout, backend, [], []
+        self.made.append(self)
 
     def plan(self, *args, **kwargs):
         self.plans.append((args, kwargs))
@@ -22,15 +25,12 @@ class _Wrapper:
         return out
 
 
-def _runner(monkeypatch) -> fa3.Fa3Prefill:
+def test_plans_each_sequences_slots_as_one_token_pages(monkeypatch):
     fake = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_Wrapper)
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    return fa3.Fa3Prefill(torch.device("cpu"))
-
-
-def test_plans_each_sequences_slots_as_one_token_pages(monkeypatch):
-    runner = _runner(monkeypatch)
-    first, second = runner._wrappers
+    _Wrapper.made.clear()
+    runner = fa3.Fa3Prefill(torch.device("cpu"))
+    first, second = _Wrapper.made
     assert (first.layout, first.backend) == ("NHD", "fa3") and first is not second
     slots = torch.arange(12, dtype=torch.int32)
     runner.plan(slots, [3, 5], [4, 8], 8, 2, 64, torch.bfloat16, 0.125)
