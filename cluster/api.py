@@ -35,6 +35,7 @@ from cluster.dispatch import CallError, Dispatcher, Group, in_own_context
 from cluster.errors import ApiError, from_call, from_validation
 from cluster.generation import ClosingStreamingResponse, Generation
 from cluster.metrics import CONTENT_TYPE, Metrics, rss_bytes
+from cluster.openai_responses import ResponsesRequest, ResponseWriter, error_event, renamed
 from cluster.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -72,7 +73,13 @@ _TEMPLATE_CHARS_PER_MESSAGE = 32  # what a chat template adds around each messag
 _INLINE_GRAMMAR_CHARS = 16_384  # longer grammars are checked in a thread
 
 ParsedRequest = ChatCompletionRequest | CompletionRequest
-Body = ChatCompletionRequest | CompletionRequest | TokenizeRequest | DetokenizeRequest
+Body = (
+    ChatCompletionRequest
+    | CompletionRequest
+    | ResponsesRequest
+    | TokenizeRequest
+    | DetokenizeRequest
+)
 
 
 @serve.ingress()
@@ -133,6 +140,12 @@ class Ingress:
             self.chat_completions,
             methods=["POST"],
             openapi_extra=_openapi_op("ChatCompletion", "ChatCompletionRequest"),
+        )
+        app.add_api_route(
+            "/v1/responses",
+            self.responses,
+            methods=["POST"],
+            openapi_extra=_openapi_op("ResponseObject", "ResponsesRequest"),
         )
         app.add_api_route(
             "/tokenize",
@@ -244,6 +257,64 @@ class Ingress:
         prompt = await self._tokenize(size, render, messages)
         return await self._generate(req, [list(prompt)], req.sampling_params(), arrival, chat=True)
 
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, as a chat request (cluster/openai_responses.py)."""
+        arrival = time.perf_counter()
+        body = await self._read(request, ResponsesRequest)
+        assert isinstance(body, ResponsesRequest)
+        refused = body.refused_field()
+        if refused:
+            message = f"'{refused}' is not supported by this server (it keeps no responses)"
+            raise ApiError(400, message, param=refused, code="unsupported")
+        try:
+            req = await self._checked(body.chat_request())
+            assert isinstance(req, ChatCompletionRequest)
+            render, size, messages = self._chat_render(req.messages, req.functions)
+            prompt = await self._tokenize(size, render, messages)
+            rid = new_id("resp")
+            gen, headers = await self._start(
+                rid, req, [prompt], req.sampling_params(), arrival, True
+            )
+        except ApiError as exc:
+            raise renamed(exc) from None
+        writer = ResponseWriter(rid, now(), body, req.parses_tool_calls)
+        if body.stream:
+            return ClosingStreamingResponse(
+                self._response_events(gen, writer),
+                gen.stream.close,
+                media_type="text/event-stream",
+                headers=headers,
+            )
+        try:
+            async for deltas in gen.deltas():
+                for delta in deltas:
+                    writer.add(delta)
+                    if delta.finish_reason:
+                        self._metrics.count_finished(delta.finish_reason)
+        except CallError as exc:
+            raise from_call(exc, self._limits.retry_after_s) from None
+        response = writer.response(usage=usage_of(gen))
+        return JSONResponse(response.model_dump(), headers=headers)
+
+    async def _response_events(self, gen: Generation, writer: ResponseWriter) -> AsyncIterator[str]:
+        try:
+            for event in writer.start():
+                yield event
+            async for deltas in gen.deltas():
+                for delta in deltas:
+                    if delta.finish_reason:
+                        self._metrics.count_finished(delta.finish_reason)
+                    for event in writer.add(delta):
+                        yield event
+            for event in writer.finish(usage_of(gen)):
+                yield event
+        except CallError as exc:
+            error = from_call(exc, self._limits.retry_after_s)
+            self._metrics.count_failed(error.status)
+            yield error_event(error)
+        finally:
+            gen.stream.close()
+
     async def completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
         req = await self._parse(request, CompletionRequest)
@@ -297,6 +368,10 @@ class Ingress:
         """Authorize, read the body under its size limit, validate it and apply the limits."""
         req = await self._read(request, model)
         assert isinstance(req, ChatCompletionRequest | CompletionRequest)
+        return await self._checked(req)
+
+    async def _checked(self, req: ParsedRequest) -> ParsedRequest:
+        """A valid request's refused fields, limits, sampling parameters and grammars."""
         refused = req.refused_field()
         if refused:
             raise ApiError(
@@ -371,33 +446,9 @@ class Ingress:
         chat: bool,
         echo: list[Echo] | None = None,
     ) -> Response:
-        if self._dispatcher.draining:
-            raise self._draining_error()
-        info = await self._engine_info()
-        for prompt in prompts:
-            self._check_length(prompt, params.max_tokens, info, chat)
-        limits.check_logit_bias(params, info.get("vocab_size", self._tokenizer.vocab_size))
         rid, model = new_id("chatcmpl" if chat else "cmpl"), self._config.model_name
-        group = self._group(rid, prompts, params, req.n, info)
-        stream = self._dispatcher.submit(group)
-        gen = Generation(
-            stream,
-            self._tokenizer,
-            params,
-            arrival,
-            self._metrics.observe_choice,
-            n=req.n,
-            on_engine_metrics=self._metrics.observe_engine,
-        )
-        try:
-            replica_id = await stream.accepted()
-        except CallError as exc:
-            stream.close()
-            raise from_call(exc, self._limits.retry_after_s) from None
-        except asyncio.CancelledError:  # the client left while the call was being routed
-            stream.close()
-            raise
-        headers = {REPLICA_HEADER: replica_id}
+        gen, headers = await self._start(rid, req, prompts, params, arrival, chat)
+        stream = gen.stream
         calls = req.parses_tool_calls
         if req.stream:
             writer = ChunkWriter(
@@ -433,6 +484,44 @@ class Ingress:
         build = collector.chat if chat else collector.completion
         response = build(rid, now(), model, usage_of(gen), self._token_text)
         return JSONResponse(response.model_dump(), headers=headers)
+
+    async def _start(
+        self,
+        rid: str,
+        req: ParsedRequest,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        arrival: float,
+        chat: bool,
+    ) -> tuple[Generation, dict[str, str]]:
+        """The response's requests checked against the engine, sent, and accepted by a
+        replica; their generation, and the headers that name the replica."""
+        if self._dispatcher.draining:
+            raise self._draining_error()
+        info = await self._engine_info()
+        for prompt in prompts:
+            self._check_length(prompt, params.max_tokens, info, chat)
+        limits.check_logit_bias(params, info.get("vocab_size", self._tokenizer.vocab_size))
+        group = self._group(rid, prompts, params, req.n, info)
+        stream = self._dispatcher.submit(group)
+        gen = Generation(
+            stream,
+            self._tokenizer,
+            params,
+            arrival,
+            self._metrics.observe_choice,
+            n=req.n,
+            on_engine_metrics=self._metrics.observe_engine,
+        )
+        try:
+            replica_id = await stream.accepted()
+        except CallError as exc:
+            stream.close()
+            raise from_call(exc, self._limits.retry_after_s) from None
+        except asyncio.CancelledError:  # the client left while the call was being routed
+            stream.close()
+            raise
+        return gen, {REPLICA_HEADER: replica_id}
 
     async def _sse(
         self, gen: Generation, writer: ChunkWriter, num_choices: int

@@ -595,6 +595,9 @@ def openapi_components() -> dict[str, Any]:
         (DetokenizeResponse, "serialization"),
         (ErrorResponse, "serialization"),
     ]
+    from cluster.openai_responses import ResponseObject, ResponsesRequest  # imports this module
+
+    models += [(ResponsesRequest, "validation"), (ResponseObject, "serialization")]
     _, top = models_json_schema(models, ref_template="#/components/schemas/{model}")
     return dict(top["$defs"])
 

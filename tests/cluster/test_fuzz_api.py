@@ -30,7 +30,7 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.cluster.conftest import Served
 
-MAX_EXAMPLES = 50  # per operation and run; eight operations
+MAX_EXAMPLES = 50  # per operation and run; nine operations
 FUZZ_SETTINGS = settings(
     max_examples=MAX_EXAMPLES,
     deadline=None,  # one request may wait on a busy 2-core engine; the client timeout bounds it
@@ -88,6 +88,16 @@ def narrowed(spec: dict[str, Any], model: str) -> dict[str, Any]:
         message["additionalProperties"] = False
     completion = schemas["CompletionRequest"]["properties"]
     completion["prompt"] = {"type": "string", "minLength": 1, "maxLength": 100}
+    responses = schemas["ResponsesRequest"]
+    props = responses["properties"]
+    props["model"] = {"type": "string", "enum": [model]}
+    props["input"] = {"type": "string", "maxLength": 100}
+    props["instructions"] = {"type": "string", "maxLength": 50}
+    props["max_output_tokens"] = {"type": "integer", "minimum": 1, "maximum": 4}
+    for name in ("tools", "tool_choice", "text"):  # compiled grammars: test_responses_api
+        props.pop(name)
+    responses["required"] = ["input", "max_output_tokens", "model"]
+    responses["additionalProperties"] = False  # extra fields are refused previous_response_id, ...
     # /tokenize takes a prompt or messages, not both (a rule the schema cannot say): prompts
     tokenize = schemas["TokenizeRequest"]
     for name in ("messages", "tools"):
@@ -112,6 +122,7 @@ OPERATIONS = [
     ("GET", "/v1/models/{model}"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/responses"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
 ]
