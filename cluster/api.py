@@ -39,6 +39,7 @@ from cluster.openai_responses import ResponsesRequest, ResponseWriter, error_eve
 from cluster.protocol import (
     ChatCompletionRequest,
     ChatMessage,
+    ChatTemplateFields,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -216,9 +217,11 @@ class Ingress:
         req = await self._read(request, TokenizeRequest)
         assert isinstance(req, TokenizeRequest)
         if req.messages is not None:
-            render, size, messages = self._chat_render(
-                req.messages, req.functions, req.add_generation_prompt
-            )
+            try:
+                req.check_rendering(req.messages)
+            except FieldError as exc:
+                raise ApiError(400, exc.message, param=exc.param, code="invalid_value") from None
+            render, size, messages = self._chat_render(req.messages, req.functions, req)
             tokens = await self._run_tokenizer(size, render, messages)
         else:
             assert req.prompt is not None
@@ -253,7 +256,7 @@ class Ingress:
         arrival = time.perf_counter()
         req = await self._parse(request, ChatCompletionRequest)
         assert isinstance(req, ChatCompletionRequest)
-        render, size, messages = self._chat_render(req.messages, req.functions)
+        render, size, messages = self._chat_render(req.messages, req.functions, req)
         prompt = await self._tokenize(size, render, messages)
         return await self._generate(req, [list(prompt)], req.sampling_params(), arrival, chat=True)
 
@@ -269,7 +272,7 @@ class Ingress:
         try:
             req = await self._checked(body.chat_request())
             assert isinstance(req, ChatCompletionRequest)
-            render, size, messages = self._chat_render(req.messages, req.functions)
+            render, size, messages = self._chat_render(req.messages, req.functions, req)
             prompt = await self._tokenize(size, render, messages)
             rid = new_id("resp")
             gen, headers = await self._start(
@@ -341,7 +344,7 @@ class Ingress:
         self,
         messages: list[ChatMessage],
         functions: list[tools.Function],
-        add_generation_prompt: bool = True,
+        template: ChatTemplateFields,
     ) -> tuple[Callable[[list[dict[str, Any]]], list[int]], int, list[dict[str, Any]]]:
         """How the chat template renders `messages` and the tools shown beside them: the
         tokenizing call, the characters it takes, and the messages to give it."""
@@ -352,8 +355,10 @@ class Ingress:
         size = sum(len(m["content"]) for m in rendered) + len(json.dumps(shown or []))
         render = functools.partial(
             self._tokenizer.apply_chat_template,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=template.add_generation_prompt,
             tools=shown,
+            continue_final_message=template.continue_final_message,
+            template_kwargs=template.chat_template_kwargs,
         )
         return render, size, rendered
 
@@ -384,6 +389,8 @@ class Ingress:
         await self._check_fan_out(req)
         req = limits.with_default_max_tokens(req, self._limits.max_tokens)
         try:  # what the protocol lets through must also make valid SamplingParams
+            if isinstance(req, ChatCompletionRequest):
+                req.check_rendering(req.messages)
             params = req.sampling_params()
         except ValidationError as exc:
             raise from_validation(exc) from None

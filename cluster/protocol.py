@@ -321,7 +321,25 @@ def template_messages(messages: list[ChatMessage], with_tools: bool) -> list[dic
     return out
 
 
-class ChatCompletionRequest(_Request):
+class ChatTemplateFields(BaseModel):
+    """How the chat template renders the messages (vLLM's extensions)."""
+
+    add_generation_prompt: bool = True  # end with the assistant's turn opened
+    continue_final_message: bool = False  # the last (assistant) message left open, continued
+    chat_template_kwargs: JsonObject | None = None  # more template variables (enable_thinking)
+
+    def check_rendering(self, messages: list[ChatMessage]) -> None:
+        if not self.continue_final_message:
+            return
+        if self.add_generation_prompt:
+            message = "continue_final_message needs add_generation_prompt: false"
+            raise FieldError(message, "continue_final_message")
+        if messages[-1].role != "assistant":
+            message = "continue_final_message needs the last message to be the assistant's"
+            raise FieldError(message, "continue_final_message")
+
+
+class ChatCompletionRequest(_Request, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
@@ -508,7 +526,7 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateFields):
     """vLLM's /tokenize body: a prompt as /v1/completions tokenizes it, or chat messages (and
     tools) as /v1/chat/completions renders them with the model's template."""
 
@@ -518,7 +536,6 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[ToolParam] | None = None
-    add_generation_prompt: bool = True  # messages: end with the assistant's turn opened
     add_special_tokens: bool = True  # prompt: the tokenizer's own (BOS), as completions adds
     return_token_strs: bool = False
 

@@ -21,6 +21,14 @@ _CONTEXT_TOKENS = 4  # tokens kept before new ones so decoders see word boundari
 _MAX_WINDOW = 64  # beyond this, a trailing U+FFFD is invalid output, not a char in progress
 
 
+# apply_chat_template's own arguments: template variables may not stand in for them
+_TEMPLATE_ARGUMENTS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
 class Tokenizer:
     """The HF fast tokenizer of a model directory plus the ids that end a generation."""
 
@@ -71,12 +79,24 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """Render messages (and `tools`, OpenAI's tool dicts) with the model's chat template."""
+        """Render messages (and `tools`, OpenAI's tool dicts) with the model's chat template;
+        `continue_final_message`: the last message left open, for the reply to go on with it;
+        `template_kwargs`: more variables for the template (e.g. Qwen 3's `enable_thinking`)."""
         if not self._hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use a plain prompt")
+        taken = sorted(set(template_kwargs or {}) & _TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}")
         text = self._hf.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
         )
         return str(text)
 
@@ -85,9 +105,13 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat; the template itself places any BOS, so none is added."""
-        text = self.chat_prompt_text(messages, add_generation_prompt, tools)
+        text = self.chat_prompt_text(
+            messages, add_generation_prompt, tools, continue_final_message, template_kwargs
+        )
         return self.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -81,6 +81,9 @@ def narrowed(spec: dict[str, Any], model: str) -> dict[str, Any]:
         }
     chat = schemas["ChatCompletionRequest"]["properties"]
     chat["max_completion_tokens"] = {"type": "integer", "minimum": 1, "maximum": 4}
+    # continuing needs the assistant's message last, a rule the schema cannot say
+    for name in ("continue_final_message", "chat_template_kwargs"):  # test_chat_template_*
+        chat.pop(name)
     chat["messages"]["maxItems"] = 2
     for role in ("System", "Developer", "User", "Assistant", "Tool"):
         message = schemas[f"{role}MessageParam"]

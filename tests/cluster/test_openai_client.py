@@ -6,7 +6,7 @@ import functools
 import math
 
 import pytest
-from openai import NotFoundError, OpenAI
+from openai import BadRequestError, NotFoundError, OpenAI
 
 from tests.cluster.conftest import ENGINE, Served
 from worker.llm import LLM
@@ -55,6 +55,49 @@ def test_tokenize_counts_the_prompt_tokens_a_completion_is_billed(
         httpx.post(f"{served.base_url}/tokenize", json={"model": "demo", "prompt": "x"}).status_code
         == 401
     )
+
+
+def test_chat_template_fields_continue_the_assistants_message(
+    client: OpenAI, served: Served
+) -> None:
+    """vLLM's continue_final_message: the reply goes on from a started assistant message
+    (the prompt is /tokenize's for the same fields); the fields that cannot go together, or
+    a template variable that would stand in for an argument, are 400s naming the field."""
+    import httpx
+
+    started = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    reply = client.chat.completions.create(
+        model="demo", messages=started, max_tokens=4, temperature=0, extra_body=fields
+    )
+    counted = httpx.post(
+        f"{served.base_url}/tokenize",
+        json={"model": "demo", "messages": started, **fields},
+        headers=served.headers(),
+        timeout=60,
+    ).json()
+    assert counted["count"] == reply.usage.prompt_tokens  # type: ignore[union-attr]
+    prompt = Tokenizer.from_dir(str(resolve_model_path("demo"))).decode(counted["tokens"])
+    assert prompt.endswith("assistant\nThe capital of France is")
+    assert not (reply.choices[0].message.content or "").startswith("The capital")
+    for extra, param in (
+        ({"continue_final_message": True}, "continue_final_message"),  # with the generation prompt
+        (
+            {"add_generation_prompt": False, "continue_final_message": True},
+            "continue_final_message",
+        ),
+    ):
+        messages = QUESTION if len(extra) == 2 else started
+        with pytest.raises(BadRequestError) as bad:
+            client.chat.completions.create(
+                model="demo", messages=messages, max_tokens=1, extra_body=extra
+            )
+        assert bad.value.body["param"] == param  # type: ignore[index]
+    with pytest.raises(BadRequestError, match="may not set tools"):
+        client.chat.completions.create(
+            model="demo", messages=QUESTION, max_tokens=1,
+            extra_body={"chat_template_kwargs": {"tools": []}},
+        )  # fmt: skip
 
 
 def test_greedy_chat_over_http_equals_llm_generate(client: OpenAI) -> None:

@@ -193,6 +193,28 @@ def test_chat_template_structure(tok: Tokenizer):
     assert closed.endswith("<|im_end|>\n") and "<|im_start|>assistant" not in closed
 
 
+def test_continue_final_message_leaves_the_assistants_turn_open(tok: Tokenizer):
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"},
+    ]
+    text = tok.chat_prompt_text(messages, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\nThe capital of France is")
+
+
+def test_template_kwargs_reach_the_template_but_not_its_arguments(tok: Tokenizer, tmp_path):
+    src = ensure_demo_model()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, tmp_path / name)
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}!{% endif %}"
+    (tmp_path / "chat_template.jinja").write_text(template)
+    custom, messages = Tokenizer.from_dir(tmp_path), [{"role": "user", "content": "hi"}]
+    assert custom.chat_prompt_text(messages) == "hi"
+    assert custom.chat_prompt_text(messages, template_kwargs={"shout": True}) == "hi!"
+    with pytest.raises(ValueError, match="may not set add_generation_prompt, tools"):
+        custom.chat_prompt_text(messages, template_kwargs={"tools": [], "add_generation_prompt": 1})
+
+
 def test_from_dir_missing_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         Tokenizer.from_dir(tmp_path / "nope")
