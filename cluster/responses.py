@@ -27,6 +27,7 @@ from cluster.protocol import (
     TopLogprob,
     Usage,
 )
+from cluster.reasoning import ReasoningParser, ReasoningParserName, split_reasoning
 from worker.outputs import TokenLogprobs
 
 TokenText = Callable[[int], str]
@@ -178,13 +179,15 @@ def _finish(reason: FinishReason | None, called: bool) -> FinishReason | None:
 
 @dataclass
 class Collector:
-    """Gathers every delta of a non-streaming request; with `tool_calls`, a chat reply's
-    text is split into content and calls."""
+    """Gathers every delta of a non-streaming request; a chat reply's text is split into
+    reasoning and answer with a `reasoning` parser, and its answer into content and calls
+    with `tool_calls`."""
 
     num_choices: int
     wants_logprobs: bool
     choices: dict[int, _Collected] = field(default_factory=dict)
     tool_calls: bool = False
+    reasoning: ReasoningParserName = "none"
     echo: list[Echo] | None = None  # each choice's prompt, for a completion with `echo`
     # `prompt_logprobs`: each choice's prompt ids and the alternatives to show
     scored_prompts: list[list[int]] | None = None
@@ -211,12 +214,14 @@ class Collector:
     ) -> ChatCompletion:
         choices = []
         for i, c in sorted(self.choices.items()):
-            content: str | None = "".join(c.text)
+            reasoning, content = split_reasoning("".join(c.text), self.reasoning)
+            answer: str | None = content
             calls: list[tools.ParsedCall] = []
             if self.tool_calls:
-                content, calls = tools.split_calls(content or "")
+                answer, calls = tools.split_calls(content)
             message = AssistantMessage(
-                content=content,
+                content=None if reasoning and not answer else answer,
+                reasoning_content=reasoning,
                 tool_calls=[
                     ToolCall(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
                     for t in calls
@@ -282,8 +287,10 @@ class ChunkWriter:
     include_usage: bool
     tool_calls: bool = False
     echo: list[Echo] | None = None  # each choice's prompt, before its first chunk's text
+    reasoning: ReasoningParserName = "none"  # a chat choice's thinking -> reasoning_content
     _offsets: dict[int, int] = field(default_factory=dict)
     _parsers: dict[int, tools.CallParser] = field(default_factory=dict)
+    _thinking: dict[int, ReasoningParser | None] = field(default_factory=dict)
 
     def start(self, num_choices: int) -> list[str]:
         """Chat streams open each choice with the assistant role."""
@@ -332,19 +339,23 @@ class ChunkWriter:
 
     def _chat_choice(self, d: ChoiceDelta) -> ChatChunkChoice:
         logprobs = chat_logprobs(self.token_text, d.logprobs)
+        reasoning, text = self._split_reasoning(d)
         if not self.tool_calls:
-            delta = DeltaMessage(content=d.text)
+            delta = DeltaMessage(
+                content=None if reasoning and not text else text, reasoning_content=reasoning
+            )
             return ChatChunkChoice(
                 index=d.index, delta=delta, logprobs=logprobs, finish_reason=d.finish_reason
             )
         parser = self._parsers.setdefault(d.index, tools.CallParser())
         before = len(parser.calls)
-        content, calls = parser.push(d.text)
+        content, calls = parser.push(text)
         if d.finish_reason is not None:
             more, last = parser.finish()
             content, calls = content + more, calls + last
         delta = DeltaMessage(
-            content=content,
+            content=None if reasoning and not content else content,
+            reasoning_content=reasoning,
             tool_calls=[
                 DeltaToolCall(
                     index=before + k,
@@ -358,6 +369,19 @@ class ChunkWriter:
         )
         finish = _finish(d.finish_reason, bool(parser.calls))
         return ChatChunkChoice(index=d.index, delta=delta, logprobs=logprobs, finish_reason=finish)
+
+    def _split_reasoning(self, d: ChoiceDelta) -> tuple[str | None, str]:
+        """A chat delta's reasoning (None when there is none) and answer text."""
+        if d.index not in self._thinking:
+            self._thinking[d.index] = ReasoningParser.of(self.reasoning)
+        parser = self._thinking[d.index]
+        if parser is None:
+            return None, d.text
+        reasoning, answer = parser.push(d.text)
+        if d.finish_reason is not None:
+            more, rest = parser.finish()
+            reasoning, answer = reasoning + more, answer + rest
+        return reasoning or None, answer
 
     def usage(self, usage: Usage) -> list[str]:
         if not self.include_usage:

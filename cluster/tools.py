@@ -160,7 +160,7 @@ class CallParser:
                 continue
             start = self._buffer.find(OPEN)
             if start < 0:
-                keep = _partial_suffix(self._buffer, OPEN)
+                keep = partial_suffix(self._buffer, OPEN)
                 content.append(self._buffer[: len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep :]
                 break
@@ -196,7 +196,7 @@ class CallParser:
         return out
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper start of `tag`."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:size]):
