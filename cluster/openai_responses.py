@@ -68,6 +68,14 @@ class FunctionCallOutputItem(BaseModel):
     output: str
 
 
+class ReasoningItem(BaseModel):
+    """Earlier thinking replayed with the output it came with: left out of the prompt, as
+    chat templates leave past thinking out."""
+
+    model_config = _STRICT
+    type: Literal["reasoning"]
+
+
 def _item_kind(value: Any) -> str:
     """An item without `type` is a message (`{"role": "user", "content": "..."}`)."""
     if isinstance(value, dict):
@@ -78,7 +86,8 @@ def _item_kind(value: Any) -> str:
 InputItem = Annotated[
     Annotated[InputMessage, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_kind),
 ]
 
@@ -205,7 +214,7 @@ class ResponsesRequest(BaseModel):
                     last.setdefault("tool_calls", []).append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            else:
+            elif isinstance(item, FunctionCallOutputItem):
                 messages.append(
                     {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
                 )

@@ -51,6 +51,7 @@ def test_instructions_and_items_become_the_chat_messages() -> None:
             {"type": "function_call", "call_id": "c2", "name": "get_weather",
              "arguments": '{"city": "Rome"}'},
             {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            {"type": "reasoning", "id": "rs_1", "summary": []},  # replayed output: left out
             {"type": "message", "role": "assistant",
              "content": [{"type": "output_text", "text": "It is sunny."}]},
         ],

@@ -103,11 +103,11 @@ def test_function_calling_round_trip(client: OpenAI) -> None:
     calls = [item for item in first.output if item.type == "function_call"]
     assert calls and all(c.name == "get_weather" for c in calls), first.output
     assert isinstance(json.loads(calls[0].arguments)["city"], str)
-    history = asked + [
-        {"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments}
+    # the first output replayed as it came (as agent SDKs do), then the calls' results
+    history = asked + [item.model_dump(exclude_none=True) for item in first.output] + [
+        {"type": "function_call_output", "call_id": c.call_id, "output": "Sunny, 21 C"}
         for c in calls
-    ] + [{"type": "function_call_output", "call_id": c.call_id, "output": "Sunny, 21 C"}
-         for c in calls]  # fmt: skip
+    ]  # fmt: skip
     second = client.responses.create(
         model="demo", input=history, tools=[WEATHER], tool_choice="none",  # type: ignore[arg-type]
         temperature=0, max_output_tokens=24,
