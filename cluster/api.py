@@ -35,7 +35,7 @@ from cluster.dispatch import CallError, Dispatcher, Group, in_own_context
 from cluster.errors import ApiError, from_call, from_validation
 from cluster.generation import ClosingStreamingResponse, Generation
 from cluster.metrics import CONTENT_TYPE, Metrics, rss_bytes
-from cluster.openai_responses import ResponsesRequest, ResponseWriter, error_event, renamed
+from cluster.openai_responses import ResponsesRequest, ResponseWriter, renamed
 from cluster.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -316,7 +316,7 @@ class Ingress:
         except CallError as exc:
             error = from_call(exc, self._limits.retry_after_s)
             self._metrics.count_failed(error.status)
-            yield error_event(error)
+            yield writer.error(error)
         finally:
             gen.stream.close()
 

@@ -449,6 +449,10 @@ class ResponseWriter:
         )
         return events
 
+    def error(self, error: ApiError) -> str:
+        """A failure after the stream began, as OpenAI's `error` event."""
+        return self._event("error", code=error.code, message=error.message, param=error.param)
+
     def _reason(self, text: str) -> list[str]:
         events = []
         if self._reasoning is None:
@@ -522,13 +526,6 @@ class ResponseWriter:
         self._seq += 1
         payload = {k: v.model_dump() if isinstance(v, BaseModel) else v for k, v in data.items()}
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def error_event(error: ApiError, sequence_number: int = 0) -> str:
-    """A failure after the stream began, as OpenAI's `error` event."""
-    data = {"type": "error", "sequence_number": sequence_number, "code": error.code,
-            "message": error.message, "param": error.param}  # fmt: skip
-    return f"event: error\ndata: {json.dumps(data)}\n\n"
 
 
 def _dump(value: BaseModel | str) -> Any:

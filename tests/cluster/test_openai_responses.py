@@ -158,6 +158,14 @@ def test_calls_become_function_call_items_after_the_text() -> None:
     assert json.loads(call.arguments) == {"city": "Paris"} and call.status == "completed"
 
 
+def test_a_failure_mid_stream_is_the_next_numbered_event() -> None:
+    writer = ResponseWriter("resp-4", 0, _request(), parses_calls=False)
+    writer.start()
+    (event,) = _events([writer.error(ApiError(503, "the worker died", code="unavailable"))])
+    assert event == {"type": "error", "sequence_number": 2, "code": "unavailable",
+                     "message": "the worker died", "param": None}  # fmt: skip
+
+
 def test_a_reply_cut_by_max_output_tokens_is_incomplete() -> None:
     writer = ResponseWriter("resp-3", 0, _request(max_output_tokens=2), parses_calls=False)
     writer.add(ChoiceDelta(0, "Hi there", [1, 2], None, finish_reason="length"))
