@@ -38,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
         "this starts on one node, when its binary is there)",
     )
     serve.add_argument(
+        "--reasoning-parser",
+        choices=["none", "qwen3", "deepseek_r1"],
+        help="a reasoning model's <think> block as reasoning_content (overrides the config)",
+    )
+    serve.add_argument(
         "--address",
         help="join this Ray cluster ('auto': the one on this machine) instead of starting a new one",
     )
@@ -103,6 +108,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
         "host": args.host,
         "port": args.port,
         "http_proxy": args.http_proxy,
+        "reasoning_parser": args.reasoning_parser,
     }
     data.update({k: v for k, v in overrides.items() if v is not None})
     return ClusterConfig.model_validate(data)

@@ -160,3 +160,16 @@ def test_api_keys_never_reach_a_printed_config_or_the_serve_banner() -> None:
     banner = _examples(config)
     assert "sekrit-123" not in banner and "$KVRAY_API_KEY" in banner
     assert 'api_key="unused"' in _examples(ClusterConfig())
+
+
+def test_serve_flags_override_the_yaml(tmp_path) -> None:
+    from cluster.cli import _parser, _serve_config
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text("reasoning_parser: qwen3\nport: 9000\n")
+    args = _parser().parse_args(["serve", "-c", str(path), "--reasoning-parser", "deepseek_r1"])
+    config = _serve_config(args)
+    assert (config.reasoning_parser, config.port) == ("deepseek_r1", 9000)
+    assert (
+        _serve_config(_parser().parse_args(["serve", "-c", str(path)])).reasoning_parser == "qwen3"
+    )
