@@ -80,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixed-steps", type=int, default=10, help="timed mixed steps a row")
     parser.add_argument("--profile", action="store_true", help="print step breakdowns too")
     parser.add_argument(
+        "--prefill-kernel",
+        choices=["auto", "kvray", "flash", "fa3"],
+        default="auto",
+        help="the engine's prompt attention (EngineConfig.advanced.prefill_kernel)",
+    )
+    parser.add_argument(
         "--constrained",
         type=float,
         default=0.0,
@@ -113,6 +119,7 @@ def make_engine(
     steps: int,
     extra_tokens: int = 0,
     tokenizer_from: str | None = None,
+    prefill_kernel: str = "auto",
 ) -> Engine:
     """An engine of random bf16 weights of `shape`, room for `max_running` requests of
     `context` + `steps` tokens and `extra_tokens` more (other prompts beside the batch);
@@ -130,7 +137,7 @@ def make_engine(
         max_seq_len=max(context, extra_tokens) + steps + 128,
         num_pages=pages,
         token_budget=8192,
-        advanced={"load_format": "random"},
+        advanced={"load_format": "random", "prefill_kernel": prefill_kernel},
     )
     return Engine(config)
 
@@ -193,7 +200,9 @@ def _set(engine: Engine, graphs: Graphs | None, overlap: bool) -> None:
 
 def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) -> None:
     tokenizer = args.tokenizer_from if args.constrained > 0 else None
-    engine = make_engine(shape, max(args.batches), args.context, args.steps, 0, tokenizer)
+    engine = make_engine(
+        shape, max(args.batches), args.context, args.steps, 0, tokenizer, args.prefill_kernel
+    )
     model = engine.executor.model
     kv_per_token = kv_bytes_per_token(engine.model_config, torch.bfloat16)  # MLA: latent rows
     graphs = _graphs(engine)
@@ -482,7 +491,12 @@ def _mixed_shape(args: argparse.Namespace, shape: str) -> list[dict[str, Any]]:
     steps = args.mixed_steps
     batches = args.mixed_batches
     engine = make_engine(
-        shape, max(batches) + 4, args.context, 64 * steps, extra_tokens=4 * max(args.prompts)
+        shape,
+        max(batches) + 4,
+        args.context,
+        64 * steps,
+        extra_tokens=4 * max(args.prompts),
+        prefill_kernel=args.prefill_kernel,
     )
     runner = engine.executor.prompt_graphs
     rows: list[dict[str, Any]] = []
