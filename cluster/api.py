@@ -33,7 +33,7 @@ from cluster import limits, tools
 from cluster.config import ClusterConfig
 from cluster.dispatch import CallError, Dispatcher, Group, in_own_context
 from cluster.errors import ApiError, from_call, from_validation
-from cluster.generation import ClosingStreamingResponse, Generation
+from cluster.generation import ChoiceDelta, ClosingStreamingResponse, Generation
 from cluster.metrics import CONTENT_TYPE, Metrics, rss_bytes
 from cluster.openai_responses import ResponsesRequest, ResponseWriter, renamed
 from cluster.protocol import (
@@ -48,6 +48,7 @@ from cluster.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    Usage,
     new_id,
     now,
     openapi_components,
@@ -284,41 +285,23 @@ class Ingress:
             rid, now(), body, req.parses_tool_calls, self._config.reasoning_parser
         )
         if body.stream:
+            events = self._sse(gen, writer.start(), writer.deltas, writer.finish, writer.error)
             return ClosingStreamingResponse(
-                self._response_events(gen, writer),
+                events,
                 gen.stream.close,
                 media_type="text/event-stream",
                 headers=headers,
             )
         try:
             async for deltas in gen.deltas():
+                writer.deltas(deltas)
                 for delta in deltas:
-                    writer.add(delta)
                     if delta.finish_reason:
                         self._metrics.count_finished(delta.finish_reason)
         except CallError as exc:
             raise from_call(exc, self._limits.retry_after_s) from None
         response = writer.response(usage=usage_of(gen))
         return JSONResponse(response.model_dump(), headers=headers)
-
-    async def _response_events(self, gen: Generation, writer: ResponseWriter) -> AsyncIterator[str]:
-        try:
-            for event in writer.start():
-                yield event
-            async for deltas in gen.deltas():
-                for delta in deltas:
-                    if delta.finish_reason:
-                        self._metrics.count_finished(delta.finish_reason)
-                    for event in writer.add(delta):
-                        yield event
-            for event in writer.finish(usage_of(gen)):
-                yield event
-        except CallError as exc:
-            error = from_call(exc, self._limits.retry_after_s)
-            self._metrics.count_failed(error.status)
-            yield writer.error(error)
-        finally:
-            gen.stream.close()
 
     async def completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
@@ -472,7 +455,10 @@ class Ingress:
                 echo=echo,
                 reasoning=reasoning,
             )
-            body = self._sse(gen, writer, len(stream.group.requests))
+            opening = writer.start(len(stream.group.requests))
+            body = self._sse(
+                gen, opening, writer.deltas, writer.usage, ApiError.sse, "data: [DONE]\n\n"
+            )
             return ClosingStreamingResponse(
                 body, gen.stream.close, media_type="text/event-stream", headers=headers
             )
@@ -536,26 +522,35 @@ class Ingress:
         return gen, {REPLICA_HEADER: replica_id}
 
     async def _sse(
-        self, gen: Generation, writer: ChunkWriter, num_choices: int
+        self,
+        gen: Generation,
+        opening: list[str],
+        each: Callable[[list[ChoiceDelta]], list[str]],
+        closing: Callable[[Usage], list[str]],
+        failure: Callable[[ApiError], str],
+        end: str = "",
     ) -> AsyncIterator[str]:
+        """A streamed response's events: `opening`, then `each` step's deltas, then `closing`
+        with the usage; a failure after the stream began is its `failure` event."""
         try:
-            for line in writer.start(num_choices):
+            for line in opening:
                 yield line
             async for deltas in gen.deltas():
                 for delta in deltas:
                     if delta.finish_reason:
                         self._metrics.count_finished(delta.finish_reason)
-                for line in writer.deltas(deltas):
+                for line in each(deltas):
                     yield line
-            for line in writer.usage(usage_of(gen)):
+            for line in closing(usage_of(gen)):
                 yield line
         except CallError as exc:
             error = from_call(exc, self._limits.retry_after_s)
             self._metrics.count_failed(error.status)
-            yield error.sse()
+            yield failure(error)
         finally:
             gen.stream.close()
-        yield "data: [DONE]\n\n"
+        if end:
+            yield end
 
     def _group(
         self,

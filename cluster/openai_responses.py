@@ -368,6 +368,9 @@ class ResponseWriter:
         return [self._event("response.created", response=started),
                 self._event("response.in_progress", response=started)]  # fmt: skip
 
+    def deltas(self, deltas: list[ChoiceDelta]) -> list[str]:
+        return [event for delta in deltas for event in self.add(delta)]
+
     def add(self, delta: ChoiceDelta) -> list[str]:
         events, text = [], delta.text
         if delta.finish_reason is not None:

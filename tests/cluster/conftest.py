@@ -256,4 +256,14 @@ def served(ray_harness: RayHarness) -> Served:
     return ray_harness.local_app()
 
 
+@pytest.fixture(scope="module")
+def client(served: Served) -> Any:
+    """The official `openai` client of the shared app."""
+    from openai import OpenAI
+
+    return OpenAI(
+        base_url=f"{served.base_url}/v1", api_key=served.api_key, max_retries=0, timeout=120
+    )
+
+
 __all__ = ["API_KEY", "ENGINE", "INGRESS_NAME", "WORKER_NAME", "Served", "RayHarness", "free_port"]

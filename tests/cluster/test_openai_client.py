@@ -18,13 +18,6 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = [{"role": "user", "content": "Write a short story about a robot learning to paint."}]
 
 
-@pytest.fixture(scope="module")
-def client(served: Served) -> OpenAI:
-    return OpenAI(
-        base_url=f"{served.base_url}/v1", api_key=served.api_key, max_retries=0, timeout=120
-    )
-
-
 def test_models_lists_the_served_model(client: OpenAI) -> None:
     models = client.models.list().data  # the module's first request: its length is asked for
     assert [m.id for m in models] == ["demo"]

@@ -12,8 +12,6 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
 
-from tests.cluster.conftest import Served
-
 INSTRUCTIONS = "Answer in one short sentence."
 QUESTION = "What is the capital of France?"
 WEATHER = {
@@ -32,13 +30,6 @@ WEATHER = {
 class Capital(BaseModel):
     country: str = Field(max_length=20)
     city: str = Field(max_length=20)
-
-
-@pytest.fixture(scope="module")
-def client(served: Served) -> OpenAI:
-    return OpenAI(
-        base_url=f"{served.base_url}/v1", api_key=served.api_key, max_retries=0, timeout=120
-    )
 
 
 def test_a_response_says_what_chat_says_streamed_or_not(client: OpenAI) -> None:

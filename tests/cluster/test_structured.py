@@ -43,13 +43,6 @@ class Capital(BaseModel):
     population_millions: int = Field(ge=0, le=50)
 
 
-@pytest.fixture(scope="module")
-def client(served: Served) -> OpenAI:
-    return OpenAI(
-        base_url=f"{served.base_url}/v1", api_key=served.api_key, max_retries=0, timeout=120
-    )
-
-
 def test_parse_with_a_pydantic_model(client: OpenAI) -> None:
     completion = client.chat.completions.parse(
         model="demo",

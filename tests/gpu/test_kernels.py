@@ -346,6 +346,20 @@ def test_bad_arguments_raise() -> None:
         )  # fmt: skip
 
 
+def _ragged_prompts(dtype, d, hq, hkv, page, seqs) -> tuple[Paged, torch.Tensor, list[int]]:
+    """A paged cache holding `seqs` ((q_len, kv_len) each) with every position in its
+    table, as the engine's, their queries as strided rows of a fused projection, and the
+    queries' offsets."""
+    kv = make_paged([kv for _, kv in seqs], page, hkv, d, dtype)
+    for row, s in zip(kv.req_pool_indices.tolist(), kv.slots, strict=True):
+        kv.req_to_token[row, : s.numel()] = s.to(torch.int32)
+    qo = [0]
+    for q_len, _ in seqs:
+        qo.append(qo[-1] + q_len)
+    qkv = torch.randn(qo[-1], hq + 2 * hkv, d, device=DEV).to(dtype)
+    return kv, qkv[:, :hq], qo
+
+
 @pytest.mark.parametrize(("dtype", "d", "hq", "hkv", "page", "seqs"), prefill_cases())
 def test_flash_prefill_matches_reference(dtype, d, hq, hkv, page, seqs) -> None:
     """torch's FlashAttention-2 over K/V gathered by a GatherPlan: the same causal
@@ -354,15 +368,8 @@ def test_flash_prefill_matches_reference(dtype, d, hq, hkv, page, seqs) -> None:
 
     if not flash.available(dtype, d):
         pytest.skip("torch's FlashAttention-2 does not run here")
-    kv = make_paged([kv for _, kv in seqs], page, hkv, d, dtype)
-    for row, s in zip(kv.req_pool_indices.tolist(), kv.slots, strict=True):
-        kv.req_to_token[row, : s.numel()] = s.to(torch.int32)  # every position, as the engine's
-    q_lens, kv_lens = [q for q, _ in seqs], [k for _, k in seqs]
-    qo = [0]
-    for q_len in q_lens:
-        qo.append(qo[-1] + q_len)
-    qkv = torch.randn(qo[-1], hq + 2 * hkv, d, device=DEV).to(dtype)
-    q = qkv[:, :hq]  # strided rows, as from a fused projection
+    kv, q, qo = _ragged_prompts(dtype, d, hq, hkv, page, seqs)
+    q_lens, kv_lens = [n for n, _ in seqs], [k for _, k in seqs]
     cu_q = torch.tensor(qo, dtype=torch.int32, device=DEV)
     plan = flash.GatherPlan.build(
         kv.req_to_token, kv.req_pool_indices, kv.seq_lens, cu_q, q_lens, kv_lens
@@ -380,15 +387,8 @@ def test_fa3_prefill_matches_reference(dtype, d, hq, hkv, page, seqs) -> None:
 
     if not fa3.available(dtype, d):
         pytest.skip("FlashInfer's FA3 prefill does not run here")
-    kv = make_paged([kv for _, kv in seqs], page, hkv, d, dtype)
-    for row, s in zip(kv.req_pool_indices.tolist(), kv.slots, strict=True):
-        kv.req_to_token[row, : s.numel()] = s.to(torch.int32)  # every position, as the engine's
-    q_lens, kv_lens = [q for q, _ in seqs], [k for _, k in seqs]
-    qo = [0]
-    for q_len in q_lens:
-        qo.append(qo[-1] + q_len)
-    qkv = torch.randn(qo[-1], hq + 2 * hkv, d, device=DEV).to(dtype)
-    q = qkv[:, :hq]  # strided rows, as from a fused projection
+    kv, q, qo = _ragged_prompts(dtype, d, hq, hkv, page, seqs)
+    q_lens, kv_lens = [n for n, _ in seqs], [k for _, k in seqs]
     slots, _ = flash.context_slots(kv.req_to_token, kv.req_pool_indices, kv.seq_lens, kv_lens)
     runner = fa3.Fa3Prefill(q.device)
     out = torch.full((qo[-1], hq, d), float("nan"), device=DEV, dtype=dtype)
