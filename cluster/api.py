@@ -54,6 +54,7 @@ from cluster.protocol import (
     openapi_components,
     template_messages,
 )
+from cluster.reasoning import ReasoningParserName
 from cluster.responses import ChunkWriter, Collector, Echo, usage_of
 from cluster.router import RouteHint
 from worker.guided import GuidedDecoding, check_guided
@@ -275,15 +276,12 @@ class Ingress:
             assert isinstance(req, ChatCompletionRequest)
             render, size, messages = self._chat_render(req.messages, req.functions, req)
             prompt = await self._tokenize(size, render, messages)
-            rid = new_id("resp")
-            gen, headers = await self._start(
-                rid, req, [prompt], req.sampling_params(), arrival, True
-            )
+            rid, params = new_id("resp"), req.sampling_params()
+            gen, headers = await self._start(rid, req, [prompt], params, arrival, True)
         except ApiError as exc:
             raise renamed(exc) from None
-        writer = ResponseWriter(
-            rid, now(), body, req.parses_tool_calls, self._config.reasoning_parser
-        )
+        reasoning = self._reasoning(True, params)
+        writer = ResponseWriter(rid, now(), body, req.parses_tool_calls, reasoning)
         if body.stream:
             events = self._sse(gen, writer.start(), writer.deltas, writer.finish, writer.error)
             return ClosingStreamingResponse(
@@ -442,7 +440,7 @@ class Ingress:
         gen, headers = await self._start(rid, req, prompts, params, arrival, chat)
         stream = gen.stream
         calls = req.parses_tool_calls
-        reasoning = self._config.reasoning_parser if chat else "none"
+        reasoning = self._reasoning(chat, params)
         if req.stream:
             writer = ChunkWriter(
                 rid,
@@ -551,6 +549,13 @@ class Ingress:
             gen.stream.close()
         if end:
             yield end
+
+    def _reasoning(self, chat: bool, params: SamplingParams) -> ReasoningParserName:
+        """The reasoning parser of a reply: chat's, unless a grammar shapes the whole reply
+        (structured output, a required or named tool), which then holds no thinking."""
+        if not chat or params.guided is not None:
+            return "none"
+        return self._config.reasoning_parser
 
     def _group(
         self,
