@@ -265,7 +265,10 @@ class Ingress:
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API, as a chat request (cluster/openai_responses.py)."""
         arrival = time.perf_counter()
-        body = await self._read(request, ResponsesRequest)
+        try:
+            body = await self._read(request, ResponsesRequest)
+        except ApiError as exc:
+            raise renamed(exc) from None
         assert isinstance(body, ResponsesRequest)
         refused = body.refused_field()
         if refused:

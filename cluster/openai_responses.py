@@ -17,9 +17,10 @@ tools other than functions and inputs other than text.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from cluster.errors import ApiError, from_validation
 from cluster.formats import NAME_PATTERN, JsonObject
@@ -76,19 +77,9 @@ class ReasoningItem(BaseModel):
     type: Literal["reasoning"]
 
 
-def _item_kind(value: Any) -> str:
-    """An item without `type` is a message (`{"role": "user", "content": "..."}`)."""
-    if isinstance(value, dict):
-        return str(value.get("type", "message"))
-    return str(getattr(value, "type", "message"))
-
-
 InputItem = Annotated[
-    Annotated[InputMessage, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[ReasoningItem, Tag("reasoning")],
-    Discriminator(_item_kind),
+    InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+    Field(discriminator="type"),
 ]
 
 
@@ -149,6 +140,19 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None  # taken; kvray keeps no responses
     metadata: dict[str, str] | None = None
     user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _typed_items(cls, value: Any) -> Any:
+        """An item without `type` is a message (`{"role": "user", "content": "..."}`)."""
+        if isinstance(value, list):
+            return [
+                {**item, "type": "message"}
+                if isinstance(item, dict) and "type" not in item
+                else item
+                for item in value
+            ]
+        return value
 
     def refused_field(self) -> str | None:
         """What needs a stored response or conversation, or a feature kvray lacks."""
@@ -228,6 +232,11 @@ def _response_format(fmt: TextFormatText | TextFormatJsonObject | TextFormatJson
     return {"type": fmt.type}
 
 
+# a union member's tag in a validation error's path: `input.0.function_call.call_id`
+_KIND_IN_PATH = re.compile(
+    r"^(input\.\d+|text\.format)\.(?:message|function_call|function_call_output|reasoning"
+    r"|text|json_object|json_schema)(?=\.|$)"
+)
 # chat's field paths -> this API's (a prefix each; the rest of the path is kept)
 _RENAMES = (
     ("messages", "input"),
@@ -241,11 +250,12 @@ _RENAMES = (
 
 def renamed(error: ApiError) -> ApiError:
     """`error` with its `param` as this API names the field (`tools.0.function.parameters`
-    is `tools.0.parameters`); its message too, where it starts with the param."""
+    is `tools.0.parameters`, an item's kind is no part of `input.0.call_id`); its message
+    too, where it starts with the param."""
     param = error.param
     if not param:
         return error
-    new = param
+    new = _KIND_IN_PATH.sub(r"\1", param)
     if new.startswith("tools."):
         parts = new.split(".")
         new = ".".join(p for i, p in enumerate(parts) if not (i == 2 and p == "function"))

@@ -19,6 +19,7 @@ COMPLETIONS = "/v1/completions"
 MODELS = "/v1/models"
 TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
+RESPONSES = "/v1/responses"
 ANY = "<any>"  # the error's param is not checked
 MIB = 1024 * 1024
 NO_HEADER = ""  # a header value that means: leave the header out
@@ -938,6 +939,62 @@ def tokenization(b: _Builder) -> None:
         b.add(f"{path[1:]}-array", b"[]", param=None, path=path)
 
 
+def responses_api(b: _Builder) -> None:
+    """OpenAI's Responses API: its own fields named in the error (not the chat request's it
+    becomes), items of the right kinds, and nothing that needs a stored response."""
+    model, ctx = b.t.model, b.t.max_seq_len
+    weather = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+
+    def body(**fields: Any) -> dict[str, Any]:
+        return {"model": model, "input": "Hi", "max_output_tokens": 2, **fields}
+
+    for name, sent, param in [
+        ("no-input", {"model": model}, "input"),
+        ("no-model", {"input": "Hi"}, "model"),
+        ("input=5", body(input=5), "input"),
+        ("input=[]", body(input=[]), "input"),
+        ("input-item-unknown-type", body(input=[{"type": "web_search_call"}]), "input.0.type"),
+        ("input-message-without-role", body(input=[{"type": "message", "content": "Hi"}]),
+         "input.0.role"),
+        ("input-message-role=tool", body(input=[{"role": "tool", "content": "Hi"}]),
+         "input.0.role"),
+        ("input-image-part", body(input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "http://x/y.png"}]}]), "input.0.content.0.type"),
+        ("function_call-without-call_id", body(input=[{"type": "function_call", "name": "f",
+                                                       "arguments": "{}"}]), "input.0.call_id"),
+        ("function_call_output-output=1", body(input=[{"type": "function_call_output",
+                                                       "call_id": "c", "output": 1}]), "input.0.output"),
+        ("max_output_tokens=0", body(max_output_tokens=0), "max_output_tokens"),
+        ("max_output_tokens='2'", body(max_output_tokens="2"), "max_output_tokens"),
+        ("max_output_tokens=context", body(max_output_tokens=ctx), "max_output_tokens"),
+        ("temperature=3", body(temperature=3), "temperature"),
+        ("top_p=0", body(top_p=0), "top_p"),
+        ("instructions=1", body(instructions=1), "instructions"),
+        ("tools-web_search", body(tools=[{"type": "web_search"}]), "tools.0.type"),
+        ("tools-bad-name", body(tools=[{**weather, "name": "a b"}]), "tools.0.name"),
+        ("tools-bad-parameters", body(tools=[{**weather, "parameters": {"type": "nope"}}]),
+         "tools.0.parameters"),
+        ("tool_choice-unknown", body(tools=[weather], tool_choice={"type": "function",
+                                                                   "name": "nope"}),
+         "tool_choice.name"),
+        ("tool_choice=required-without-tools", body(tool_choice="required"), "tool_choice"),
+        ("tool_choice='sometimes'", body(tool_choice="sometimes"), "tool_choice"),
+        ("text.format-unknown", body(text={"format": {"type": "yaml"}}), "text.format.type"),
+        ("text.format-schema-not-a-schema", body(text={"format": {
+            "type": "json_schema", "name": "x", "schema": {"type": "nope"}}}), "text.format.schema"),
+        ("previous_response_id", body(previous_response_id="resp_1"), "previous_response_id"),
+        ("conversation", body(conversation="conv_1"), "conversation"),
+        ("background", body(background=True), "background"),
+        ("include", body(include=["message.output_text.logprobs"]), "include"),
+        ("stream='yes'", body(stream="yes"), "stream"),
+    ]:  # fmt: skip
+        b.add(f"responses-{name}", sent, param=param, path=RESPONSES)
+    b.add("responses-unknown-model", body(model="nope"), 404, "model", path=RESPONSES)
+    b.add("responses-no-key", body(), 401, path=RESPONSES, headers={"Authorization": NO_HEADER})
+    b.add("responses-get", None, 405, path=RESPONSES, method="GET")
+    b.add("responses-array", b"[]", param=None, path=RESPONSES)
+
+
 FAMILIES: list[Callable[[_Builder], None]] = [
     bad_json,
     not_an_object,
@@ -965,6 +1022,7 @@ FAMILIES: list[Callable[[_Builder], None]] = [
     logprobs,
     deep_nesting,
     tokenization,
+    responses_api,
     unicode_edges,
 ]
 

@@ -37,7 +37,7 @@ def _error(**fields) -> ApiError:
     except FieldError as exc:  # as the ingress turns it into a 400, then names the field
         return renamed(ApiError(400, exc.message, exc.param))
     except ValidationError as exc:  # of the Responses body itself
-        return from_validation(exc)
+        return renamed(from_validation(exc))
     raise AssertionError("accepted")
 
 
@@ -92,7 +92,7 @@ def test_a_json_schema_format_constrains_the_output() -> None:
     [
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "url": "x"}]}]},
-         "input.0"),
+         "input.0.content.0.type"),
         ({"tools": [{"type": "web_search"}]}, "tools.0"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
          "tool_choice.name"),
