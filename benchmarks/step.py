@@ -24,6 +24,9 @@ the unconstrained one. The grammars need a tokenizer: `--tokenizer-from` (the de
 default; on a machine without it, the `.tok/` that scripts/prepare-wheels writes), whose
 vocabulary the grammar then works over.
 
+`--prefill-kernel`: the engine's prompt attention (`auto`, `kvray`, `flash`, or `fa3`,
+FlashInfer's FlashAttention-3), for the TTFT and mixed steps.
+
 `--profile`: where eager steps spend their time (GPU time and kernels per category: GEMM,
 attention, KV store, norm/rope/activation, sampling; the twelve costliest kernels by name;
 and the host time the GPU does not cover) for decode at the smallest and largest batch and
