@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.cluster.conftest import Served
 
@@ -31,23 +32,26 @@ def wait_idle(served: Served, timeout_s: float = 30.0) -> dict[str, Any]:
         time.sleep(0.1)
 
 
-def test_disconnect_mid_stream_aborts_and_frees_every_page(served: Served) -> None:
+STREAMS = {  # route -> a long streamed request, and what starts a line of its text
+    CHAT: ({"model": "demo", "messages": STORY, "max_tokens": 400, "ignore_eos": True,
+            "stream": True}, "data:"),
+    "/v1/responses": ({"model": "demo", "input": STORY[0]["content"], "max_output_tokens": 400,
+                       "stream": True}, "event: response.output_text.delta"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("route", sorted(STREAMS))
+def test_disconnect_mid_stream_aborts_and_frees_every_page(served: Served, route: str) -> None:
     before = wait_idle(served)
-    body = {
-        "model": "demo",
-        "messages": STORY,
-        "max_tokens": 400,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body, text_line = STREAMS[route]
     with httpx.stream(
-        "POST", f"{served.base_url}{CHAT}", json=body, headers=served.headers(), timeout=60
+        "POST", f"{served.base_url}{route}", json=body, headers=served.headers(), timeout=60
     ) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
         chunks: list[str] = []
         for line in lines:
-            if line.startswith("data:"):
+            if line.startswith(text_line):
                 chunks.append(line)
             if len(chunks) == 4:
                 break
