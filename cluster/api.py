@@ -35,7 +35,7 @@ from cluster.dispatch import CallError, Dispatcher, Group, in_own_context
 from cluster.errors import ApiError, from_call, from_validation
 from cluster.generation import ChoiceDelta, ClosingStreamingResponse, Generation
 from cluster.metrics import CONTENT_TYPE, Metrics, rss_bytes
-from cluster.openai_responses import ResponsesRequest, ResponseWriter, renamed
+from cluster.openai_responses import ResponsesRequest, ResponseWriter, item_id, renamed
 from cluster.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -279,7 +279,7 @@ class Ingress:
             assert isinstance(req, ChatCompletionRequest)
             render, size, messages = self._chat_render(req.messages, req.functions, req)
             prompt = await self._tokenize(size, render, messages)
-            rid, params = new_id("resp"), req.sampling_params()
+            rid, params = item_id("resp"), req.sampling_params()
             gen, headers = await self._start(rid, req, [prompt], params, arrival, True)
         except ApiError as exc:
             raise renamed(exc) from None

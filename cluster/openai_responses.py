@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -25,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cluster.errors import ApiError, from_validation
 from cluster.formats import NAME_PATTERN, JsonObject
 from cluster.generation import ChoiceDelta
-from cluster.protocol import ChatCompletionRequest, PositiveInt, Usage, new_id
+from cluster.protocol import ChatCompletionRequest, PositiveInt, Usage
 from cluster.reasoning import ReasoningParser, ReasoningParserName
 from cluster.tools import CallParser, ParsedCall
 
@@ -274,6 +275,11 @@ def renamed(error: ApiError) -> ApiError:
 # ---- the answer ------------------------------------------------------------------------
 
 
+def item_id(prefix: str) -> str:
+    """An id as OpenAI's Responses API writes them (`resp_...`, `msg_...`, `fc_...`)."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
 class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
@@ -440,15 +446,9 @@ class ResponseWriter:
         events = []
         if self._message is None:
             self._message = OutputMessage(
-                id=new_id("msg"), status="in_progress", content=[OutputText(text="")]
+                id=item_id("msg"), status="in_progress", content=[OutputText(text="")]
             )
-            self._items.append(self._message)
-            events += [
-                self._item_event("response.output_item.added", self._message),
-                self._event("response.content_part.added", item_id=self._message.id,
-                            output_index=len(self._items) - 1, content_index=0,
-                            part=OutputText(text="").model_dump()),
-            ]  # fmt: skip
+            events += self._open(self._message, OutputText(text=""))
         self._message.content[0].text += text
         events.append(
             self._event(
@@ -470,10 +470,9 @@ class ResponseWriter:
         events = []
         if self._reasoning is None:
             self._reasoning = OutputReasoning(
-                id=new_id("rs"), status="in_progress", content=[ReasoningText(text="")]
+                id=item_id("rs"), status="in_progress", content=[ReasoningText(text="")]
             )
-            self._items.append(self._reasoning)
-            events.append(self._item_event("response.output_item.added", self._reasoning))
+            events += self._open(self._reasoning, ReasoningText(text=""))
         self._reasoning.content[0].text += text
         events.append(
             self._event(
@@ -495,6 +494,8 @@ class ResponseWriter:
         return [
             self._event("response.reasoning_text.done", item_id=item.id, output_index=index,
                         content_index=0, text=item.content[0].text),
+            self._event("response.content_part.done", item_id=item.id, output_index=index,
+                        content_index=0, part=item.content[0].model_dump()),
             self._item_event("response.output_item.done", item),
         ]  # fmt: skip
 
@@ -516,7 +517,7 @@ class ResponseWriter:
 
     def _call(self, call: ParsedCall) -> list[str]:
         item = OutputFunctionCall(
-            id=new_id("fc"), call_id=call.id, name=call.name, arguments="", status="in_progress"
+            id=item_id("fc"), call_id=call.id, name=call.name, arguments="", status="in_progress"
         )
         self._items.append(item)
         index = len(self._items) - 1
@@ -529,6 +530,17 @@ class ResponseWriter:
             self._event("response.function_call_arguments.done", item_id=item.id,
                         output_index=index, arguments=call.arguments),
             self._item_event("response.output_item.done", item),
+        ]  # fmt: skip
+
+    def _open(self, item: OutputMessage | OutputReasoning, part: BaseModel) -> list[str]:
+        """An item added, still empty (as OpenAI adds one), then its one content part."""
+        self._items.append(item)
+        index = len(self._items) - 1
+        return [
+            self._event("response.output_item.added", output_index=index,
+                        item=item.model_dump() | {"content": []}),
+            self._event("response.content_part.added", item_id=item.id, output_index=index,
+                        content_index=0, part=part.model_dump()),
         ]  # fmt: skip
 
     def _item_event(self, kind: str, item: OutputItem) -> str:

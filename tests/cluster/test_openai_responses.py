@@ -136,6 +136,7 @@ def test_text_streams_as_one_message_item() -> None:
         "response.completed",
     ]  # fmt: skip
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[2]["item"]["content"] == []  # added empty; its part comes next, as OpenAI's
     assert "".join(e["delta"] for e in events if e["type"].endswith("text.delta")) == "Hello"
     done = events[-1]["response"]
     assert done["status"] == "completed" and done["usage"]["output_tokens"] == 4

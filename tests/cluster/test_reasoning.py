@@ -91,7 +91,9 @@ def test_responses_put_the_thinking_in_a_reasoning_item_first() -> None:
     lines = writer.add(ChoiceDelta(0, "<think>Add them.", [], None))
     lines += writer.add(ChoiceDelta(0, "</think>Four.", [], None, finish_reason="stop"))
     kinds = [json.loads(line.split("\n")[1][6:])["type"] for line in lines]
-    assert kinds[:2] == ["response.output_item.added", "response.reasoning_text.delta"]
+    assert kinds[:3] == [
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta"
+    ]  # fmt: skip
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
     reasoning, message = writer.response(usage=USAGE).output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == "Add them."

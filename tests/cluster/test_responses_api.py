@@ -72,6 +72,15 @@ def test_a_response_says_what_chat_says_streamed_or_not(client: OpenAI) -> None:
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == whole.output_text
     assert events[-1].response.output_text == whole.output_text  # type: ignore[union-attr]
+    assert whole.id.startswith("resp_") and whole.output[0].id.startswith("msg_")
+
+    with client.responses.stream(  # the client's helper builds its snapshot from the events
+        model="demo", instructions=INSTRUCTIONS, input=QUESTION, temperature=0,
+        max_output_tokens=16,
+    ) as stream:  # fmt: skip
+        texts = [e.snapshot for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert texts[-1] == whole.output_text == final.output_text
 
 
 def test_parse_with_a_pydantic_model(client: OpenAI) -> None:
