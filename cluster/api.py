@@ -1,12 +1,13 @@
 """The ingress: FastAPI under `serve.ingress`, speaking the OpenAI API.
 
-Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions, and vLLM's POST /tokenize and /detokenize. A request is
-authorized, parsed, templated and tokenized here (on CPU, so worker replicas never
-tokenize), checked against the model's context length, then handed to the Dispatcher,
-which batches and routes it to a worker replica. Any failure becomes an OpenAI error body
-with the matching status code; a streaming request waits for the worker to accept it
-before answering 200, so 429 and 400 stay statuses.
+Routes: GET /health, GET /metrics, GET /v1/models and /v1/models/{model}, POST
+/v1/completions, /v1/chat/completions and /v1/responses (OpenAI's Responses API, as a chat
+request), and vLLM's POST /tokenize and /detokenize. A request is authorized, parsed,
+templated and tokenized here (on CPU, so worker replicas never tokenize), checked against
+the model's context length, then handed to the Dispatcher, which batches and routes it to
+a worker replica. Any failure becomes an OpenAI error body with the matching status code;
+a streaming request waits for the worker to accept it before answering 200, so 429 and 400
+stay statuses.
 """
 
 from __future__ import annotations
@@ -123,45 +124,25 @@ class Ingress:
         app.add_exception_handler(Exception, self._on_unexpected_error)
         app.add_api_route("/health", self.health, methods=["GET"], openapi_extra=_HEALTH_OP)
         app.add_api_route("/metrics", self.metrics, methods=["GET"], openapi_extra=_METRICS_OP)
-        app.add_api_route(
-            "/v1/models", self.models, methods=["GET"], openapi_extra=_openapi_op("ModelList")
-        )
-        app.add_api_route(  # `:path`: a model's name may hold slashes (`org/name`)
-            "/v1/models/{model:path}",
-            self.model,
-            methods=["GET"],
-            openapi_extra=_openapi_op("ModelCard"),
-        )
-        app.add_api_route(
-            "/v1/completions",
-            self.completions,
-            methods=["POST"],
-            openapi_extra=_openapi_op("Completion", "CompletionRequest"),
-        )
-        app.add_api_route(
-            "/v1/chat/completions",
-            self.chat_completions,
-            methods=["POST"],
-            openapi_extra=_openapi_op("ChatCompletion", "ChatCompletionRequest"),
-        )
-        app.add_api_route(
-            "/v1/responses",
-            self.responses,
-            methods=["POST"],
-            openapi_extra=_openapi_op("ResponseObject", "ResponsesRequest"),
-        )
-        app.add_api_route(
-            "/tokenize",
-            self.tokenize,
-            methods=["POST"],
-            openapi_extra=_openapi_op("TokenizeResponse", "TokenizeRequest", streams=False),
-        )
-        app.add_api_route(
-            "/detokenize",
-            self.detokenize,
-            methods=["POST"],
-            openapi_extra=_openapi_op("DetokenizeResponse", "DetokenizeRequest", streams=False),
-        )
+        # path, handler, method, response schema, request schema (POST)
+        routes: list[tuple[str, Callable[..., Any], str, str, str | None]] = [
+            ("/v1/models", self.models, "GET", "ModelList", None),
+            # `:path`: a model's name may hold slashes (`org/name`)
+            ("/v1/models/{model:path}", self.model, "GET", "ModelCard", None),
+            ("/v1/completions", self.completions, "POST", "Completion", "CompletionRequest"),
+            ("/v1/chat/completions", self.chat_completions, "POST", "ChatCompletion",
+             "ChatCompletionRequest"),
+            ("/v1/responses", self.responses, "POST", "ResponseObject", "ResponsesRequest"),
+        ]  # fmt: skip
+        for path, handler, method, answer, body in routes:
+            op = _openapi_op(answer, body)
+            app.add_api_route(path, handler, methods=[method], openapi_extra=op)
+        for path, handler, answer, body in (
+            ("/tokenize", self.tokenize, "TokenizeResponse", "TokenizeRequest"),
+            ("/detokenize", self.detokenize, "DetokenizeResponse", "DetokenizeRequest"),
+        ):
+            op = _openapi_op(answer, body, streams=False)
+            app.add_api_route(path, handler, methods=["POST"], openapi_extra=op)
         app.openapi = lambda: self._openapi(app)  # type: ignore[method-assign]
         return app
 
@@ -222,7 +203,7 @@ class Ingress:
             try:
                 req.check_rendering(req.messages)
             except FieldError as exc:
-                raise ApiError(400, exc.message, param=exc.param, code="invalid_value") from None
+                raise _field_error(exc) from None
             render, size, messages = self._chat_render(req.messages, req.functions, req)
             tokens = await self._run_tokenizer(size, render, messages)
         else:
@@ -381,7 +362,7 @@ class Ingress:
         except ValidationError as exc:
             raise from_validation(exc) from None
         except FieldError as exc:
-            raise ApiError(400, exc.message, param=exc.param, code="invalid_value") from None
+            raise _field_error(exc) from None
         await self._check_grammars(req, params.guided)
         return req
 
@@ -748,6 +729,11 @@ _METRICS_OP = {
         }
     }
 }
+
+
+def _field_error(exc: FieldError) -> ApiError:
+    """A value the protocol let through that the request's other fields rule out."""
+    return ApiError(400, exc.message, param=exc.param, code="invalid_value")
 
 
 def _openapi_op(response: str, body: str | None = None, streams: bool = True) -> dict[str, Any]:

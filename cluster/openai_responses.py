@@ -448,19 +448,8 @@ class ResponseWriter:
             self._message = OutputMessage(
                 id=item_id("msg"), status="in_progress", content=[OutputText(text="")]
             )
-            events += self._open(self._message, OutputText(text=""))
-        self._message.content[0].text += text
-        events.append(
-            self._event(
-                "response.output_text.delta",
-                item_id=self._message.id,
-                output_index=len(self._items) - 1,
-                content_index=0,
-                delta=text,
-                logprobs=[],
-            )  # fmt: skip
-        )
-        return events
+            events = self._open(self._message, OutputText(text=""))
+        return [*events, self._grow(self._message, "response.output_text.delta", text, logprobs=[])]
 
     def error(self, error: ApiError) -> str:
         """A failure after the stream began, as OpenAI's `error` event."""
@@ -472,48 +461,41 @@ class ResponseWriter:
             self._reasoning = OutputReasoning(
                 id=item_id("rs"), status="in_progress", content=[ReasoningText(text="")]
             )
-            events += self._open(self._reasoning, ReasoningText(text=""))
-        self._reasoning.content[0].text += text
-        events.append(
-            self._event(
-                "response.reasoning_text.delta",
-                item_id=self._reasoning.id,
-                output_index=self._items.index(self._reasoning),
-                content_index=0,
-                delta=text,
-            )  # fmt: skip
-        )
-        return events
+            events = self._open(self._reasoning, ReasoningText(text=""))
+        return [*events, self._grow(self._reasoning, "response.reasoning_text.delta", text)]
 
     def _close_reasoning(self) -> list[str]:
         item, self._reasoning = self._reasoning, None
-        if item is None:
-            return []
-        item.status = "incomplete" if self._finish == "length" else "completed"
-        index = self._items.index(item)
-        return [
-            self._event("response.reasoning_text.done", item_id=item.id, output_index=index,
-                        content_index=0, text=item.content[0].text),
-            self._event("response.content_part.done", item_id=item.id, output_index=index,
-                        content_index=0, part=item.content[0].model_dump()),
-            self._item_event("response.output_item.done", item),
-        ]  # fmt: skip
+        return [] if item is None else self._done(item, "response.reasoning_text.done")
 
     def _close_message(self, before_call: bool = False) -> list[str]:
         message, self._message = self._message, None
         if message is None:
             return []
-        message.status = "incomplete" if self._finish == "length" else "completed"
-        index, part = self._items.index(message), message.content[0]
         if before_call:  # the line break before a call is no content (as chat's replies)
-            part.text = part.text.rstrip()
+            message.content[0].text = message.content[0].text.rstrip()
+        return self._done(message, "response.output_text.done", logprobs=[])
+
+    def _grow(
+        self, item: OutputMessage | OutputReasoning, kind: str, text: str, **more: Any
+    ) -> str:
+        """`text` added to the item's one part, and its delta event `kind`."""
+        item.content[0].text += text
+        index = self._items.index(item)
+        return self._event(
+            kind, item_id=item.id, output_index=index, content_index=0, delta=text, **more
+        )
+
+    def _done(self, item: OutputMessage | OutputReasoning, kind: str, **more: Any) -> list[str]:
+        """The item's part done (`kind` with its whole text), then the part, then the item."""
+        item.status = "incomplete" if self._finish == "length" else "completed"
+        index, part = self._items.index(item), item.content[0]
+        at = {"item_id": item.id, "output_index": index, "content_index": 0}
         return [
-            self._event("response.output_text.done", item_id=message.id, output_index=index,
-                        content_index=0, text=part.text, logprobs=[]),
-            self._event("response.content_part.done", item_id=message.id, output_index=index,
-                        content_index=0, part=part.model_dump()),
-            self._item_event("response.output_item.done", message),
-        ]  # fmt: skip
+            self._event(kind, **at, text=part.text, **more),
+            self._event("response.content_part.done", **at, part=part.model_dump()),
+            self._item_event("response.output_item.done", item),
+        ]
 
     def _call(self, call: ParsedCall) -> list[str]:
         item = OutputFunctionCall(
