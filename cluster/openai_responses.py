@@ -24,7 +24,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from cluster.errors import ApiError, from_validation
-from cluster.formats import NAME_PATTERN, JsonObject
+from cluster.formats import (
+    NAME_PATTERN,
+    JsonObject,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    TextFormat,
+)
 from cluster.generation import ChoiceDelta
 from cluster.protocol import ChatCompletionRequest, PositiveInt, Usage
 from cluster.reasoning import ReasoningParser, ReasoningParserName
@@ -85,6 +91,9 @@ InputItem = Annotated[
 
 
 class FunctionTool(BaseModel):
+    """A function tool as this API writes it: flat, where chat nests it under `function`
+    (`type` first, so a tool of another kind is named by its type)."""
+
     model_config = _STRICT
     type: Literal["function"]
     name: str = Field(pattern=NAME_PATTERN)
@@ -99,30 +108,17 @@ class FunctionToolChoice(BaseModel):
     name: str
 
 
-class TextFormatText(BaseModel):
-    model_config = _STRICT
-    type: Literal["text"]
+class TextFormatJsonSchema(JsonSchemaFormat):
+    """A JSON schema format as this API writes it: flat, where chat nests it."""
 
-
-class TextFormatJsonObject(BaseModel):
-    model_config = _STRICT
-    type: Literal["json_object"]
-
-
-class TextFormatJsonSchema(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
     type: Literal["json_schema"]
-    name: str = Field(pattern=NAME_PATTERN)
-    description: str | None = None
-    schema_: JsonObject | bool = Field(alias="schema")
-    strict: bool | None = None
 
 
 class TextConfig(BaseModel):
     model_config = _STRICT
     format: Annotated[
-        TextFormatText | TextFormatJsonObject | TextFormatJsonSchema, Field(discriminator="type")
-    ] = TextFormatText(type="text")
+        TextFormat | JsonObjectFormat | TextFormatJsonSchema, Field(discriminator="type")
+    ] = TextFormat(type="text")
 
 
 class ResponsesRequest(BaseModel):
@@ -226,7 +222,7 @@ class ResponsesRequest(BaseModel):
         return messages
 
 
-def _response_format(fmt: TextFormatText | TextFormatJsonObject | TextFormatJsonSchema) -> Any:
+def _response_format(fmt: TextFormat | JsonObjectFormat | TextFormatJsonSchema) -> Any:
     if isinstance(fmt, TextFormatJsonSchema):
         schema = fmt.model_dump(by_alias=True, exclude={"type"}, exclude_none=True)
         return {"type": "json_schema", "json_schema": schema}
