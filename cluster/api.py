@@ -55,7 +55,7 @@ from cluster.protocol import (
     openapi_components,
     template_messages,
 )
-from cluster.reasoning import ReasoningParserName
+from cluster.reasoning import thinking
 from cluster.responses import ChunkWriter, Collector, Echo, usage_of
 from cluster.router import RouteHint
 from worker.guided import GuidedDecoding, check_guided
@@ -241,7 +241,8 @@ class Ingress:
         assert isinstance(req, ChatCompletionRequest)
         render, size, messages = self._chat_render(req.messages, req.functions, req)
         prompt = await self._tokenize(size, render, messages)
-        return await self._generate(req, [list(prompt)], req.sampling_params(), arrival, chat=True)
+        params = thinking(req.sampling_params(), self._config.reasoning_parser)
+        return await self._generate(req, [list(prompt)], params, arrival, chat=True)
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API, as a chat request (cluster/openai_responses.py)."""
@@ -260,11 +261,12 @@ class Ingress:
             assert isinstance(req, ChatCompletionRequest)
             render, size, messages = self._chat_render(req.messages, req.functions, req)
             prompt = await self._tokenize(size, render, messages)
-            rid, params = item_id("resp"), req.sampling_params()
+            rid = item_id("resp")
+            params = thinking(req.sampling_params(), self._config.reasoning_parser)
             gen, headers = await self._start(rid, req, [prompt], params, arrival, True)
         except ApiError as exc:
             raise renamed(exc) from None
-        reasoning = self._reasoning(True, params)
+        reasoning = self._config.reasoning_parser
         writer = ResponseWriter(rid, now(), body, req.parses_tool_calls, reasoning)
         if body.stream:
             events = self._sse(gen, writer.start(), writer.deltas, writer.finish, writer.error)
@@ -424,7 +426,7 @@ class Ingress:
         gen, headers = await self._start(rid, req, prompts, params, arrival, chat)
         stream = gen.stream
         calls = req.parses_tool_calls
-        reasoning = self._reasoning(chat, params)
+        reasoning = self._config.reasoning_parser if chat else "none"
         if req.stream:
             writer = ChunkWriter(
                 rid,
@@ -533,13 +535,6 @@ class Ingress:
             gen.stream.close()
         if end:
             yield end
-
-    def _reasoning(self, chat: bool, params: SamplingParams) -> ReasoningParserName:
-        """The reasoning parser of a reply: chat's, unless a grammar shapes the whole reply
-        (structured output, a required or named tool), which then holds no thinking."""
-        if not chat or params.guided is not None:
-            return "none"
-        return self._config.reasoning_parser
 
     def _group(
         self,

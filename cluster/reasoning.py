@@ -10,6 +10,9 @@ Reasoning models write their thinking in a `<think> ... </think>` block before t
   dropped, and output that never closes the block is all thinking.
 The answer after `</think>` starts at its first non-blank character. Streams are split as
 they arrive: text that may be the start of a tag is held back until it is known.
+
+Structured output and required tools leave the block free: their grammar holds after it
+(`thinking`).
 """
 
 from __future__ import annotations
@@ -18,9 +21,25 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cluster.tools import partial_suffix
+from worker.guided import Thinking
+from worker.sampling import SamplingParams
 
 OPEN, CLOSE = "<think>", "</think>"
 ReasoningParserName = Literal["none", "qwen3", "deepseek_r1"]
+_THINKING: dict[ReasoningParserName, Thinking] = {
+    "none": "none",
+    "qwen3": "optional",
+    "deepseek_r1": "open",
+}
+
+
+def thinking(params: SamplingParams, name: ReasoningParserName) -> SamplingParams:
+    """A chat request's parameters with its grammar (if any) holding only after the
+    thinking block this parser reads."""
+    if params.guided is None or name == "none":
+        return params
+    guided = params.guided.model_copy(update={"thinking": _THINKING[name]})
+    return params.model_copy(update={"guided": guided})
 
 
 @dataclass

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 GuidedKind = Literal["json_object", "json_schema", "regex", "grammar"]
+Thinking = Literal["none", "optional", "open"]
 MAX_SPEC_CHARS = 262_144
 # Compact separators as json.dumps writes them, and no free whitespace: a small model that
 # may emit spaces or newlines at will can spend its whole budget on them.
@@ -34,6 +35,11 @@ class GuidedDecoding(BaseModel):
 
     kind: GuidedKind
     spec: str = Field("", max_length=MAX_SPEC_CHARS, description="schema JSON, regex or grammar")
+    thinking: Thinking = Field(
+        "none",
+        description="a reasoning model's <think> ... </think> block before the output: "
+        "'optional' (the model may open one first), 'open' (the prompt opened it)",
+    )
 
     @model_validator(mode="after")
     def _spec_matches_kind(self) -> GuidedDecoding:
@@ -63,6 +69,16 @@ class GuidedDecoding(BaseModel):
 
     def grammar_text(self) -> str:
         """llguidance's grammar for this spec; ValueError when the spec cannot be read."""
+        body = self._body_text()
+        if self.thinking == "none":
+            return body
+        lark = self.kind == "grammar"  # Lark text; the others are llguidance's JSON
+        grammars = [{"lark_grammar": body}] if lark else json.loads(body)["grammars"]
+        think = _THINK_OPTIONAL if self.thinking == "optional" else _THINK_OPEN
+        body_grammar = {**grammars[0], "name": "body"}
+        return json.dumps({"grammars": [{"lark_grammar": think}, body_grammar, *grammars[1:]]})
+
+    def _body_text(self) -> str:
         from llguidance import LLMatcher, grammar_from
 
         if self.kind == "regex":
@@ -81,22 +97,28 @@ class GuidedDecoding(BaseModel):
         return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
 
 
+# The thinking block ends at its first </think> (the complement rules out a second one);
+# up to 4 blanks may follow it, and then the output's own grammar (@body) holds.
+_THINK_END = r"<\/think>[ \n]{0,4}/ & ~/(?s:.*<\/think>.*<\/think>.*)/"
+_THINK_OPTIONAL = f"start: THINK? @body\nTHINK: /<think>(?s:.*){_THINK_END}\n"
+_THINK_OPEN = f"start: THINK @body\nTHINK: /(?s:.*){_THINK_END}\n"
+
 _CACHED_SPEC_CHARS = 16_384  # longer specs are checked every time: the memo stays small
 
 
 def check_guided(guided: GuidedDecoding) -> None:
     """Raise ValueError naming the problem when no engine could compile `guided`."""
     check = _memo_error if len(guided.spec) <= _CACHED_SPEC_CHARS else _grammar_error
-    error = check(guided.kind, guided.spec)
+    error = check(guided.kind, guided.spec, guided.thinking)
     if error:
         raise ValueError(error)
 
 
-def _grammar_error(kind: GuidedKind, spec: str) -> str:
+def _grammar_error(kind: GuidedKind, spec: str, thinking: Thinking = "none") -> str:
     from llguidance import LLMatcher
 
     try:
-        text = GuidedDecoding(kind=kind, spec=spec).grammar_text()
+        text = GuidedDecoding(kind=kind, spec=spec, thinking=thinking).grammar_text()
     except ValueError as exc:
         return str(exc)
     return LLMatcher.validate_grammar(text).strip()

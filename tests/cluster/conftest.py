@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import llguidance
+import llguidance.hf
 import pytest
 import ray
 from ray import serve
@@ -30,7 +32,10 @@ from cluster.config import ClusterConfig
 from cluster.local_ray import free_port
 from cluster.router import RouteHint
 from cluster.transport import Accepted, decode_deltas, decode_first, encode_requests
+from worker.guided import GuidedDecoding, check_guided
+from worker.model.demo import ensure_demo_model
 from worker.outputs import RequestDelta
+from worker.tokenizer import Tokenizer
 from worker.validation import EngineRequest
 
 API_KEY = "test-key"
@@ -267,3 +272,18 @@ def client(served: Served) -> Any:
 
 
 __all__ = ["API_KEY", "ENGINE", "INGRESS_NAME", "WORKER_NAME", "Served", "RayHarness", "free_port"]
+
+
+@pytest.fixture(scope="module")
+def accepts() -> Callable[[GuidedDecoding, str], bool]:
+    """Does a spec's grammar (checked as the ingress checks it) take a text whole, under the
+    demo model's tokenizer?"""
+    tokenizer = llguidance.hf.from_tokenizer(Tokenizer.from_dir(ensure_demo_model()).hf_tokenizer)
+
+    def accepts(guided: GuidedDecoding, text: str) -> bool:
+        check_guided(guided)
+        matcher = llguidance.LLMatcher(tokenizer, guided.grammar_text(), log_level=0)
+        ok = all(matcher.consume_token(t) for t in tokenizer.tokenize_str(text))
+        return ok and matcher.is_accepting()
+
+    return accepts

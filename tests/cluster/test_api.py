@@ -208,20 +208,3 @@ def test_tokenize_and_detokenize_refuse_what_they_cannot_answer(monkeypatch) -> 
         assert got == status, (body, answer)
         if param is not None:
             assert answer["error"]["param"] == param, (body, answer)
-
-
-def test_a_reply_shaped_by_a_grammar_holds_no_thinking_to_split() -> None:
-    """With a reasoning parser, chat replies are split, unless a grammar shapes the whole
-    reply (structured output, a required tool): under deepseek_r1 that reply would
-    otherwise all count as thinking, its block never closed. Completions never are."""
-    from types import SimpleNamespace
-
-    import cluster.api as api
-    from worker.guided import GuidedDecoding
-
-    ingress_class = api.Ingress.__mro__[1]
-    ingress = SimpleNamespace(_config=ClusterConfig(reasoning_parser="deepseek_r1"))
-    free, shaped = SamplingParams(), SamplingParams(guided=GuidedDecoding.any_object())
-    assert ingress_class._reasoning(ingress, True, free) == "deepseek_r1"
-    assert ingress_class._reasoning(ingress, True, shaped) == "none"
-    assert ingress_class._reasoning(ingress, False, free) == "none"

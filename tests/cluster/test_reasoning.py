@@ -1,6 +1,6 @@
 """Reasoning split from the answer without a server: the parser on whole texts and on
-streams cut anywhere, for both ways a think block opens, and the chat and Responses bodies
-built with it (beside tool calls)."""
+streams cut anywhere, for both ways a think block opens, the chat and Responses bodies
+built with it (beside tool calls), and grammars that hold after the thinking."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ import pytest
 from cluster.generation import ChoiceDelta
 from cluster.openai_responses import ResponsesRequest, ResponseWriter
 from cluster.protocol import Usage
-from cluster.reasoning import ReasoningParser, ReasoningParserName, split_reasoning
+from cluster.reasoning import ReasoningParser, ReasoningParserName, split_reasoning, thinking
 from cluster.responses import ChunkWriter, Collector
+from cluster.tools import Function, calls_grammar
+from worker.guided import GuidedDecoding
+from worker.sampling import SamplingParams
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 USAGE = Usage(prompt_tokens=5, completion_tokens=9, total_tokens=14)
@@ -98,3 +101,50 @@ def test_responses_put_the_thinking_in_a_reasoning_item_first() -> None:
     reasoning, message = writer.response(usage=USAGE).output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == "Add them."
     assert message.type == "message" and message.content[0].text == "Four."
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+SPECS = {
+    "schema": GuidedDecoding.from_schema(SCHEMA),
+    "regex": GuidedDecoding.from_regex("[0-9]+"),
+    "grammar": GuidedDecoding.from_grammar('start: "yes" | "no"'),
+    "tool": calls_grammar([Function(name="get_weather", parameters=None)], one_call=True),
+}
+ANSWERS = {
+    "schema": '{"a": 1}',
+    "regex": "42",
+    "grammar": "yes",
+    "tool": '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>',
+}
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_a_grammar_holds_after_the_thinking_block_its_parser_reads(accepts, kind) -> None:
+    """qwen3: a block may come first (or none: thinking off); deepseek_r1: the output starts
+    inside the block. Either way the block ends at its first </think>, and the answer after
+    it (a few blanks allowed) must match the grammar; without a parser, no block at all."""
+    answer = ANSWERS[kind]
+
+    def shaped(name: ReasoningParserName) -> GuidedDecoding:
+        guided = thinking(SamplingParams(guided=SPECS[kind]), name).guided
+        assert guided is not None
+        return guided
+
+    qwen3, r1, plain = shaped("qwen3"), shaped("deepseek_r1"), shaped("none")
+    block = "<think>\nFirst {the} facts.\n</think>\n\n"
+    assert accepts(qwen3, block + answer) and accepts(qwen3, answer)
+    assert not accepts(qwen3, "Just text. " + answer)
+    assert not accepts(qwen3, block + "Well, " + answer)
+    assert not accepts(qwen3, "<think>a</think> b </think>" + answer)  # one block only
+    assert accepts(r1, "I will answer.</think>\n" + answer)
+    assert not accepts(r1, answer)  # the block opened in the prompt must close
+    assert accepts(plain, answer) and not accepts(plain, block + answer)
+
+
+def test_only_chat_with_a_parser_and_a_grammar_gets_thinking_room() -> None:
+    guided = SamplingParams(guided=GuidedDecoding.any_object())
+    assert thinking(guided, "qwen3").guided.thinking == "optional"  # type: ignore[union-attr]
+    assert thinking(guided, "deepseek_r1").guided.thinking == "open"  # type: ignore[union-attr]
+    assert thinking(guided, "none") is guided
+    free = SamplingParams()
+    assert thinking(free, "qwen3") is free

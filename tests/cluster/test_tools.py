@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 
-import llguidance
-import llguidance.hf
 import pytest
 
 from cluster import tools
@@ -15,9 +13,6 @@ from cluster.generation import ChoiceDelta
 from cluster.protocol import ChatCompletionRequest, FieldError, Usage
 from cluster.responses import ChunkWriter, Collector
 from cluster.tools import CallParser, Function, split_calls
-from worker.guided import GuidedDecoding, check_guided
-from worker.model.demo import ensure_demo_model
-from worker.tokenizer import Tokenizer
 
 WEATHER = Function(
     "get_weather",
@@ -29,26 +24,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 REPLY = f"Let me look.\n{CALL}\n{CALL.replace('Paris', 'Rome')}\n"
 
 
-@pytest.fixture(scope="module")
-def grammar_tokenizer():
-    hf = Tokenizer.from_dir(ensure_demo_model()).hf_tokenizer
-    return llguidance.hf.from_tokenizer(hf)
-
-
-def _accepts(tokenizer, guided: GuidedDecoding, text: str) -> bool:
-    """Does the grammar take `text` whole?"""
-    check_guided(guided)
-    matcher = llguidance.LLMatcher(tokenizer, guided.grammar_text(), log_level=0)
-    ok = all(matcher.consume_token(t) for t in tokenizer.tokenize_str(text))
-    return ok and matcher.is_accepting()
-
-
-def test_the_grammar_of_a_required_choice_admits_only_calls_of_the_tools(
-    grammar_tokenizer,
-) -> None:
-    def accepts(guided: GuidedDecoding, text: str) -> bool:
-        return _accepts(grammar_tokenizer, guided, text)
-
+def test_the_grammar_of_a_required_choice_admits_only_calls_of_the_tools(accepts) -> None:
     several = tools.calls_grammar([WEATHER, TIME], one_call=False)
     time_call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     assert accepts(several, CALL)
