@@ -13,8 +13,11 @@ one layer's attention and the next (see PromptGraphRunner).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +62,10 @@ class DecodeGraphRunner:
         return next((b for b in self.buckets if b >= batch_size), None)
 
     def capture(self) -> None:
+        with _no_collection():
+            self._capture()
+
+    def _capture(self) -> None:
         start = time.perf_counter()
         pool = None
         for bs in tqdm(
@@ -219,6 +226,10 @@ class PromptGraphRunner:
         return next((b for b in self.buckets if b >= num_tokens), None)
 
     def capture(self) -> None:
+        with _no_collection():
+            self._capture()
+
+    def _capture(self) -> None:
         start, before = time.perf_counter(), torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
@@ -261,3 +272,18 @@ class PromptGraphRunner:
             self.backend.forward(layer, q[:n], k[:n], v[:n], self.cache, out)
         pieces.graphs[-1].replay()
         return pieces.hidden[:n]
+
+
+@contextmanager
+def _no_collection() -> Iterator[None]:
+    """Python's cycle collector off while graphs are captured (after one collection): a
+    CUDA graph it destroys mid-capture (an engine dropped earlier in this process) is an
+    operation a capture forbids, and fails that capture."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

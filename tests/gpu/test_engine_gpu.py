@@ -249,6 +249,15 @@ def test_launching_a_mixed_step_never_waits_for_the_device(
     back the previous step's tokens until this step has run: on the 8B shape, each chunk step
     that sampled nothing made the decode step before it ~12 ms instead of 5."""
     engine = request.getfixturevalue(engine_fixture)
+    _launch_behind_device_work(engine, chunk_ends_prompt)  # first launches load kernels
+    still_busy, pending, result = _launch_behind_device_work(engine, chunk_ends_prompt)
+    assert still_busy, f"launch waited for the device ({pending.launch_seconds * 1e3:.1f} ms)"
+    assert result.task_indices == ([0, 1, 2, 3] if chunk_ends_prompt else [0, 1, 2])
+
+
+def _launch_behind_device_work(engine: Engine, chunk_ends_prompt: bool):
+    """(was the device still busy when `launch` returned, the pending step, its result) for
+    three decodes and a prompt chunk launched behind ~100 ms of device work."""
     ex, cache = engine.executor, engine.executor.cache
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     reqs = [
@@ -275,8 +284,7 @@ def test_launching_a_mixed_step_never_waits_for_the_device(
     for r in [*reqs, new]:
         cache.release(r)
     cache.invalidate_bind()
-    assert still_busy, f"launch waited for the device ({pending.launch_seconds * 1e3:.1f} ms)"
-    assert result.task_indices == ([0, 1, 2, 3] if chunk_ends_prompt else [0, 1, 2])
+    return still_busy, pending, result
 
 
 def _step_logits(engine: Engine, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -572,6 +580,7 @@ def test_fp8_steady_decode_allocates_nothing(fp8_graph_engine):
 @pytest.mark.xfail(
     reason="engine logits 2.3 % off the torch path against a 2 % bound (H200, 2026-12-03); the two round differently (the torch backend rounds dequantized K/V to bf16, the kernel rounds P; tests/gpu/test_kernels_fp8.py), and the bound was set for a bf16 cache both read exactly (#38)",
     strict=False,
+    raises=AssertionError,  # any other error (a failed capture) is a failure
 )
 @pytest.mark.parametrize("prompt_graph_tokens", [0, 2048])
 def test_fp8_cuda_backend_matches_the_torch_backend(shape_dir, prompt_graph_tokens):

@@ -1,6 +1,9 @@
-"""Graph bucket sizes (CPU); capture and replay run on the GPU (tests/gpu)."""
+"""Graph bucket sizes and the capture's collector guard (CPU); capture and replay run on
+the GPU (tests/gpu)."""
 
-from worker.graphs import prompt_graph_buckets
+import gc
+
+from worker.graphs import _no_collection, prompt_graph_buckets
 
 
 def test_prompt_graph_buckets_cover_every_step_size_with_bounded_padding():
@@ -12,3 +15,22 @@ def test_prompt_graph_buckets_cover_every_step_size_with_bounded_padding():
         bucket = next(b for b in buckets if b >= tokens)
         assert bucket - tokens < (32 if tokens <= 512 else 128)
     assert prompt_graph_buckets(100)[-1] == 100 and prompt_graph_buckets(5) == [5]
+
+
+def test_captures_run_with_the_cycle_collector_off_after_one_collection():
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    assert gc.isenabled()
+    Cycle()  # garbage only the collector frees, as a dropped engine's graphs are
+    with _no_collection():
+        assert not gc.isenabled() and not any(isinstance(o, Cycle) for o in gc.get_objects())
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _no_collection():
+            pass
+        assert not gc.isenabled()  # a caller's own setting is kept
+    finally:
+        gc.enable()
