@@ -11,7 +11,9 @@
 //    so the block reads adjacent head slices of the same token rows together.
 // Variant 0 picks head-major once the batch alone gives every SM a block, token-split
 // below that. With one split the block writes the output directly; otherwise it writes
-// a normalized partial plus (max, sum) and a combine kernel merges the active splits.
+// a normalized partial plus (max, sum) and the active splits are merged: by a combine
+// kernel, or, given zeroed counters, by whichever split of a (request, head unit)
+// finishes last (one launch fewer a layer; the counter is left at zero for the next).
 //
 // The grid depends only on shapes (batch, heads, the split count chosen from the batch
 // size), never on live sequence lengths, so launches can be captured in CUDA graphs;
@@ -418,6 +420,55 @@ __device__ void write_zeros(const DecodeParams& p, int b, int head0, int n_rows,
     store_row4<T, D>(p, b, head0 + it / (D / 4), (it % (D / 4)) * 4, zero);
 }
 
+// Splits of a sequence of `len` tokens that hold tokens (the ones that write partials).
+template <int TT, int MIN_CHUNK>
+__device__ __forceinline__ int active_splits(int len, int num_splits) {
+  const int chunk = split_chunk(len, num_splits, TT, MIN_CHUNK);
+  return len > 0 ? (len + chunk - 1) / chunk : 0;
+}
+
+// One warp merges the n_act normalized partials of (request b, q head qh) into out, D / 32
+// values a lane, splits in order. The partials may come from other blocks of this grid:
+// they are read past L1.
+template <typename T, int D>
+__device__ void combine_head(const DecodeParams& p, int b, int qh, int n_act, int lane) {
+  constexpr int E = D / 32;
+  const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + qh) * p.s_cap;
+  const float* ml = p.ml_part + row * 2;
+  const float* op = p.o_part + row * D + lane * E;
+  float mw = -INFINITY;
+  for (int s = 0; s < n_act; ++s) mw = fmaxf(mw, __ldcg(ml + 2 * s));
+  float lsum = 0.f, acc[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] = 0.f;
+  for (int s = 0; s < n_act; ++s) {
+    const float w = __ldcg(ml + 2 * s + 1) * fast_exp2(__ldcg(ml + 2 * s) - mw);
+    lsum += w;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] += w * __ldcg(op + s * D + e);
+  }
+  const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+  T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + qh * p.out_stride_h + lane * E;
+  uint32_t packed[E / 2];
+#pragma unroll
+  for (int e = 0; e < E / 2; ++e) packed[e] = Dtype<T>::pack(acc[2 * e] * inv, acc[2 * e + 1] * inv);
+  if constexpr (E == 4) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+  } else {
+    *reinterpret_cast<uint32_t*>(dst) = packed[0];
+  }
+}
+
+// Counts one more finished split of (request b, head unit); true for the last of n_act.
+// Called by one thread after its block's (or warp's) partials are fenced; the last one
+// resets the counter for the next launch.
+__device__ __forceinline__ bool count_split(const DecodeParams& p, int b, int unit, int n_act) {
+  int* counter = p.counters + static_cast<int64_t>(b) * p.num_q_heads + unit;
+  const bool last = atomicAdd(counter, 1) == n_act - 1;
+  if (last) *counter = 0;
+  return last;
+}
+
 // Token-split layout: one block per (split, kv head, request); its NW warps take
 // interleaved tiles of the split and merge their states through shared memory at the end.
 template <typename T, typename KV, int D, int NW, int TT, int ST>
@@ -434,10 +485,12 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
   const int n_rows = min(kRows, group - hc * kRows);
   const int head0 = kvh * group + hc * kRows;
 
+  const int len = p.kv.seq_lens[b];
   int start, end;
-  split_range<TT, C::kMinChunk>(p.kv.seq_lens[b], p.num_splits, split, start, end);
-  if (start >= end) {
-    if (p.num_splits == 1) write_zeros<T, D>(p, b, head0, n_rows, threadIdx.x, NW * 32);
+  split_range<TT, C::kMinChunk>(len, p.num_splits, split, start, end);
+  if (start >= end) {  // an empty sequence's output is zeros, written by its first split
+    if (p.num_splits == 1 || (p.counters != nullptr && split == 0))
+      write_zeros<T, D>(p, b, head0, n_rows, threadIdx.x, NW * 32);
     return;
   }
   uint32_t qa[D / 16][4];
@@ -502,6 +555,18 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
       if (d == 0) *reinterpret_cast<float2*>(p.ml_part + row * 2) = make_float2(mw, lsum);
     }
   }
+  if (p.num_splits > 1 && p.counters != nullptr) {
+    __shared__ bool last;
+    const int n_act = active_splits<TT, C::kMinChunk>(len, p.num_splits);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = count_split(p, b, blockIdx.y, n_act);
+    __syncthreads();
+    if (last) {
+      __threadfence();
+      for (int r = warp; r < n_rows; r += NW) combine_head<T, D>(p, b, head0 + r, n_act, lane);
+    }
+  }
 }
 
 // Head-major layout: one block per (split, group of NW kv-head units, request); each warp
@@ -524,10 +589,12 @@ __global__ void __launch_bounds__(NW * 32) decode_head_kernel(const DecodeParams
   const int n_rows = min(kRows, group - hc * kRows);
   const int head0 = kvh * group + hc * kRows;
 
+  const int len = p.kv.seq_lens[b];
   int start, end;
-  split_range<TT, C::kMinChunk>(p.kv.seq_lens[b], p.num_splits, split, start, end);
-  if (start >= end) {
-    if (p.num_splits == 1) write_zeros<T, D>(p, b, head0, n_rows, lane, 32);
+  split_range<TT, C::kMinChunk>(len, p.num_splits, split, start, end);
+  if (start >= end) {  // an empty sequence's output is zeros, written by its first split
+    if (p.num_splits == 1 || (p.counters != nullptr && split == 0))
+      write_zeros<T, D>(p, b, head0, n_rows, lane, 32);
     return;
   }
   uint32_t qa[D / 16][4];
@@ -564,6 +631,16 @@ __global__ void __launch_bounds__(NW * 32) decode_head_kernel(const DecodeParams
       if ((lane & 3) == 0) *reinterpret_cast<float2*>(p.ml_part + prow * 2) = make_float2(st.m[h], lsum[h]);
     }
   }
+  if (p.num_splits > 1 && p.counters != nullptr) {  // per warp: each owns its unit
+    const int n_act = active_splits<TT, C::kMinChunk>(len, p.num_splits);
+    __threadfence();
+    __syncwarp();
+    const bool last = __shfl_sync(0xffffffffu, lane == 0 && count_split(p, b, unit, n_act), 0);
+    if (last) {
+      __threadfence();
+      for (int r = 0; r < n_rows; ++r) combine_head<T, D>(p, b, head0 + r, n_act, lane);
+    }
+  }
 }
 
 // One warp per (request, q head): merges the active splits' normalized partials.
@@ -571,39 +648,13 @@ template <typename T, int D>
 __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams p, int tile,
                                                              int min_chunk) {
   grid_dependency_wait();
-  constexpr int E = D / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int idx = blockIdx.x * 4 + warp;
   if (idx >= p.batch * p.num_q_heads) return;
   const int b = idx / p.num_q_heads, qh = idx % p.num_q_heads;
   const int len = p.kv.seq_lens[b];
   const int chunk = split_chunk(len, p.num_splits, tile, min_chunk);
-  const int n_act = len > 0 ? (len + chunk - 1) / chunk : 0;
-  const int64_t row = static_cast<int64_t>(idx) * p.s_cap;
-  const float* ml = p.ml_part + row * 2;
-  const float* op = p.o_part + row * D + lane * E;
-
-  float mw = -INFINITY;
-  for (int s = 0; s < n_act; ++s) mw = fmaxf(mw, ml[2 * s]);
-  float lsum = 0.f, acc[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) acc[e] = 0.f;
-  for (int s = 0; s < n_act; ++s) {
-    const float w = ml[2 * s + 1] * fast_exp2(ml[2 * s] - mw);
-    lsum += w;
-#pragma unroll
-    for (int e = 0; e < E; ++e) acc[e] += w * op[s * D + e];
-  }
-  const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
-  T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + qh * p.out_stride_h + lane * E;
-  uint32_t packed[E / 2];
-#pragma unroll
-  for (int e = 0; e < E / 2; ++e) packed[e] = Dtype<T>::pack(acc[2 * e] * inv, acc[2 * e + 1] * inv);
-  if constexpr (E == 4) {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
-  } else {
-    *reinterpret_cast<uint32_t*>(dst) = packed[0];
-  }
+  combine_head<T, D>(p, b, qh, len > 0 ? (len + chunk - 1) / chunk : 0, lane);
 }
 
 // Static facts of one kernel instantiation: shared memory, threads, resident blocks/SM,
@@ -645,7 +696,7 @@ cudaError_t run(const DecodeParams& p, cudaStream_t stream) {
   const int units = p.num_kv_heads * ((group + kRows - 1) / kRows);
   dim3 grid(p.num_splits, (units + ki.units_per_block - 1) / ki.units_per_block, p.batch);
   launch(kernel_fn<L, T, KV, D, NW, TT, ST>(), grid, ki.threads, ki.smem, stream, p);
-  if (p.num_splits > 1) {
+  if (p.num_splits > 1 && p.counters == nullptr) {
     const int pairs = p.batch * p.num_q_heads;
     launch(decode_combine_kernel<T, D>, (pairs + 3) / 4, 128, 0, stream, p, ki.tile, ki.min_chunk);
   }

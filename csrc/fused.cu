@@ -2,7 +2,8 @@
 // sequence on CUDA (every intermediate rounded to the activation dtype where torch
 // rounds, fp32 arithmetic written with __f*_rn so nvcc cannot contract it into FMAs):
 //  - RMSNorm, optionally after the residual add, in one launch;
-//  - rotate-half RoPE on q and k in place;
+//  - rotate-half RoPE on q and k in place, optionally writing k and v to the paged KV
+//    cache in the same launch (the decode step's rotary and store_kv as one kernel);
 //  - SiLU(gate) * up.
 //
 // RMSNorm's mean of squares must add its fp32 terms in the order torch's CUDA reduction
@@ -258,23 +259,39 @@ int last_pow2(int n) {
 
 // ---------------------------------------------------------------- RoPE
 
-// One thread per (token, head, d < D/2) of q then k: the pair (d, d + D/2) rotates together.
+// Heads a token's threads cover: q, k, and with a cache v (copied, not rotated).
+__host__ __device__ __forceinline__ int rotary_heads(const RotaryParams& p) {
+  return p.num_q_heads + p.num_k_heads * (p.k_cache != nullptr ? 2 : 1);
+}
+
+// One thread per (token, head, d < D/2) of q, k, then v: the pair (d, d + D/2) rotates
+// together. With a cache, token t's k and v pairs also go to slot loc[t] (none if < 0).
 template <typename T>
 __global__ void __launch_bounds__(256) rotary_kernel(const RotaryParams p) {
   grid_dependency_wait();
   const int half = p.head_dim / 2;
-  const int64_t per_token = static_cast<int64_t>(p.num_q_heads + p.num_k_heads) * half;
+  const int64_t per_token = static_cast<int64_t>(rotary_heads(p)) * half;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= p.num_tokens * per_token) return;
   const int64_t t = i / per_token;
   int h = static_cast<int>((i - t * per_token) / half);
   const int d = static_cast<int>(i % half);
+  const int64_t slot = p.k_cache != nullptr ? p.loc[t] : -1;
   T* x;
+  T* cached = nullptr;  // where this pair goes in the cache, if anywhere
   if (h < p.num_q_heads) {
     x = static_cast<T*>(p.q) + t * p.q_stride_t + h * p.q_stride_h;
-  } else {
-    h -= p.num_q_heads;
+  } else if ((h -= p.num_q_heads) < p.num_k_heads) {
     x = static_cast<T*>(p.k) + t * p.k_stride_t + h * p.k_stride_h;
+    if (slot >= 0) cached = static_cast<T*>(p.k_cache) + slot * p.slot_stride + h * p.head_dim;
+  } else {
+    if (slot < 0) return;
+    h -= p.num_k_heads;
+    const T* v = static_cast<const T*>(p.v) + t * p.v_stride_t + h * p.v_stride_h;
+    T* dst = static_cast<T*>(p.v_cache) + slot * p.slot_stride + h * p.head_dim;
+    dst[d] = v[d];
+    dst[d + half] = v[d + half];
+    return;
   }
   const int64_t pos = p.positions[t];
   const float* cos_row = p.cos + pos * p.head_dim;
@@ -287,6 +304,10 @@ __global__ void __launch_bounds__(256) rotary_kernel(const RotaryParams p) {
   const float hi = __fadd_rn(round_to<T>(__fmul_rn(x2, c2)), round_to<T>(__fmul_rn(x1, s2)));
   x[d] = Num<T>::from_f(lo);
   x[d + half] = Num<T>::from_f(hi);
+  if (cached != nullptr) {
+    cached[d] = x[d];
+    cached[d + half] = x[d + half];
+  }
 }
 
 // ---------------------------------------------------------------- SiLU * up
@@ -349,7 +370,7 @@ struct LaunchNorm {
 template <typename T>
 struct LaunchRotary {
   static cudaError_t run(const RotaryParams& p, cudaStream_t stream) {
-    const int64_t work = p.num_tokens * (p.num_q_heads + p.num_k_heads) * (p.head_dim / 2);
+    const int64_t work = p.num_tokens * rotary_heads(p) * (p.head_dim / 2);
     launch(rotary_kernel<T>, static_cast<unsigned>((work + 255) / 256), 256, 0, stream, p);
     return cudaGetLastError();
   }

@@ -5,6 +5,10 @@
 // flight per lane before any arithmetic (so enough bytes are outstanding per SM to cover
 // HBM latency); the M activation rows are tiny and come through L1. Every lane keeps
 // float32 partial dot products, reduced across the warp at the end, then rounded once.
+//
+// Gated (the MLP's gate_up projection, w = [gate; up], N = 2 * inter): warp j takes gate
+// row j and up row inter + j and writes silu(gate) * up as silu_and_mul would from the two
+// rounded outputs, bit for bit, so a decode step needs no activation kernel.
 #include "common.cuh"
 #include "launch.h"
 
@@ -26,17 +30,18 @@ __device__ __forceinline__ void unpack8(const uint4& v, float f[8]) {
   }
 }
 
-// kUnroll 16-byte chunks of each of this warp's kRows rows of w, from a lane's chunk c0 on.
+// kUnroll 16-byte chunks of each of this warp's kRows rows of w (row_gap chunks apart),
+// from a lane's chunk c0 on.
 template <typename T>
-__device__ __forceinline__ void load_w(const uint4* w, int chunks, bool second_row, int c0,
-                                       uint4 (&wv)[kUnroll][kRows]) {
+__device__ __forceinline__ void load_w(const uint4* w, int chunks, int64_t row_gap,
+                                       bool second_row, int c0, uint4 (&wv)[kUnroll][kRows]) {
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int c = c0 + u * kWarp;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const bool ok = c < chunks && (r == 0 || second_row);
-      wv[u][r] = ok ? __ldcs(w + static_cast<int64_t>(r) * chunks + c) : make_uint4(0, 0, 0, 0);
+      wv[u][r] = ok ? __ldcs(w + r * row_gap + c) : make_uint4(0, 0, 0, 0);
     }
   }
 }
@@ -44,23 +49,27 @@ __device__ __forceinline__ void load_w(const uint4* w, int chunks, bool second_r
 // The warp's first chunks of w are loaded before the wait on the kernel before: weights are
 // never a previous kernel's output, so with programmatic dependent launch their first bytes
 // are in flight while that kernel finishes.
-template <typename T, int M>
+template <typename T, int M, bool GATED>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int row0 = (blockIdx.x * kWarps + warp) * kRows;
+  const int inter = p.n / 2;
+  // this warp's rows: row0 and row0 + 1, or (gated) gate row0 and up row inter + row0
+  const int row0 = (blockIdx.x * kWarps + warp) * (GATED ? 1 : kRows);
+  const bool has_rows = row0 < (GATED ? inter : p.n);
   const int chunks = p.k / 8;
+  const int64_t row_gap = static_cast<int64_t>(GATED ? inter : 1) * chunks;
   const uint4* w = reinterpret_cast<const uint4*>(static_cast<const T*>(p.w)) +
                    static_cast<int64_t>(row0) * chunks;
-  const bool second_row = row0 + 1 < p.n;
+  const bool second_row = GATED || row0 + 1 < p.n;
   uint4 wv[kUnroll][kRows];
-  if (row0 < p.n) load_w<T>(w, chunks, second_row, lane, wv);
+  if (has_rows) load_w<T>(w, chunks, row_gap, second_row, lane, wv);
   grid_dependency_wait();
-  if (row0 >= p.n) return;
+  if (!has_rows) return;
   const uint4* x = reinterpret_cast<const uint4*>(p.x);
   const int64_t x_chunks = p.x_stride / 8;
   float acc[M][kRows] = {};
   for (int c0 = lane; c0 < chunks; c0 += kWarp * kUnroll) {
-    if (c0 != lane) load_w<T>(w, chunks, second_row, c0, wv);
+    if (c0 != lane) load_w<T>(w, chunks, row_gap, second_row, c0, wv);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int c = c0 + u * kWarp;
@@ -90,6 +99,18 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   if (lane != 0) return;
   T* out = static_cast<T*>(p.out);
   const T* bias = static_cast<const T*>(p.bias);
+  if constexpr (GATED) {
+    const float bg = bias != nullptr ? Num<T>::to_f(bias[row0]) : 0.f;
+    const float bu = bias != nullptr ? Num<T>::to_f(bias[inter + row0]) : 0.f;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float a = Num<T>::to_f(Num<T>::from_f(acc[m][0] + bg));
+      const float up = Num<T>::to_f(Num<T>::from_f(acc[m][1] + bu));
+      const float act = Num<T>::to_f(Num<T>::from_f(a / (1.0f + expf(-a))));  // torch's silu
+      out[m * p.out_stride + row0] = Num<T>::from_f(__fmul_rn(act, up));
+    }
+    return;
+  }
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int row = row0 + r;
@@ -102,8 +123,14 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
 
 template <typename T, int M>
 cudaError_t launch_rows(const GemvParams& p, cudaStream_t stream) {
-  const unsigned blocks = static_cast<unsigned>((p.n + kWarps * kRows - 1) / (kWarps * kRows));
-  launch(gemv_kernel<T, M>, blocks, kThreads, 0, stream, p);
+  const int rows_per_block = p.gated ? kWarps : kWarps * kRows;
+  const int out_rows = p.gated ? p.n / 2 : p.n;
+  const unsigned blocks = static_cast<unsigned>((out_rows + rows_per_block - 1) / rows_per_block);
+  if (p.gated) {
+    launch(gemv_kernel<T, M, true>, blocks, kThreads, 0, stream, p);
+  } else {
+    launch(gemv_kernel<T, M, false>, blocks, kThreads, 0, stream, p);
+  }
   return cudaGetLastError();
 }
 

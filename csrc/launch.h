@@ -39,6 +39,9 @@ struct DecodeParams {
   DType dtype;
   int variant;  // resolved tiling variant (decode_resolve_variant), never 0 here
   bool kv_fp8 = false;  // the cache holds e4m3 bytes and scales (dtype is then kBF16)
+  // [B, Hq] int32, zero between launches: set, the last split of each (request, head unit)
+  // merges the partials (no combine kernel) and zeroes its counter again.
+  int* counters = nullptr;
 };
 
 struct PrefillParams {
@@ -95,7 +98,9 @@ struct NormParams {
 };
 
 // Rotate-half RoPE in place on q [T, Hq, D] and k [T, Hk, D] (last dim contiguous);
-// cos / sin: contiguous float32 [max_len, D], row positions[t] for token t.
+// cos / sin: contiguous float32 [max_len, D], row positions[t] for token t. With k_cache
+// set, the rotated k [T, Hk, D] and v (same shape) are also written to slot loc[t] of the
+// caches [n_slots, Hk, D] (a negative slot is skipped), as store_kv would.
 struct RotaryParams {
   void* q;
   void* k;
@@ -106,6 +111,12 @@ struct RotaryParams {
   int64_t num_tokens;
   int num_q_heads, num_k_heads, head_dim;
   DType dtype;
+  const void* v = nullptr;
+  int64_t v_stride_t = 0, v_stride_h = 0;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  int64_t slot_stride = 0;  // elements
+  const int64_t* loc = nullptr;
 };
 
 // out[t, :inter] = silu(gate_up[t, :inter]) * gate_up[t, inter:].
@@ -120,7 +131,8 @@ struct SiluMulParams {
 };
 
 // out[m, :] = x[m, :] @ w^T (+ bias) for m < M <= 8: w [N, K] contiguous, K % 8 == 0, x and
-// out rows contiguous (strides in elements, multiples of 8 for x), 16-byte aligned.
+// out rows contiguous (strides in elements, multiples of 8 for x), 16-byte aligned. Gated
+// (N even): out[m, :N/2] = silu(first half of that) * second half, as silu_and_mul.
 struct GemvParams {
   const void* x;
   const void* w;
@@ -129,6 +141,7 @@ struct GemvParams {
   int64_t x_stride, out_stride;
   int m, n, k;
   DType dtype;
+  bool gated = false;
 };
 
 // Absorbed MLA decode over the latent cache [n_slots, 576] (kv_lora_rank 512 + rope 64):

@@ -193,7 +193,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                       const at::Tensor& seq_lens, int64_t page_size, double sm_scale,
                       const at::Tensor& out, const at::Tensor& o_part, const at::Tensor& ml_part,
                       int64_t num_splits, int64_t variant, const std::optional<at::Tensor>& k_scale,
-                      const std::optional<at::Tensor>& v_scale) {
+                      const std::optional<at::Tensor>& v_scale,
+                      const std::optional<at::Tensor>& counters) {
   KV_CHECK(q.is_cuda() && q.dim() == 3, "q must be a CUDA [B, Hq, D] tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const DType dt = dtype_of(q, "q");
@@ -246,6 +247,13 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                         dt,
                         v,
                         kv_fp8};
+  if (counters.has_value()) {
+    check_cuda(*counters, q, "counters");
+    KV_CHECK(counters->scalar_type() == at::kInt && counters->is_contiguous() &&
+                 counters->numel() >= batch * hq,
+             "counters must be contiguous int32 with at least B * Hq zeros");
+    p.counters = counters->data_ptr<int32_t>();
+  }
   check_launch(kvray::launch_decode(p, c10::cuda::getCurrentCUDAStream()), "decode_attention");
 }
 
@@ -445,10 +453,10 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const a
   check_launch(kvray::launch_rms_norm(p, c10::cuda::getCurrentCUDAStream()), "rms_norm");
 }
 
-void rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
-            const at::Tensor& cos_cache, const at::Tensor& sin_cache) {
+kvray::RotaryParams rotary_params(const at::Tensor& q, const at::Tensor& k,
+                                  const at::Tensor& positions, const at::Tensor& cos_cache,
+                                  const at::Tensor& sin_cache) {
   KV_CHECK(q.is_cuda() && q.dim() == 3 && k.dim() == 3, "q and k must be CUDA [T, H, D] tensors");
-  const c10::cuda::CUDAGuard guard(q.device());
   const DType dt = float_dtype_of(q, "q");
   check_same(k, q, "k");
   const int64_t d = q.size(2);
@@ -464,18 +472,54 @@ void rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& position
     KV_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous() && t->size(1) == d,
              "cos_cache and sin_cache must be contiguous float32 [max_len, D]");
   }
-  kvray::RotaryParams p{q.data_ptr(),         k.data_ptr(),
-                        q.stride(0),          q.stride(1),
-                        k.stride(0),          k.stride(1),
-                        positions.data_ptr<int64_t>(),
-                        cos_cache.data_ptr<float>(),
-                        sin_cache.data_ptr<float>(),
-                        q.size(0),
-                        static_cast<int>(q.size(1)),
-                        static_cast<int>(k.size(1)),
-                        static_cast<int>(d),
-                        dt};
+  return kvray::RotaryParams{q.data_ptr(),         k.data_ptr(),
+                             q.stride(0),          q.stride(1),
+                             k.stride(0),          k.stride(1),
+                             positions.data_ptr<int64_t>(),
+                             cos_cache.data_ptr<float>(),
+                             sin_cache.data_ptr<float>(),
+                             q.size(0),
+                             static_cast<int>(q.size(1)),
+                             static_cast<int>(k.size(1)),
+                             static_cast<int>(d),
+                             dt};
+}
+
+void rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+            const at::Tensor& cos_cache, const at::Tensor& sin_cache) {
+  const kvray::RotaryParams p = rotary_params(q, k, positions, cos_cache, sin_cache);
+  const c10::cuda::CUDAGuard guard(q.device());
   check_launch(kvray::launch_rotary(p, c10::cuda::getCurrentCUDAStream()), "rotary");
+}
+
+void rotary_store_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& positions, const at::Tensor& cos_cache,
+                     const at::Tensor& sin_cache, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& out_cache_loc) {
+  kvray::RotaryParams p = rotary_params(q, k, positions, cos_cache, sin_cache);
+  const c10::cuda::CUDAGuard guard(q.device());
+  KV_CHECK(p.dtype != DType::kFP32, "rotary_store_kv takes bfloat16 or float16 q, k and v");
+  check_same(v, k, "v");
+  KV_CHECK(v.dim() == 3 && v.sizes() == k.sizes() && v.stride(2) == 1,
+           "v must be [T, Hk, D] like k, with a contiguous last dimension");
+  for (const at::Tensor* c : {&k_cache, &v_cache}) {
+    check_same(*c, k, "k_cache / v_cache");
+    KV_CHECK(c->dim() == 3 && c->is_contiguous() && c->size(1) == k.size(1) && c->size(2) == k.size(2),
+             "caches must be contiguous [n_slots, Hk, D] matching k (an FP8 cache takes rotary and store_kv)");
+  }
+  KV_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must have one shape");
+  check_cuda(out_cache_loc, k, "out_cache_loc");
+  KV_CHECK(out_cache_loc.scalar_type() == at::kLong && out_cache_loc.dim() == 1 &&
+               out_cache_loc.is_contiguous() && out_cache_loc.size(0) == k.size(0),
+           "out_cache_loc must be contiguous int64 [T]");
+  p.v = v.data_ptr();
+  p.v_stride_t = v.stride(0);
+  p.v_stride_h = v.stride(1);
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.slot_stride = k_cache.stride(0);
+  p.loc = out_cache_loc.data_ptr<int64_t>();
+  check_launch(kvray::launch_rotary(p, c10::cuda::getCurrentCUDAStream()), "rotary_store_kv");
 }
 
 void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out) {
@@ -500,7 +544,7 @@ void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out) {
 }
 
 void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-          const at::Tensor& out) {
+          const at::Tensor& out, bool gated) {
   KV_CHECK(x.is_cuda() && x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
            "gemv: x [M, K], w [N, K] and out [M, N] must be 2-D CUDA tensors");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -510,7 +554,9 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tens
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   KV_CHECK(m >= 1 && m <= 8, "gemv takes 1 to 8 rows, got ", m);
   KV_CHECK(w.size(1) == k && k % 8 == 0 && w.is_contiguous(), "w must be contiguous [N, K], K % 8 == 0");
-  KV_CHECK(out.size(0) == m && out.size(1) == n && out.stride(1) == 1, "out must be [M, N], rows contiguous");
+  KV_CHECK(!gated || n % 2 == 0, "a gated gemv needs an even N (gate rows, then up rows)");
+  KV_CHECK(out.size(0) == m && out.size(1) == (gated ? n / 2 : n) && out.stride(1) == 1,
+           "out must be [M, N] (gated: [M, N / 2]), rows contiguous");
   KV_CHECK(w.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
            "x, w and out must share a dtype");
   check_aligned(x, "x", 8);
@@ -524,7 +570,7 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tens
     b = bias->data_ptr();
   }
   kvray::GemvParams p{x.data_ptr(), w.data_ptr(), b, out.data_ptr(), x.stride(0), out.stride(0),
-                      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), dt};
+                      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), dt, gated};
   check_launch(kvray::launch_gemv(p, c10::cuda::getCurrentCUDAStream()), "gemv");
 }
 
@@ -546,8 +592,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place");
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) over the last dim ([T, N] or [T, H, N])");
   m.def("rotary", &rotary, "rotate-half RoPE on q and k in place");
+  m.def("rotary_store_kv", &rotary_store_kv,
+        "rotate-half RoPE on q and k in place, and k, v written to the paged cache, in one launch");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up for gate_up = [gate | up]");
-  m.def("gemv", &gemv, "out = x @ w.T (+ bias) for 1 to 8 rows of x (decode batches)");
+  m.def("gemv", &gemv,
+        "out = x @ w.T (+ bias) for 1 to 8 rows of x (decode batches); gated: silu(gate) * up");
   m.def("alias", &alias, "a tensor over another's memory that does not own it");
   m.def("decode_plan", &decode_plan, "(resolved variant, splits) decode uses for a batch");
   m.def("decode_num_variants", &kvray::decode_num_variants, "number of decode tiling variants");

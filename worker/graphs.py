@@ -31,6 +31,7 @@ from worker.batch import ForwardBatch
 from worker.cache import KVCache
 from worker.cache_view import CacheView
 from worker.model.base import CausalLM
+from worker.model.ops import RopeInputs
 from worker.workspace import InferenceWorkspace
 
 log = logging.getLogger("kvray.graphs")
@@ -167,7 +168,13 @@ class _PieceBoundary(AttentionBackend):
         pass
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: CacheView
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        view: CacheView,
+        rope: RopeInputs | None = None,
     ) -> torch.Tensor:
         if self.pool is not None:
             self.end()
@@ -269,7 +276,7 @@ class PromptGraphRunner:
         self.backend.prepare(batch, self.cache)
         for layer, (q, k, v) in enumerate(pieces.inputs):
             pieces.graphs[layer].replay()
-            self.backend.forward(layer, q[:n], k[:n], v[:n], self.cache, out)
+            self.backend.forward(layer, q[:n], k[:n], v[:n], self.cache, out=out)
         pieces.graphs[-1].replay()
         return pieces.hidden[:n]
 

@@ -62,6 +62,8 @@ class InferenceWorkspace:
         self.decode_ml_part = torch.zeros(
             (max_running if s else 0, num_heads, s, 2), dtype=torch.float32, device=device
         )
+        # finished splits per (request, head): the last one merges the partials in the kernel
+        self.decode_counters = i32(max_running * num_heads if s else 0)
         pin = device.type == "cuda"
         # ids, positions, slots
         self.host_i64 = torch.zeros((3, max_tokens), dtype=torch.int64, pin_memory=pin)

@@ -84,7 +84,11 @@ def test_fused_add_rms_norm_matches_torch_bit_for_bit(dtype):
 
 def _qkv(t: int, hq: int, hk: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """A fused qkv projection output and its strided q, k, v views, as the model makes them."""
-    qkv = _rand(t, (hq + 2 * hk) * d, dtype=dtype)
+    return _split_qkv(_rand(t, (hq + 2 * hk) * d, dtype=dtype), hq, hk, d)
+
+
+def _split_qkv(qkv: torch.Tensor, hq: int, hk: int, d: int) -> tuple[torch.Tensor, ...]:
+    t = qkv.shape[0]
     q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
     return qkv, q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
 
@@ -142,6 +146,45 @@ def test_rotary_on_strided_qk_views_matches_torch(dtype):
                     f"D={d} Hq={hq} Hk={hk} T={t}: q {_diff(q, want_q)}, k {_diff(k, want_k)}"
                 )
     _check_all(failures)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rotary_store_kv_gives_the_bits_of_rotary_then_store_kv(dtype):
+    """The decode step's fused launch: q and k rotated in place and the rotated k and v
+    written to their slots, exactly as the two kernels do (a negative slot is skipped)."""
+    torch.manual_seed(5)
+    failures = []
+    for d, hq, hk in [(128, 32, 8), (64, 9, 3)]:
+        c_tab, s_tab = _rope_tables(4096, d)
+        for t in [1, 2, 7, 64, 300]:
+            qkv, q, k, v = _qkv(t, hq, hk, d, dtype)
+            positions = torch.randint(0, 4096, (t,), device=DEV)
+            loc = torch.randperm(2048, device=DEV)[:t]
+            if t > 1:
+                loc[t // 2] = -1
+            caches = [_rand(2048, hk, d, dtype=dtype) for _ in range(2)]
+            want_qkv, want_caches = qkv.clone(), [c.clone() for c in caches]
+            _, wq, wk, wv = _split_qkv(want_qkv, hq, hk, d)
+            cuda_ops.rotary(wq, wk, positions, c_tab, s_tab)
+            cuda_ops.store_kv(wk, wv, *want_caches, loc)
+            cuda_ops.rotary_store_kv(q, k, v, positions, c_tab, s_tab, *caches, loc)
+            for name, got, want in [("qkv", qkv, want_qkv), ("k_cache", caches[0], want_caches[0]),
+                                    ("v_cache", caches[1], want_caches[1])]:  # fmt: skip
+                if not torch.equal(got, want):
+                    failures.append(f"D={d} Hq={hq} Hk={hk} T={t}: {name} {_diff(got, want)}")
+    _check_all(failures)
+
+
+def test_rotary_store_kv_refuses_an_fp8_cache_and_mismatched_v():
+    c_tab, s_tab = _rope_tables(64, 64)
+    _, q, k, v = _qkv(2, 4, 2, 64, torch.bfloat16)
+    positions, loc = torch.arange(2, device=DEV), torch.arange(2, device=DEV)
+    cache = _rand(16, 2, 64, dtype=torch.bfloat16)
+    fp8 = cache.to(torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="dtype"):
+        cuda_ops.rotary_store_kv(q, k, v, positions, c_tab, s_tab, fp8, fp8, loc)
+    with pytest.raises(RuntimeError, match="like k"):
+        cuda_ops.rotary_store_kv(q, k, v[:, :1], positions, c_tab, s_tab, cache, cache.clone(), loc)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -252,6 +252,53 @@ def test_decode_empty_sequence_gives_zeros() -> None:
         check_close(out[1:], ref_decode(q, kv, 0.125)[1:], dtype)
 
 
+@pytest.mark.parametrize("variant", range(7))
+def test_decode_merged_by_the_last_split_gives_the_combine_kernels_bits(variant: int) -> None:
+    """With counters the split that finishes last merges the partials: the same output as the
+    combine kernel, bit for bit, on every tiling and split count, launch after launch (the
+    counters come back to zero), an empty sequence included."""
+    failures = []
+    for dtype, d, hq, hkv in [(torch.bfloat16, 128, 32, 8), (torch.float16, 64, 9, 3)]:
+        if variant not in (0, 1, 5) and (dtype, d) != (torch.bfloat16, 128):
+            continue  # the sweep variants are compiled for bf16, head_dim 128 only
+        lens = [1, 0, 63, 300, 1500, 4000, 20]
+        kv = make_paged(lens, 16, hkv, d, dtype, capacity=[max(n, 1) for n in lens])
+        q = torch.randn(len(lens), hq, d, device=DEV).to(dtype)
+        counters = torch.zeros(len(lens) * hq, dtype=torch.int32, device=DEV)
+        for splits in (2, 7, 64):
+            kw = {"num_splits": splits, "variant": variant}
+            want = run_decode(q, kv, d**-0.5, 64, **kw)
+            for launch in range(3):
+                got = run_decode(q, kv, d**-0.5, 64, counters=counters, **kw)
+                if not torch.equal(got, want) or counters.any():
+                    bad = int((got != want).sum())
+                    failures.append(f"{dtype} D={d} splits={splits} launch {launch}: {bad} differ, "
+                                    f"{int(counters.count_nonzero())} counters left")  # fmt: skip
+    assert not failures, "; ".join(failures)
+
+
+def test_decode_graph_with_counters_follows_live_lengths() -> None:
+    dtype, d, hq, hkv = torch.bfloat16, 128, 32, 8
+    cap = [2000, 700, 64, 1300]
+    kv = make_paged([10, 10, 10, 10], 16, hkv, d, dtype, capacity=cap)
+    q = torch.randn(len(cap), hq, d, device=DEV).to(dtype)
+    out, o_part, ml_part = decode_buffers(len(cap), hq, d, dtype, 32)
+    counters = torch.zeros(len(cap) * hq, dtype=torch.int32, device=DEV)
+    args = (q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, kv.seq_lens, 16,
+            d**-0.5, out, o_part, ml_part)  # fmt: skip
+    cuda_ops.decode_attention(*args, counters=counters)  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda_ops.decode_attention(*args, counters=counters)
+    for lens in ([1, 1, 1, 1], [2000, 5, 64, 1299], [33, 700, 17, 1300]):
+        kv.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_close(out, ref_decode(q, kv, d**-0.5), dtype)
+        assert not counters.any()
+
+
 def ref_prefill(q: torch.Tensor, kv: Paged, qo_indptr: list[int], scale: float) -> torch.Tensor:
     outs = []
     for b, n in enumerate(kv.seq_lens.tolist()):
@@ -418,6 +465,23 @@ def test_gemv_matches_a_float32_matmul(dtype, k: int, n: int, m: int) -> None:
         cuda_ops.gemv(x, w, b, out)
         ref = x.float() @ w.float().T + (0 if b is None else b.float())
         check_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("k", "n"), [(576, 3072), (4096, 28672), (264, 40)])
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_gated_gemv_gives_the_bits_of_gemv_then_silu_and_mul(dtype, k: int, n: int, m: int):
+    """The MLP's gate_up GEMV taking silu(gate) * up itself: exactly the two kernels' output."""
+    x = torch.randn(m, k + 8, device=DEV).to(dtype)[:, :k]
+    w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)
+    for b in (None, torch.randn(n, device=DEV).to(dtype)):
+        gate_up = torch.empty(m, n, device=DEV, dtype=dtype)
+        want = torch.empty(m, n // 2, device=DEV, dtype=dtype)
+        cuda_ops.gemv(x, w, b, gate_up)
+        cuda_ops.silu_and_mul(gate_up, want)
+        got = torch.full((m, n // 2), float("nan"), device=DEV, dtype=dtype)
+        cuda_ops.gemv(x, w, b, got, gated=True)
+        assert torch.equal(got, want), f"{int((got != want).sum())} of {want.numel()} differ"
 
 
 def test_gemv_refuses_what_it_cannot_run() -> None:

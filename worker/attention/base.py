@@ -10,12 +10,16 @@ import torch
 if TYPE_CHECKING:
     from worker.batch import ForwardBatch
     from worker.cache_view import CacheView
+    from worker.model.ops import RopeInputs
 
 
 class AttentionBackend(ABC):
     """`prepare` once per step (metadata shared by every layer), then `forward` per layer."""
 
     supports_graph: bool = False
+    # `forward` takes the step's RoPE inputs and rotates q and k itself (the CUDA backend,
+    # in the kernel that writes K/V to the cache); otherwise the model rotates them first.
+    applies_rope: bool = False
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch, view: CacheView) -> None: ...
@@ -27,9 +31,17 @@ class AttentionBackend(ABC):
     def fwd_prefill(self, layer: int, q: torch.Tensor, view: CacheView) -> torch.Tensor: ...
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: CacheView
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        view: CacheView,
+        rope: RopeInputs | None = None,
     ) -> torch.Tensor:
-        """Store this step's K/V, then attend: q `[T, Hq, D]` -> `[T, Hq, D]`."""
+        """Store this step's K/V, then attend: q `[T, Hq, D]` -> `[T, Hq, D]`. `rope` is
+        given only to a backend that `applies_rope`."""
+        assert rope is None, f"{type(self).__name__} does not apply RoPE"
         view.write(layer, k, v)
         if self._decode:
             return self.fwd_decode(layer, q, view)

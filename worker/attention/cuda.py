@@ -12,6 +12,8 @@ sequences' K/V (the same GatherPlan FlashAttention uses).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from worker.attention import cuda_ops, fa3, flash
@@ -21,9 +23,13 @@ from worker.batch import ForwardBatch
 from worker.cache_view import CacheView
 from worker.workspace import InferenceWorkspace
 
+if TYPE_CHECKING:
+    from worker.model.ops import RopeInputs
+
 
 class CudaBackend(AttentionBackend):
     supports_graph = True
+    applies_rope = True
 
     def __init__(
         self,
@@ -115,22 +121,21 @@ class CudaBackend(AttentionBackend):
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: CacheView,
-        out: torch.Tensor | None = None,
+        rope: RopeInputs | None = None, out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """As the protocol's; `out` `[T, Hq, D]` receives the result (the piecewise prompt
         graphs read it from a fixed address)."""
         assert self._batch is not None
+        k_cache, v_cache, loc = view.k_cache[layer], view.v_cache[layer], self._batch.out_cache_loc
         k_scale, v_scale = _scales(view, layer)
-        # fmt: skip
-        cuda_ops.store_kv(
-            k,
-            v,
-            view.k_cache[layer],
-            view.v_cache[layer],
-            self._batch.out_cache_loc,
-            k_scale,
-            v_scale,
-        )
+        if rope is not None and k_scale is None:  # one kernel a layer fewer in every step
+            cuda_ops.rotary_store_kv(
+                q, k, v, rope.positions, rope.cos, rope.sin, k_cache, v_cache, loc
+            )
+        else:
+            if rope is not None:
+                cuda_ops.rotary(q, k, rope.positions, rope.cos, rope.sin)
+            cuda_ops.store_kv(k, v, k_cache, v_cache, loc, k_scale, v_scale)
         if self._decode:
             return self.fwd_decode(layer, q, view, out)
         return self.fwd_prefill(layer, q, view, out)
@@ -165,6 +170,7 @@ class CudaBackend(AttentionBackend):
             self.ws.decode_ml_part,
             k_scale=k_scale,
             v_scale=v_scale,
+            counters=self.ws.decode_counters,
         )
 
     def fwd_prefill(

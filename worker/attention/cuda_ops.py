@@ -188,6 +188,7 @@ def decode_attention(
     variant: int = 0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> None:
     """One query token per request over its paged KV; writes out[B, Hq, D].
 
@@ -195,7 +196,9 @@ def decode_attention(
     (size S with recommended_max_splits). The kernel layout and split count are chosen
     from B and the shapes (see decode_plan); `num_splits` / `variant` force them, for
     tests and benchmarks (variant 0 = automatic; an FP8 cache has variants 1 and 5 only).
-    An FP8 cache needs k_scale / v_scale and bf16 q.
+    An FP8 cache needs k_scale / v_scale and bf16 q. `counters` (int32, >= B * Hq, zeros,
+    left zero): the last split of each head merges the partials, in the same launch and
+    with the same bits as the combine kernel that runs without them.
     """
     # fmt: skip
     load().decode_attention(
@@ -214,6 +217,7 @@ def decode_attention(
         variant,
         k_scale,
         v_scale,
+        counters,
     )
 
 
@@ -344,6 +348,24 @@ def rotary(
     load().rotary(q, k, positions, cos_cache, sin_cache)
 
 
+def rotary_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+) -> None:
+    """`rotary` then `store_kv` in one launch, the same bits (a bf16 or fp16 cache; an FP8
+    one quantizes whole rows and takes the two ops)."""
+    load().rotary_store_kv(
+        q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, out_cache_loc
+    )
+
+
 def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     """out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]."""
     load().silu_and_mul(gate_up, out)
@@ -352,15 +374,24 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
 GEMV_MAX_ROWS = 8
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
-    """out [M, N] = x [M, K] @ w [N, K].T (+ bias) for M <= GEMV_MAX_ROWS: one pass over w."""
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    gated: bool = False,
+) -> None:
+    """out [M, N] = x [M, K] @ w [N, K].T (+ bias) for M <= GEMV_MAX_ROWS: one pass over w.
+
+    `gated` (w = [gate; up], N even): out [M, N / 2] = silu(gate) * up, the bits of
+    `silu_and_mul` applied to the plain GEMV's output."""
     # Checked here too: on the H200 a refusal raised inside the extension crashed the process
     # (2026-12-03, not understood yet; the other ops' refusals raise normally).
     if not 1 <= x.shape[0] <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes 1 to {GEMV_MAX_ROWS} rows, got {x.shape[0]}")
     if x.shape[-1] % 8 or w.shape[-1] != x.shape[-1] or not w.is_contiguous():
         raise ValueError("gemv: w must be contiguous [N, K] with K % 8 == 0 and x [M, K]")
-    load().gemv(x, w, bias, out)
+    load().gemv(x, w, bias, out, gated)
 
 
 def alias(t: torch.Tensor) -> torch.Tensor:

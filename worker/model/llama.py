@@ -53,8 +53,11 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        q, k = ops.rope(q, k, rope)
-        out = backend.forward(self.layer_id, q, k, v, view)
+        if backend.applies_rope:
+            out = backend.forward(self.layer_id, q, k, v, view, rope)
+        else:
+            q, k = ops.rope(q, k, rope)
+            out = backend.forward(self.layer_id, q, k, v, view)
         return ops.linear(out.reshape(n, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
@@ -73,8 +76,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
-        gate_up = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
+        act = ops.gated_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return ops.linear(act, self.down_proj.weight, self.down_proj.bias)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -65,6 +65,12 @@ class ModelOps(ABC):
         """x `[T, K]` @ weight `[N, K]`.T (+ bias)."""
         return F.linear(x, weight, bias)
 
+    def gated_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """silu(gate) * up of the gate_up projection (weight `[2I, K]` = [gate; up]): `[T, I]`."""
+        return self.silu_and_mul(self.linear(x, weight, bias))
+
 
 class TorchOps(ModelOps):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -134,22 +140,34 @@ class CudaOps(ModelOps):
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if not self._gemv_runs(x, weight):
+            return F.linear(x, weight, bias)
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+        self._k.gemv(x, weight, bias, out)
+        return out
+
+    def gated_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if not self._gemv_runs(x, weight):
+            return self.silu_and_mul(F.linear(x, weight, bias))
+        out = torch.empty((x.shape[0], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
+        self._k.gemv(x, weight, bias, out, gated=True)  # no activation kernel
+        return out
+
+    def _gemv_runs(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         m, k = x.shape
         fits = (m == 1 and k <= 8192) or (
             m <= self.gemv_max_rows and weight.numel() <= self.gemv_small_weights
         )
-        if (
+        return not (
             not fits
             or k % 8
             or x.stride(1) != 1
             or (x.stride(0) % 8 and m > 1)
             or x.data_ptr() % 16
             or x.dtype == torch.float32
-        ):
-            return F.linear(x, weight, bias)
-        out = torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
-        self._k.gemv(x, weight, bias, out)
-        return out
+        )
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = torch.empty(
