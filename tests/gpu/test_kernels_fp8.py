@@ -125,6 +125,19 @@ def test_fp8_decode_forced_splits_and_variants(num_splits: int, variant: int) ->
     cache.check(cache.decode(q, 64, num_splits=num_splits, variant=variant), q)
 
 
+@pytest.mark.parametrize("variant", [1, 5])
+def test_fp8_decode_merged_by_the_last_split_gives_the_combine_kernels_bits(variant: int):
+    lens = [1, 0, 63, 1500, 4000, 20]
+    cache = fp8_paged(lens, 16, 8, 128, capacity=[max(n, 1) for n in lens])
+    q = torch.randn(len(lens), 32, 128, device=DEV).to(torch.bfloat16)
+    counters = torch.zeros(len(lens) * 32, dtype=torch.int32, device=DEV)
+    for splits in (2, 7, 64):
+        want = cache.decode(q, 64, num_splits=splits, variant=variant)
+        got = cache.decode(q, 64, num_splits=splits, variant=variant, counters=counters)
+        assert torch.equal(got, want), f"splits={splits}: {int((got != want).sum())} differ"
+        assert not counters.any()
+
+
 @pytest.mark.parametrize(("d", "hq", "hkv"), [(128, 32, 8), (64, 9, 3)])
 def test_fp8_decode_large_batch_head_major_path(d: int, hq: int, hkv: int) -> None:
     batch = torch.cuda.get_device_properties(0).multi_processor_count + 8
