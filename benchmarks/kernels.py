@@ -123,6 +123,8 @@ class DecodeCase:
         self.out = torch.empty(batch, HQ, D, device=DEV, dtype=DTYPE)
         self.o_part = torch.empty(batch, HQ, SPLIT_CAP, D, device=DEV)
         self.ml_part = torch.empty(batch, HQ, SPLIT_CAP, 2, device=DEV)
+        # as the engine runs it: the last split merges the partials (no combine kernel)
+        self.counters = torch.zeros(batch * HQ, device=DEV, dtype=torch.int32)
         self.scale = D**-0.5
 
     def kvray_call(self, s: int, num_splits: int = 0, variant: int = 0) -> Callable[[], None]:
@@ -130,7 +132,7 @@ class DecodeCase:
             cuda_ops.decode_attention(
                 self.q, self.pool.k, self.pool.v, self.req_to_token[s], self.rows, self.lens,
                 PAGE, self.scale, self.out, self.o_part, self.ml_part,
-                num_splits=num_splits, variant=variant,
+                num_splits=num_splits, variant=variant, counters=self.counters,
             )  # fmt: skip
 
         return call
@@ -143,6 +145,7 @@ class DecodeCase:
             cuda_ops.decode_attention(
                 self.q, k8, v8, self.req_to_token[s], self.rows, self.lens, PAGE, self.scale,
                 self.out, self.o_part, self.ml_part, variant=variant, k_scale=ks, v_scale=vs,
+                counters=self.counters,
             )  # fmt: skip
 
         return call
