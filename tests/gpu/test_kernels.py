@@ -213,8 +213,10 @@ def test_decode_is_deterministic() -> None:
     assert torch.equal(a, b)
 
 
-def test_decode_graph_replay_follows_live_lengths() -> None:
-    """Captured once; replays after seq_lens change in place give the new lengths' result."""
+@pytest.mark.parametrize("merged", [False, True], ids=["combine-kernel", "last-split-merges"])
+def test_decode_graph_replay_follows_live_lengths(merged: bool) -> None:
+    """Captured once; replays after seq_lens change in place give the new lengths' result
+    (with counters, the last split's merge leaves them at zero for the next replay)."""
     dtype, d, hq, hkv = torch.bfloat16, 128, 32, 8
     cap = [2000, 700, 64, 1300]
     kv = make_paged([10, 10, 10, 10], 16, hkv, d, dtype, capacity=cap)
@@ -230,16 +232,18 @@ def test_decode_graph_replay_follows_live_lengths() -> None:
         16,
         d**-0.5,
     )
-    cuda_ops.decode_attention(*args, out, o_part, ml_part)  # warm-up outside capture
+    counters = torch.zeros(len(cap) * hq, dtype=torch.int32, device=DEV) if merged else None
+    cuda_ops.decode_attention(*args, out, o_part, ml_part, counters=counters)  # warm-up
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        cuda_ops.decode_attention(*args, out, o_part, ml_part)
+        cuda_ops.decode_attention(*args, out, o_part, ml_part, counters=counters)
     for lens in ([1, 1, 1, 1], [2000, 5, 64, 1299], [33, 700, 17, 1300]):
         kv.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         check_close(out, ref_decode(q, kv, d**-0.5), dtype)
+        assert counters is None or not counters.any()
 
 
 def test_decode_empty_sequence_gives_zeros() -> None:
@@ -275,28 +279,6 @@ def test_decode_merged_by_the_last_split_gives_the_combine_kernels_bits(variant:
                     failures.append(f"{dtype} D={d} splits={splits} launch {launch}: {bad} differ, "
                                     f"{int(counters.count_nonzero())} counters left")  # fmt: skip
     assert not failures, "; ".join(failures)
-
-
-def test_decode_graph_with_counters_follows_live_lengths() -> None:
-    dtype, d, hq, hkv = torch.bfloat16, 128, 32, 8
-    cap = [2000, 700, 64, 1300]
-    kv = make_paged([10, 10, 10, 10], 16, hkv, d, dtype, capacity=cap)
-    q = torch.randn(len(cap), hq, d, device=DEV).to(dtype)
-    out, o_part, ml_part = decode_buffers(len(cap), hq, d, dtype, 32)
-    counters = torch.zeros(len(cap) * hq, dtype=torch.int32, device=DEV)
-    args = (q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, kv.seq_lens, 16,
-            d**-0.5, out, o_part, ml_part)  # fmt: skip
-    cuda_ops.decode_attention(*args, counters=counters)  # warm-up outside capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        cuda_ops.decode_attention(*args, counters=counters)
-    for lens in ([1, 1, 1, 1], [2000, 5, 64, 1299], [33, 700, 17, 1300]):
-        kv.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        check_close(out, ref_decode(q, kv, d**-0.5), dtype)
-        assert not counters.any()
 
 
 def ref_prefill(q: torch.Tensor, kv: Paged, qo_indptr: list[int], scale: float) -> torch.Tensor:
