@@ -47,7 +47,7 @@ class EngineAdvanced(BaseModel):
     )
     prefill_kernel: Literal["auto", "kvray", "flash", "fa3"] = Field(
         "auto",
-        description="CUDA prompt attention: kvray's kernel, torch's FlashAttention-2 over gathered K/V, auto = per batch by shape (kvray's where FlashAttention-2 is missing), or fa3 = as auto with FlashInfer's FlashAttention-3 over the cache in place instead of FlashAttention-2 (needs flashinfer-python and an sm_90 GPU; not yet measured in the engine)",
+        description="CUDA prompt attention: kvray's kernel, torch's FlashAttention-2 over gathered K/V, fa3 = FlashInfer's FlashAttention-3 over the cache in place where FlashAttention-2 would run (needs flashinfer-python and an sm_90 GPU), or auto = per batch by shape, with FA3 where it runs, else FlashAttention-2 (kvray's kernel where neither does)",
     )
     cuda_graphs: bool = Field(True, description="capture decode CUDA graphs (CUDA backend only)")
     prompt_graph_tokens: int = Field(

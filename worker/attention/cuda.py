@@ -1,7 +1,7 @@
 """CudaBackend: kvray's csrc kernels — fused KV store, split-KV paged decode, ragged prefill —
-and, for prompt chunks where it is faster, torch's FlashAttention-2 over gathered K/V (flash.py)
-or, when asked for (`prefill_kernel: fa3`), FlashInfer's FlashAttention-3 over the cache in
-place (fa3.py).
+and, for prompt chunks where they are faster, FlashInfer's FlashAttention-3 over the cache in
+place where FlashInfer is installed on Hopper (fa3.py), else torch's FlashAttention-2 over
+gathered K/V (flash.py).
 
 Decode writes into the workspace's `decode_out` / `decode_o_part` / `decode_ml_part` and its
 launch grid depends on shapes only, so a decode step can be captured in a CUDA graph.
@@ -42,11 +42,12 @@ class CudaBackend(AttentionBackend):
         self.scale = head_dim**-0.5
         self.num_heads = num_heads
         self.ws = workspace
-        # "kvray": always kvray's kernel; "flash": FlashAttention-2 wherever it runs; "auto":
-        # per batch, by `flash.prefers_flash`; "fa3": as auto, with FlashInfer's FA3 for
-        # FlashAttention-2 (not with an FP8 cache, whose per-token scales FA3 lacks).
-        self.prefill_kernel = prefill_kernel
+        # "kvray": always kvray's kernel; "flash": FlashAttention-2 wherever it runs; "fa3":
+        # per batch by `flash.prefers_flash`, FlashInfer's FA3 (not with an FP8 cache, whose
+        # per-token scales FA3 lacks) or kvray's; "auto": fa3 where FA3 runs (`fa3.resolve`),
+        # else by shape with FA2.
         dtype = workspace.decode_out.dtype
+        self.prefill_kernel = prefill_kernel = fa3.resolve(prefill_kernel, dtype, head_dim)
         if prefill_kernel == "flash" and not flash.available(dtype, head_dim):
             raise RuntimeError("prefill_kernel=flash: torch's FlashAttention-2 does not run here")
         if prefill_kernel == "fa3" and not fa3.available(dtype, head_dim):

@@ -51,6 +51,14 @@ def available(dtype: torch.dtype, head_dim: int) -> bool:
     return True
 
 
+def resolve(prefill_kernel: str, dtype: torch.dtype, head_dim: int) -> str:
+    """The prompt kernel setting a CUDA backend runs: `auto` becomes `fa3` where FA3 runs,
+    since it measured 1.7-2.1x FlashAttention-2 on every prompt shape (docs/performance.md)."""
+    if prefill_kernel == "auto" and available(dtype, head_dim):
+        return "fa3"
+    return prefill_kernel
+
+
 class Fa3Prefill:
     """One planned prefill a step, run for every layer. Two FlashInfer wrappers are used in
     turn: `plan` writes a wrapper's pinned buffer and queues its copy to the device, and with
