@@ -13,6 +13,7 @@ from cluster.transport import (
     encode_refused,
     encode_requests,
 )
+from worker.guided import GuidedDecoding
 from worker.outputs import RequestDelta, RequestMetrics, TokenLogprobs
 from worker.sampling import SamplingParams
 from worker.validation import EngineRequest
@@ -22,9 +23,11 @@ def test_requests_round_trip_through_msgpack() -> None:
     params = SamplingParams(
         temperature=0.5, stop=("x", "yz"), seed=3, logprobs=2, max_tokens=7, prompt_logprobs=1
     )
+    shaped = GuidedDecoding.from_schema({"type": "object"}).model_copy(update={"thinking": "open"})
     requests = [
         EngineRequest("r-0", [1, 2, 3], params),
         EngineRequest("r-1", [4], SamplingParams()),
+        EngineRequest("r-2", [5], SamplingParams(guided=shaped)),  # a grammar after thinking
     ]
     assert decode_requests(encode_requests(requests)) == requests
 
