@@ -34,9 +34,10 @@ def available(dtype: torch.dtype, head_dim: int) -> bool:
         return False
     try:
         import flashinfer  # noqa: F401
-    except Exception as exc:  # absent, or installed against another CUDA / torch
-        if not isinstance(exc, ImportError):
-            log.warning("FlashInfer does not import here: %s", exc)
+    except ImportError:
+        return False
+    except Exception as exc:  # installed against another CUDA or torch
+        log.warning("FlashInfer does not import here: %s", exc)
         return False
     try:
         device = torch.device("cuda")

@@ -160,13 +160,13 @@ class CudaOps(ModelOps):
         fits = (m == 1 and k <= 8192) or (
             m <= self.gemv_max_rows and weight.numel() <= self.gemv_small_weights
         )
-        return not (
-            not fits
-            or k % 8
-            or x.stride(1) != 1
-            or (x.stride(0) % 8 and m > 1)
-            or x.data_ptr() % 16
-            or x.dtype == torch.float32
+        return (
+            fits
+            and k % 8 == 0
+            and x.stride(1) == 1
+            and (x.stride(0) % 8 == 0 or m == 1)
+            and x.data_ptr() % 16 == 0
+            and x.dtype != torch.float32
         )
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
