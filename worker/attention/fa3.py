@@ -11,6 +11,7 @@ head size (minutes; cached on disk by FlashInfer afterwards).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from functools import cache
 from typing import Any
@@ -63,9 +64,12 @@ def resolve(prefill_kernel: str, dtype: torch.dtype, head_dim: int) -> str:
 
 
 class Fa3Prefill:
-    """One planned prefill a step, run for every layer. Two FlashInfer wrappers are used in
-    turn: `plan` writes a wrapper's pinned buffer and queues its copy to the device, and with
-    overlapped scheduling the next step is planned before this one's copy has surely run."""
+    """One planned prefill a step, run for every layer, planned without waiting for the device.
+    FlashInfer copies a plan to the device from host tensors with `non_blocking`, which from
+    pageable memory waits for the device (the overlapped launch then stalls), so the lengths
+    go in pinned. Its own pinned plan buffer is rewritten by the next plan of the same wrapper:
+    two wrappers are used in turn, and a wrapper is planned again only once the copy of its
+    last plan has run (an event; with at most two steps in flight it always has)."""
 
     def __init__(self, device: torch.device):
         import flashinfer
@@ -75,6 +79,7 @@ class Fa3Prefill:
             flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa3")
             for _ in range(2)
         ]
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()]
         self._turn = 0
 
     def plan(
@@ -91,14 +96,12 @@ class Fa3Prefill:
         """The step's layout: sequence i has q_lens[i] new tokens, the last of its kv_lens[i]
         tokens, whose cache slots are `slots` (int32 on the device, sequences in order)."""
         self._turn ^= 1
-        # the lengths on the host: FlashInfer plans from host copies, which these need no sync for
-        qo_indptr = torch.tensor([0, *q_lens]).cumsum(0, dtype=torch.int32)
-        kv_indptr = torch.tensor([0, *kv_lens]).cumsum(0, dtype=torch.int32)
+        self._copied[self._turn].synchronize()  # an event never recorded returns at once
         self._wrappers[self._turn].plan(
-            qo_indptr,
-            kv_indptr,
+            _pinned_offsets(q_lens),
+            _pinned_offsets(kv_lens),
             slots,
-            torch.ones(len(kv_lens), dtype=torch.int32),  # every page holds one token
+            _pinned([1] * len(kv_lens)),  # every page holds one token
             num_heads,
             num_kv_heads,
             head_dim,
@@ -107,7 +110,9 @@ class Fa3Prefill:
             sm_scale=scale,
             q_data_type=dtype,
             kv_data_type=dtype,
+            seq_lens=_pinned(kv_lens),  # else FlashInfer derives them into pageable memory
         )
+        self._copied[self._turn].record()
 
     def run(
         self,
@@ -120,3 +125,14 @@ class Fa3Prefill:
         Hkv, D]`, into `out` when given."""
         cache_kv = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))
         return self._wrappers[self._turn].run(q, cache_kv, out=out)
+
+
+def _pinned(values: list[int]) -> torch.Tensor:
+    """int32 in pinned host memory: torch's caching host allocator reuses a block only once
+    the copies queued from it have run."""
+    return torch.tensor(values, dtype=torch.int32).pin_memory()
+
+
+def _pinned_offsets(lengths: list[int]) -> torch.Tensor:
+    """[0, l0, l0 + l1, ...] as `_pinned` gives it."""
+    return _pinned([0, *itertools.accumulate(lengths)])
