@@ -5,6 +5,7 @@ with transformers in bf16."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -27,6 +28,9 @@ pytestmark = [
 ]
 
 MAX_RUNNING = 32
+# The suite on another prompt kernel: `KVRAY_TEST_PREFILL_KERNEL=fa3` (FlashInfer's FA3, opt-in
+# while this suite crashes with it: docs/performance.md)
+PREFILL_KERNEL = os.environ.get("KVRAY_TEST_PREFILL_KERNEL", "auto")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +45,8 @@ def _engine(path, **overrides) -> Engine:
     """Prompt steps run eagerly here unless a test asks for prompt graphs (on by default in
     EngineConfig): the tests below compare the two paths."""
     cfg = dict(model=str(path), load_format="random", dtype="bfloat16", device="cuda", max_running=MAX_RUNNING,
-               max_seq_len=2048, num_pages=2048, page_size=16, prompt_graph_tokens=0)  # fmt: skip
+               max_seq_len=2048, num_pages=2048, page_size=16, prompt_graph_tokens=0,
+               prefill_kernel=PREFILL_KERNEL)  # fmt: skip
     return Engine(EngineConfig.from_flat(**{**cfg, **overrides}))
 
 

@@ -44,10 +44,10 @@ class CudaBackend(AttentionBackend):
         self.ws = workspace
         # "kvray": always kvray's kernel; "flash": FlashAttention-2 wherever it runs; "fa3":
         # per batch by `flash.prefers_flash`, FlashInfer's FA3 (not with an FP8 cache, whose
-        # per-token scales FA3 lacks) or kvray's; "auto": fa3 where FA3 runs (`fa3.resolve`),
-        # else by shape with FA2.
+        # per-token scales FA3 lacks) or kvray's; "auto": by shape with FA2. FA3 stays opt-in
+        # while the engine's GPU suite crashes with it (docs/performance.md).
         dtype = workspace.decode_out.dtype
-        self.prefill_kernel = prefill_kernel = fa3.resolve(prefill_kernel, dtype, head_dim)
+        self.prefill_kernel = prefill_kernel
         if prefill_kernel == "flash" and not flash.available(dtype, head_dim):
             raise RuntimeError("prefill_kernel=flash: torch's FlashAttention-2 does not run here")
         if prefill_kernel == "fa3" and not fa3.available(dtype, head_dim):

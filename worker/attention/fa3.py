@@ -55,14 +55,6 @@ def available(dtype: torch.dtype, head_dim: int) -> bool:
     return True
 
 
-def resolve(prefill_kernel: str, dtype: torch.dtype, head_dim: int) -> str:
-    """The prompt kernel setting a CUDA backend runs: `auto` becomes `fa3` where FA3 runs,
-    since it measured 1.7-2.1x FlashAttention-2 on every prompt shape (docs/performance.md)."""
-    if prefill_kernel == "auto" and available(dtype, head_dim):
-        return "fa3"
-    return prefill_kernel
-
-
 class Fa3Prefill:
     """One planned prefill a step, run for every layer, planned without waiting for the device.
     FlashInfer copies a plan to the device from host tensors with `non_blocking`, which from
