@@ -23,6 +23,10 @@ log = logging.getLogger("kvray.attention")
 _DTYPES = (torch.bfloat16, torch.float16)
 _HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
+# FA3 reads the page indices of a whole K/V tile (64-192 tokens) past a sequence's last one,
+# unchecked ("the user's responsibility", FlashInfer's BlockSparseIndexedGather): after the
+# last sequence's slots come this many more, all slot 0, so that read stays in the tensor.
+INDEX_PAD = 256
 
 
 @cache
@@ -92,7 +96,7 @@ class Fa3Prefill:
         self._wrappers[self._turn].plan(
             _pinned_offsets(q_lens),
             _pinned_offsets(kv_lens),
-            slots,
+            torch.nn.functional.pad(slots, (0, INDEX_PAD)),
             _pinned([1] * len(kv_lens)),  # every page holds one token
             num_heads,
             num_kv_heads,
