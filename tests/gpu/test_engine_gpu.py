@@ -29,7 +29,7 @@ pytestmark = [
 
 MAX_RUNNING = 32
 # The suite on another prompt kernel: `KVRAY_TEST_PREFILL_KERNEL=fa3` (FlashInfer's FA3, opt-in
-# while this suite crashes with it: docs/performance.md)
+# until this suite passes on it: gpu-check's fa3-engine step, docs/performance.md)
 PREFILL_KERNEL = os.environ.get("KVRAY_TEST_PREFILL_KERNEL", "auto")
 
 
