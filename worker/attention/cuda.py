@@ -45,7 +45,7 @@ class CudaBackend(AttentionBackend):
         # "kvray": always kvray's kernel; "flash": FlashAttention-2 wherever it runs; "fa3":
         # per batch by `flash.prefers_flash`, FlashInfer's FA3 (not with an FP8 cache, whose
         # per-token scales FA3 lacks) or kvray's; "auto": by shape with FA2. FA3 stays opt-in
-        # while the engine's GPU suite crashes with it (docs/performance.md).
+        # until the engine's GPU suite passes on it (docs/performance.md).
         dtype = workspace.decode_out.dtype
         self.prefill_kernel = prefill_kernel
         if prefill_kernel == "flash" and not flash.available(dtype, head_dim):
