@@ -1,7 +1,7 @@
 """CudaBackend: kvray's csrc kernels — fused KV store, split-KV paged decode, ragged prefill —
-and, for prompt chunks where they are faster, FlashInfer's FlashAttention-3 over the cache in
-place where FlashInfer is installed on Hopper (fa3.py), else torch's FlashAttention-2 over
-gathered K/V (flash.py).
+and, for prompt chunks where it is faster, torch's FlashAttention-2 over gathered K/V
+(flash.py) or, when asked for (`prefill_kernel: fa3`), FlashInfer's FlashAttention-3 over the
+cache in place (fa3.py).
 
 Decode writes into the workspace's `decode_out` / `decode_o_part` / `decode_ml_part` and its
 launch grid depends on shapes only, so a decode step can be captured in a CUDA graph.

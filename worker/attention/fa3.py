@@ -1,8 +1,9 @@
 """Prefill attention through FlashInfer's FlashAttention-3 kernels (Hopper: wgmma, TMA,
 warp-specialised pipelining), reading K/V in place in the paged cache.
 
-FlashInfer is optional (`pip install flashinfer-python`); without it, or off sm_90, the CUDA
-backend keeps its own kernels and torch's FlashAttention-2. The cache is handed over as
+FlashInfer is optional (`pip install flashinfer-python`) and this path opt-in
+(`prefill_kernel: fa3`); without it, or off sm_90, the CUDA backend keeps its own kernels and
+torch's FlashAttention-2. The cache is handed over as
 pages of one token (`[n_slots, 1, Hkv, D]`) and each sequence's slots as its page list, so
 nothing is gathered: FlashInfer's FA3 path reads a page-size-1 cache token by token
 ("vector-sparse") in any case. The first use JIT-compiles the kernels for this dtype and
