@@ -551,12 +551,14 @@ def _prefill_case(name: str, seqs: list[tuple[int, int]], with_fa3: bool) -> dic
             "flash_us": flash_us, "flash_tflops": flops / flash_us / 1e6 if flash_us else None,
             "fa3_us": fa3_us, "fa3_tflops": flops / fa3_us / 1e6 if fa3_us else None,
             "fa3_max_abs_diff_vs_kvray": fa3_diff, "fa3_error": fa3_error,
-            "engine_picks": _engine_picks(seqs, flash_us)}  # fmt: skip
+            "engine_picks": _engine_picks(seqs, flash_us, fa3_us)}  # fmt: skip
 
 
-def _engine_picks(seqs: list[tuple[int, int]], flash_us: float | None) -> str:
-    """The kernel `prefill_kernel: auto` runs for this batch: kvray's for short chunks, else
-    FlashAttention-2 where it runs (FA3 only when asked for)."""
+def _engine_picks(seqs: list[tuple[int, int]], flash_us: float | None, fa3_us: float | None) -> str:
+    """The kernel `prefill_kernel: auto` runs for this batch: FA3 where it runs, else kvray's
+    for short chunks and FlashAttention-2 (where it runs) for the rest."""
+    if fa3_us:
+        return "fa3"
     if not flash.prefers_flash([q for q, _ in seqs]):
         return "kvray"
     return "flash" if flash_us else "kvray"

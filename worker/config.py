@@ -47,7 +47,7 @@ class EngineAdvanced(BaseModel):
     )
     prefill_kernel: Literal["auto", "kvray", "flash", "fa3"] = Field(
         "auto",
-        description="CUDA prompt attention: kvray's kernel, torch's FlashAttention-2 over gathered K/V, fa3 = FlashInfer's FlashAttention-3 over the cache in place where FlashAttention-2 would run (needs flashinfer-python and an sm_90 GPU), or auto = per batch by shape, FlashAttention-2 where it runs (kvray's kernel where it does not)",
+        description="CUDA prompt attention: kvray's kernel, torch's FlashAttention-2 over gathered K/V, fa3 = FlashInfer's FlashAttention-3 over the cache in place (needs flashinfer-python and an sm_90 GPU), or auto = fa3 where it runs, else per batch by shape, FlashAttention-2 where it runs (kvray's kernel where it does not)",
     )
     cuda_graphs: bool = Field(True, description="capture decode CUDA graphs (CUDA backend only)")
     prompt_graph_tokens: int = Field(

@@ -28,8 +28,8 @@ pytestmark = [
 ]
 
 MAX_RUNNING = 32
-# The suite on another prompt kernel: `KVRAY_TEST_PREFILL_KERNEL=fa3` (FlashInfer's FA3, opt-in
-# until this suite passes on it: gpu-check's fa3-engine step, docs/performance.md)
+# The suite on another prompt kernel: `KVRAY_TEST_PREFILL_KERNEL=fa3` (FlashInfer's FA3, which
+# `auto` takes only where FlashInfer is installed: gpu-check's fa3-engine step)
 PREFILL_KERNEL = os.environ.get("KVRAY_TEST_PREFILL_KERNEL", "auto")
 
 

@@ -88,3 +88,11 @@ def test_unavailable_without_a_hopper_gpu():
     fa3.available.cache_clear()
     assert not fa3.available(torch.bfloat16, 128)
     assert not fa3.available(torch.float32, 128)
+
+
+def test_auto_takes_fa3_only_where_it_runs(monkeypatch):
+    monkeypatch.setattr(fa3, "available", lambda dtype, head_dim: True)
+    assert fa3.resolve("auto", torch.bfloat16, 128) == "fa3"
+    assert fa3.resolve("flash", torch.bfloat16, 128) == "flash"  # asked for: kept
+    monkeypatch.setattr(fa3, "available", lambda dtype, head_dim: False)
+    assert fa3.resolve("auto", torch.bfloat16, 128) == "auto"
