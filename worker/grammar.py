@@ -21,7 +21,7 @@ time; copies of one compiled matcher share what it has built.
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -53,48 +53,27 @@ class GrammarError(ValueError):
 
 
 class CompiledGrammar:
-    """A spec's matcher in its initial state, compiled up to `compiles` times; requests start
-    from copies of them in turn.
+    """A spec's matchers in their initial state, one per compile of it; requests start from
+    copies of them in turn.
 
-    Copies of one matcher share the lexer states it builds lazily, behind a lock, so a step's
-    rows copied from one matcher are filled one after another even by llguidance's pool. The
-    first copies come from the first compile; each later request asks `more` (the compile
-    pool) for one more compile until there are `compiles`.
+    Copies of one compile share the lexer states it builds lazily, behind a lock, so a step's
+    rows copied from one compile are filled one after another even by llguidance's pool. All
+    the compiles are made before the first request gets its copy: requests of one spec that
+    arrive together (a burst, what a JSON pipeline sends) then fill in parallel too.
     """
 
-    def __init__(
-        self,
-        matcher: Any,
-        seconds: float,
-        compiles: int = 1,
-        more: Callable[[CompiledGrammar], object] | None = None,
-    ):
-        self.seconds = seconds  # what compiling it took
-        self._matchers = [matcher]
-        self._lock = threading.Lock()
-        self._turn = 0
-        self._wanted = compiles - 1 if more is not None else 0
-        self._more = more
+    def __init__(self, matchers: list[Any], seconds: float):
+        self.seconds = seconds  # what one compile took
+        self._matchers = matchers
+        self._turn = itertools.count()  # next() is atomic: compile callbacks call state()
 
     @property
     def compiles(self) -> int:
         return len(self._matchers)
 
     def state(self) -> GrammarState:
-        with self._lock:
-            matcher = self._matchers[self._turn % len(self._matchers)]
-            self._turn += 1
-            grow = self._wanted > 0
-            self._wanted -= grow
-        if grow:
-            assert self._more is not None
-            self._more(self)
+        matcher = self._matchers[next(self._turn) % len(self._matchers)]
         return GrammarState(matcher.deep_copy())
-
-    def add(self, matcher: Any) -> None:
-        """One more compile of the same spec (from the pool)."""
-        with self._lock:
-            self._matchers.append(matcher)
 
 
 class GrammarState:
@@ -130,8 +109,8 @@ class GrammarCompiler:
         capacity: int = CACHE_SIZE,
         compiles: int = 1,
     ):
-        """`compiles`: how many times a spec is compiled, at most, for its requests' matchers
-        to come from (`CompiledGrammar`); as many as the masks are filled in parallel."""
+        """`compiles`: how many times a spec is compiled, for its requests' matchers to come
+        from (`CompiledGrammar`); as many as the masks are filled in parallel."""
         self._hf, self.vocab_size = hf_tokenizer, vocab_size
         self._compiles = compiles
         # a config's EOS id beyond the tokenizer's vocabulary is no token a grammar can allow
@@ -170,14 +149,11 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         seconds = time.perf_counter() - start
-
-        def more(compiled: CompiledGrammar) -> None:
-            with contextlib.suppress(RuntimeError):  # a pool shut down: the engine stops
-                self._pool.submit(
-                    lambda: compiled.add(llguidance.LLMatcher(tokenizer, text, log_level=0))
-                )
-
-        return CompiledGrammar(matcher, seconds, self._compiles, more)
+        # the further compiles (~0.5 ms each) cost a spec's first request a few ms, once
+        more = [
+            llguidance.LLMatcher(tokenizer, text, log_level=0) for _ in range(self._compiles - 1)
+        ]
+        return CompiledGrammar([matcher, *more], seconds)
 
     def tokenizer(self) -> Any:
         """llguidance's view of the tokenizer, built once."""
