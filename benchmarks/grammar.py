@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             check.append(t1 - t0)
             compile_.append(t2 - t1)
             first.append(t3 - t2)
-        compiled[name] = CompiledGrammar([matcher], compile_[-1])
+        compiled[name] = CompiledGrammar(matcher, compile_[-1])
     fill, build = _walk_masks(compiled, tokenizer, vocab, args.walk_tokens, args.seed)
     result: dict[str, Any] = {
         "tokenizer": args.tokenizer,

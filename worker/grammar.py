@@ -5,8 +5,8 @@ per-step token bitmasks the sampler applies on the device.
   tokenizer, in a small thread pool, and keeps the result (or its error) per spec, most
   recently used first. `compile` returns a Future at once: the engine holds a request
   back until its grammar is ready, and never waits for one on its loop thread.
-- `GrammarState` is one request's matcher (a copy of the compiled one) and how many of its
-  output tokens it has consumed.
+- `GrammarState` is one request's matcher (a copy of a compiled one, taken at its first use)
+  and how many of its output tokens it has consumed.
 - `MaskBuilder` fills, each step, one row of bits per constrained request into pinned host
   memory and copies the rows to the device in one copy, as a `worker.sampling.TokenMask`.
   The executor starts it after the step's forward is queued and takes the mask only when
@@ -21,7 +21,7 @@ time; copies of one compiled matcher share what it has built.
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import logging
 import threading
 import time
@@ -53,36 +53,78 @@ class GrammarError(ValueError):
 
 
 class CompiledGrammar:
-    """A spec's matchers in their initial state, one per compile of it; requests start from
-    copies of them in turn.
+    """A spec's matchers in their initial state, one per compile of it, for requests'
+    matchers to be copied from.
 
     Copies of one compile share the lexer states it builds lazily, behind a lock, so a step's
-    rows copied from one compile are filled one after another even by llguidance's pool. All
-    the compiles are made before the first request gets its copy: requests of one spec that
-    arrive together (a burst, what a JSON pipeline sends) then fill in parallel too.
+    rows copied from one compile are filled one after another even by llguidance's pool. So
+    each request of a spec after its first asks `more` (the compile pool) for one more
+    compile, up to `compiles`, and a request's copy is taken at its first use (its first
+    mask, a prefill later) from the compile fewest requests have copied: requests that
+    arrive together, a burst of one schema, then get compiles of their own. A spec used
+    once is compiled once.
     """
 
-    def __init__(self, matchers: list[Any], seconds: float):
+    def __init__(
+        self,
+        matcher: Any,
+        seconds: float,
+        compiles: int = 1,
+        more: Callable[[CompiledGrammar], object] | None = None,
+    ):
         self.seconds = seconds  # what one compile took
-        self._matchers = matchers
-        self._turn = itertools.count()  # next() is atomic: compile callbacks call state()
+        self._matchers = [matcher]
+        self._copies = [0]  # requests' copies of each
+        self._lock = threading.Lock()
+        self._requests = 0
+        self._wanted = compiles - 1 if more is not None else 0
+        self._more = more
 
     @property
     def compiles(self) -> int:
         return len(self._matchers)
 
     def state(self) -> GrammarState:
-        matcher = self._matchers[next(self._turn) % len(self._matchers)]
-        return GrammarState(matcher.deep_copy())
+        """A new request's state; its matcher is copied at its first use (`copy`)."""
+        with self._lock:
+            self._requests += 1
+            grow = self._requests > 1 and self._wanted > 0
+            self._wanted -= grow
+        if grow:
+            assert self._more is not None
+            self._more(self)
+        return GrammarState(self)
+
+    def copy(self) -> Any:
+        """A copy of the compile fewest requests have copied so far."""
+        with self._lock:
+            i = min(range(len(self._copies)), key=self._copies.__getitem__)
+            self._copies[i] += 1
+            matcher = self._matchers[i]
+        return matcher.deep_copy()
+
+    def add(self, matcher: Any) -> None:
+        """One more compile of the same spec (from the pool)."""
+        with self._lock:
+            self._matchers.append(matcher)
+            self._copies.append(0)
 
 
 class GrammarState:
     """One request's place in its grammar: it has consumed `consumed` output tokens."""
 
-    def __init__(self, matcher: Any):
-        self.matcher = matcher
+    def __init__(self, compiled: CompiledGrammar):
+        self._compiled: CompiledGrammar | None = compiled
+        self._matcher: Any = None
         self.consumed = 0
         self.error: str | None = None  # set when a token was refused: the request fails
+
+    @property
+    def matcher(self) -> Any:
+        if self._matcher is None:
+            assert self._compiled is not None
+            self._matcher, self._compiled = self._compiled.copy(), None
+        return self._matcher
 
     def consume(self, tokens: Iterable[int]) -> None:
         for token in tokens:
@@ -109,8 +151,8 @@ class GrammarCompiler:
         capacity: int = CACHE_SIZE,
         compiles: int = 1,
     ):
-        """`compiles`: how many times a spec is compiled, for its requests' matchers to come
-        from (`CompiledGrammar`); as many as the masks are filled in parallel."""
+        """`compiles`: how many times a spec is compiled, at most, for its requests' matchers
+        to come from (`CompiledGrammar`); as many as the masks are filled in parallel."""
         self._hf, self.vocab_size = hf_tokenizer, vocab_size
         self._compiles = compiles
         # a config's EOS id beyond the tokenizer's vocabulary is no token a grammar can allow
@@ -149,11 +191,14 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         seconds = time.perf_counter() - start
-        # the further compiles (~0.5 ms each) cost a spec's first request a few ms, once
-        more = [
-            llguidance.LLMatcher(tokenizer, text, log_level=0) for _ in range(self._compiles - 1)
-        ]
-        return CompiledGrammar([matcher, *more], seconds)
+
+        def more(compiled: CompiledGrammar) -> None:
+            with contextlib.suppress(RuntimeError):  # a pool shut down: the engine stops
+                self._pool.submit(
+                    lambda: compiled.add(llguidance.LLMatcher(tokenizer, text, log_level=0))
+                )
+
+        return CompiledGrammar(matcher, seconds, self._compiles, more)
 
     def tokenizer(self) -> Any:
         """llguidance's view of the tokenizer, built once."""
