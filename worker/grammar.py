@@ -57,12 +57,11 @@ class CompiledGrammar:
     matchers to be copied from.
 
     Copies of one compile share the lexer states it builds lazily, behind a lock, so a step's
-    rows copied from one compile are filled one after another even by llguidance's pool. So
-    each request of a spec after its first asks `more` (the compile pool) for one more
-    compile, up to `compiles`, and a request's copy is taken at its first use (its first
-    mask, a prefill later) from the compile fewest requests have copied: requests that
-    arrive together, a burst of one schema, then get compiles of their own. A spec used
-    once is compiled once.
+    rows copied from one compile are filled one after another even by llguidance's pool.
+    So each request of a spec after its first asks `more` (the compile pool) for one more
+    compile, up to `compiles`, and takes its copy only at its first mask, after its prompt,
+    from the least copied compile: a burst of one schema spreads over the compiles made
+    meanwhile, and a spec used once is compiled once.
     """
 
     def __init__(
