@@ -22,6 +22,7 @@ time; copies of one compiled matcher share what it has built.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -113,17 +114,13 @@ class GrammarState:
     """One request's place in its grammar: it has consumed `consumed` output tokens."""
 
     def __init__(self, compiled: CompiledGrammar):
-        self._compiled: CompiledGrammar | None = compiled
-        self._matcher: Any = None
+        self._compiled = compiled
         self.consumed = 0
         self.error: str | None = None  # set when a token was refused: the request fails
 
-    @property
+    @functools.cached_property
     def matcher(self) -> Any:
-        if self._matcher is None:
-            assert self._compiled is not None
-            self._matcher, self._compiled = self._compiled.copy(), None
-        return self._matcher
+        return self._compiled.copy()
 
     def consume(self, tokens: Iterable[int]) -> None:
         for token in tokens:
