@@ -276,19 +276,22 @@ def workload_floor(
 ) -> dict[str, float]:
     """The fastest an H200 could run `workload` one step at a time, as the engine does, all
     requests starting together, as here: a request's prompt step gives its first token, then
-    decode step k (k >= 1) carries every request with more than k output tokens and reads the
-    weights (`weight_bytes(batch)`) and each one's KV (prompt + k tokens) at the copy
-    bandwidth; the prompts take 2 x params FLOPs a token at the bf16 peak. Prompt tokens
-    sharing steps with decodes could go below it; this is the floor of steps in series."""
+    decode step k (k >= 1) carries every request with more than k output tokens; its linear
+    layers take the longer of reading the weights (`weight_bytes(batch)`) at the copy
+    bandwidth and their 2 x params FLOPs a token at the bf16 peak (past ~190 requests the
+    latter), then it reads each request's KV (prompt + k tokens); the prompts take 2 x params
+    FLOPs a token at the peak. Prompt tokens sharing steps with decodes could go below it;
+    this is the floor of steps in series."""
     ins = torch.tensor([len(p) for p in workload.prompts], dtype=torch.float64)
     outs = torch.tensor(workload.output_lens)
-    decode_s = 0.0
+    decode_s, flop_s = 0.0, 2 * params_per_token / (BF16_TFLOPS * 1e12)  # seconds a token
     for k in range(1, int(outs.max()) if len(outs) else 0):
         live = outs > k
         batch = int(live.sum())
         kv = float((ins[live] + k).sum()) * kv_bytes_per_token
-        decode_s += (weight_bytes(batch) + kv) / (COPY_TBPS * 1e12)
-    prefill_s = 2 * params_per_token * workload.input_tokens / (BF16_TFLOPS * 1e12)
+        linear_s = max(weight_bytes(batch) / (COPY_TBPS * 1e12), flop_s * batch)
+        decode_s += linear_s + kv / (COPY_TBPS * 1e12)
+    prefill_s = flop_s * workload.input_tokens
     seconds = decode_s + prefill_s
     return {
         "decode_s": decode_s,
