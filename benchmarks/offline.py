@@ -278,13 +278,14 @@ def workload_floor(
     requests starting together, as here: a request's prompt step gives its first token, then
     decode step k (k >= 1) carries every request with more than k output tokens; its linear
     layers take the longer of reading the weights (`weight_bytes(batch)`) at the copy
-    bandwidth and their 2 x params FLOPs a token at the bf16 peak (past ~190 requests the
-    latter), then it reads each request's KV (prompt + k tokens); the prompts take 2 x params
-    FLOPs a token at the peak. Prompt tokens sharing steps with decodes could go below it;
-    this is the floor of steps in series."""
+    bandwidth and their 2 x params FLOPs a token at the bf16 peak (at the 8B shape the
+    latter past ~190 requests), then it reads each request's KV (prompt + k tokens); the
+    prompts take 2 x params FLOPs a token at the peak. Prompt tokens sharing steps with
+    decodes could go below it; this is the floor of steps in series."""
     ins = torch.tensor([len(p) for p in workload.prompts], dtype=torch.float64)
     outs = torch.tensor(workload.output_lens)
-    decode_s, flop_s = 0.0, 2 * params_per_token / (BF16_TFLOPS * 1e12)  # seconds a token
+    flop_s = 2 * params_per_token / (BF16_TFLOPS * 1e12)  # one token's FLOPs at the peak
+    decode_s = 0.0
     for k in range(1, int(outs.max()) if len(outs) else 0):
         live = outs > k
         batch = int(live.sum())
