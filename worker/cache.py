@@ -254,8 +254,9 @@ class KVCache(CacheView):
         self, tasks, rows, starts, seq_lens, n_tokens: int, carried: Sequence[tuple[int, int]]
     ) -> torch.Tensor | None:
         """Every buffer from the host lists, with whole-batch numpy ops (one small op per
-        request would cost more than the bind). Returns the rows of the
-        tasks that sample when some do not (`ForwardBatch.sample_rows`), else None."""
+        request would cost more than the bind), then one copy of the workspace's metadata
+        block. Returns the rows of the tasks that sample when some do not
+        (`ForwardBatch.sample_rows`), else None."""
         ws, b = self.ws, len(tasks)
         if self._staged is not None:
             self._staged.synchronize()
@@ -278,28 +279,18 @@ class KVCache(CacheView):
         h32[2, 1 : b + 1] = qo
         h32[3, 1 : b + 1] = np.cumsum(seq_lens)
         hl = ws.host_logits.numpy()
-        hl[:b] = h32[2, 1 : b + 1] - 1
-        hl[b : 2 * b] = np.asarray(rows, dtype=np.int64) * self.req_pool.host.shape[1]
-        ws.input_ids[:n_tokens].copy_(ws.host_i64[0, :n_tokens], non_blocking=True)
-        ws.positions[:n_tokens].copy_(ws.host_i64[1, :n_tokens], non_blocking=True)
-        ws.out_cache_loc[:n_tokens].copy_(ws.host_i64[2, :n_tokens], non_blocking=True)
-        ws.req_pool_indices[:b].copy_(ws.host_i32[0, :b], non_blocking=True)
-        ws.seq_lens[:b].copy_(ws.host_i32[1, :b], non_blocking=True)
-        ws.qo_indptr[: b + 1].copy_(ws.host_i32[2, : b + 1], non_blocking=True)
-        ws.kv_indptr[: b + 1].copy_(ws.host_i32[3, : b + 1], non_blocking=True)
-        ws.logits_indices[:b].copy_(ws.host_logits[:b], non_blocking=True)
-        ws.row_base[:b].copy_(ws.host_logits[b : 2 * b], non_blocking=True)
+        hl[0, :b] = h32[2, 1 : b + 1] - 1
+        hl[1, :b] = np.asarray(rows, dtype=np.int64) * self.req_pool.host.shape[1]
         sampling = np.flatnonzero(np.fromiter((t.samples for t in tasks), dtype=bool, count=b))
         sample_rows = None
         if len(sampling) < b:  # a prompt chunk that does not end its prompt samples nothing
-            k = len(sampling)
-            hl[2 * b : 2 * b + k] = sampling
-            sample_rows = ws.sample_rows[:k]
-            sample_rows.copy_(ws.host_logits[2 * b : 2 * b + k], non_blocking=True)
+            hl[2, : len(sampling)] = sampling
+            sample_rows = ws.sample_rows[: len(sampling)]
+        if carried:
+            ws.host_carry.numpy()[:, : len(carried)] = np.asarray(carried, dtype=np.int64).T
+        ws.meta.copy_(ws.host_meta, non_blocking=True)
         if carried:  # input_ids[at] = next_token_ids[row], over the host's placeholders
             n = len(carried)
-            ws.host_carry.numpy()[:, :n] = np.asarray(carried, dtype=np.int64).T
-            ws.carry.copy_(ws.host_carry, non_blocking=True)
             torch.index_select(ws.next_token_ids, 0, ws.carry[1, :n], out=ws.carried_ids[:n])
             ws.input_ids.index_copy_(0, ws.carry[0, :n], ws.carried_ids[:n])
         if self._staged is not None:

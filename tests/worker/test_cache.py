@@ -136,6 +136,33 @@ def test_a_bind_names_the_tasks_that_sample_when_some_do_not():
     assert both.sample_rows is None  # the chunk ends its prompt: every task samples
 
 
+def test_each_bind_field_sits_where_its_host_twin_does():
+    """A non-steady bind copies the host metadata block whole: every device field must lie at
+    its host twin's offset, with its dtype, and start on 64 bytes as an allocation would."""
+    ws = InferenceWorkspace(max_tokens=13, max_running=5, max_seq_len=64, num_heads=2, head_dim=8,
+                            dtype=torch.float32, device=torch.device("cpu"), split_kv=False)  # fmt: skip
+    twins = [
+        (ws.input_ids, ws.host_i64[0]), (ws.positions, ws.host_i64[1]),
+        (ws.out_cache_loc, ws.host_i64[2]), (ws.logits_indices, ws.host_logits[0]),
+        (ws.row_base, ws.host_logits[1]), (ws.sample_rows, ws.host_logits[2]),
+        (ws.carry[0], ws.host_carry[0]), (ws.carry[1], ws.host_carry[1]),
+        (ws.req_pool_indices, ws.host_i32[0]), (ws.seq_lens, ws.host_i32[1]),
+        (ws.qo_indptr, ws.host_i32[2]), (ws.kv_indptr, ws.host_i32[3]),
+    ]  # fmt: skip
+    offsets = []
+    for field, host in twins:
+        offset = field.data_ptr() - ws.meta.data_ptr()
+        assert offset == host.data_ptr() - ws.host_meta.data_ptr() and offset % 64 == 0
+        assert field.dtype == host.dtype and field.is_contiguous() and len(host) >= len(field)
+        offsets.append((offset, offset + field.numel() * field.element_size()))
+    lengths = (len(ws.input_ids), len(ws.seq_lens), len(ws.carry[0]), len(ws.kv_indptr))
+    assert lengths == (13, 5, 5, 6)
+    assert all(
+        end <= start for (_, end), (start, _) in zip(offsets, offsets[1:], strict=False)
+    )  # apart
+    assert offsets[-1][1] <= ws.meta.numel() * 8
+
+
 def test_prefix_summary_lists_cached_keys_most_recently_used_first() -> None:
     # what a replica reports to the router: a hit moves its keys to the front; an evicted page's
     # key leaves; at most max_pages of them
