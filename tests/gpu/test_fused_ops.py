@@ -148,6 +148,28 @@ def test_rotary_on_strided_qk_views_matches_torch(dtype):
     _check_all(failures)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_on_views_off_16_byte_alignment_matches_torch(dtype):
+    """q and k one element into their buffer (and D = 36, whose halves are not whole 16-byte
+    groups): the kernel's one-pair-a-thread path, the same bits."""
+    torch.manual_seed(6)
+    failures = []
+    for d, offset in [(128, 1), (36, 0)]:
+        c_tab, s_tab = _rope_tables(1024, d)
+        for t in [1, 7, 64]:
+            buf = _rand(t * (8 + 2 * 2) * d + offset, dtype=dtype)
+            _, q, k, v = _split_qkv(buf[offset:].view(t, -1), 8, 2, d)
+            positions = torch.randint(0, 1024, (t,), device=DEV)
+            c, s = c_tab[positions].to(dtype).unsqueeze(1), s_tab[positions].to(dtype).unsqueeze(1)
+            want_q, want_k = apply_rope(q, c, s), apply_rope(k, c, s)
+            cuda_ops.rotary(q, k, positions, c_tab, s_tab)
+            if not (torch.equal(q, want_q) and torch.equal(k, want_k)):
+                failures.append(
+                    f"D={d} offset={offset} T={t}: q {_diff(q, want_q)}, k {_diff(k, want_k)}"
+                )
+    _check_all(failures)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rotary_store_kv_gives_the_bits_of_rotary_then_store_kv(dtype):
     """The decode step's fused launch: q and k rotated in place and the rotated k and v
