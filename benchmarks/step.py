@@ -31,6 +31,10 @@ FlashInfer's FlashAttention-3), for the TTFT and mixed steps.
 attention, KV store, norm/rope/activation, sampling; the twelve costliest kernels by name;
 and the host time the GPU does not cover) for decode at the smallest and largest batch and
 for one lone prompt.
+
+`--trace DIR`: Chrome traces (host and GPU, `.json.gz`) of one lone prompt as the TTFT is
+timed and of graph decode steps at the smallest batch, each with where the GPU sat idle:
+before the first kernel, between kernels (the longest gaps) and after the last.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import json
 import re
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", nargs="+", type=int, default=[32, 128, 512, 1024])
     parser.add_argument("--mixed-steps", type=int, default=10, help="timed mixed steps a row")
     parser.add_argument("--profile", action="store_true", help="print step breakdowns too")
+    parser.add_argument(
+        "--trace", metavar="DIR", help="write Chrome traces of a prompt and decode steps"
+    )
     parser.add_argument(
         "--prefill-kernel",
         choices=["auto", "kvray", "flash", "fa3"],
@@ -260,6 +268,10 @@ def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) 
     if args.profile:
         result.setdefault("profile", []).append(
             _profile_shape(engine, shape, args.batches, args.context)
+        )
+    if args.trace:
+        result.setdefault("trace", []).append(
+            _trace_shape(engine, shape, min(args.batches), args.context, Path(args.trace))
         )
 
 
@@ -485,6 +497,88 @@ def _profile_shape(engine: Engine, shape: str, batches: list[int], context: int)
     _print_breakdown(f"{shape} one {context}-token prompt", b)
     _set(engine, graphs, True)
     return out
+
+
+def idle_spans(kernels: list[tuple[float, float]], start: float, end: float) -> dict[str, Any]:
+    """Where the GPU sat idle from `start` to `end` (µs), given its kernels' (start, end):
+    before the first kernel, between kernels (in all, and the five longest gaps as (offset
+    from `start`, length)) and after the last."""
+    busy: list[list[float]] = []
+    for s, e in sorted(kernels):
+        if busy and s <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], e)
+        else:
+            busy.append([s, e])
+    gaps = [(a[1], b[0]) for a, b in zip(busy, busy[1:], strict=False)]
+    return {
+        "wall_us": end - start,
+        "busy_us": sum(e - s for s, e in busy),
+        "before_us": (busy[0][0] if busy else end) - start,
+        "between_us": sum(b - a for a, b in gaps),
+        "after_us": end - busy[-1][1] if busy else 0.0,
+        "longest": [[a - start, b - a] for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:5]],
+    }
+
+
+def _traced(run: Callable[[], None], path: Path) -> dict[str, Any]:
+    """`run()` under the profiler, host and GPU: its Chrome trace to `path`, and where the GPU
+    sat idle over the host's span of it."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof, record_function("kvray.traced"):
+        run()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    events = prof.events()
+    span = next(e.time_range for e in events if e.name == "kvray.traced")
+    kernels = [
+        (e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA
+    ]
+    return {"trace": path.name, **idle_spans(kernels, span.start, span.end)}
+
+
+def _trace_shape(engine: Engine, shape: str, batch: int, context: int, out: Path) -> dict[str, Any]:
+    """Traces of one lone prompt, run as `_ttft_ms` runs it, and of 5 decode steps at `batch`
+    (graphs and overlap on, as the default variant runs)."""
+    out.mkdir(parents=True, exist_ok=True)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    stream = engine.submit([EngineRequest("trace-prompt", _prompts(1, context, 77)[0], params)])
+
+    def prompt() -> None:
+        while not stream.finished:
+            engine.step()
+
+    traces = {"prompt": _traced(prompt, out / f"{shape}-prompt.json.gz")}
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    requests = [
+        EngineRequest(f"trace-{i}", p, params) for i, p in enumerate(_prompts(batch, context, 78))
+    ]
+    stream = engine.submit(requests)
+    run_until_decoding(engine)
+    for _ in range(3):
+        engine.step()
+
+    def decode() -> None:
+        for _ in range(5):
+            engine.step()
+
+    traces[f"decode_b{batch}"] = _traced(decode, out / f"{shape}-decode-b{batch}.json.gz")
+    stream.close()
+    while engine.has_work:
+        engine.step()
+    for label, row in traces.items():
+        longest = ", ".join(f"{length:.0f} at {at:.0f}" for at, length in row["longest"])
+        print(
+            f"   {shape} {label} traced: {row['wall_us']:.0f} us, GPU busy {row['busy_us']:.0f}; "
+            f"idle before the first kernel {row['before_us']:.0f}, between kernels "
+            f"{row['between_us']:.0f} (longest {longest}), after the last {row['after_us']:.0f}; "
+            f"{out / row['trace']}",
+            flush=True,
+        )
+    return {"shape": shape, **traces}
 
 
 # -- mixed -----------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """`kvray bench step`'s kernel tables (its timings need a GPU)."""
 
-from benchmarks.step import category, kernel_label
+from benchmarks.step import category, idle_spans, kernel_label
 
 
 def test_kernels_are_labelled_by_bare_name_and_filed_by_kind() -> None:
@@ -21,3 +21,13 @@ def test_kernels_are_labelled_by_bare_name_and_filed_by_kind() -> None:
     }
     for name, (label, kind) in names.items():
         assert (kernel_label(name), category(name)) == (label, kind), name
+
+
+def test_idle_spans_merge_overlapping_kernels_and_rank_the_gaps() -> None:
+    # kernels at 10-20 and 15-30 overlap (one busy span), then 40-50 and 52-60; span 0-70
+    idle = idle_spans([(52, 60), (10, 20), (40, 50), (15, 30)], 0, 70)
+    assert idle["busy_us"] == 20 + 10 + 8
+    assert (idle["before_us"], idle["between_us"], idle["after_us"]) == (10, 10 + 2, 10)
+    assert idle["longest"] == [[30, 10], [50, 2]]  # (offset, length), longest first
+    assert idle["wall_us"] == idle["busy_us"] + 10 + 12 + 10
+    assert idle_spans([], 5, 9)["before_us"] == 4  # no kernel: all of it idle
