@@ -34,7 +34,7 @@ class InferenceWorkspace:
             return torch.zeros(n, dtype=torch.int32, device=device)
 
         # The metadata a bind fills from the host, in one block with a host twin of the same
-        # layout, since one copy of it all costs less than a launch per field. int64: ids,
+        # layout, so that a bind issues one copy rather than one per field. int64: ids,
         # positions and slots a token; logits rows, row bases (row * max_seq_len, for the
         # steady slot lookup) and sample rows a request; the carry (input index, sampled row);
         # then int32: rows, lens, qo and kv. Each field starts on 64 bytes, as allocations do.
