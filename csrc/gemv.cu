@@ -9,13 +9,8 @@
 // Gated (the MLP's gate_up projection, w = [gate; up], N = 2 * inter): warp j takes gate
 // row j and up row inter + j and writes silu(gate) * up as silu_and_mul would from the two
 // rounded outputs, bit for bit, so a decode step needs no activation kernel.
-//
-// Normalizing (NORM, the projection right after a pre-norm): each block first builds the
-// RMSNorm of residual + x in shared memory, replaying torch's order of additions, and
-// reads its activations from there; the norm kernel and its launch drop out of the step.
 #include "common.cuh"
 #include "launch.h"
-#include "norm.cuh"
 
 namespace kvray {
 namespace {
@@ -54,55 +49,7 @@ __device__ __forceinline__ void load_w(const uint4* w, int chunks, int64_t row_g
 // The warp's first chunks of w are loaded before the wait on the kernel before: weights are
 // never a previous kernel's output, so with programmatic dependent launch their first bytes
 // are in flight while that kernel finishes.
-// NORM's prologue: rows[m] = rms_norm(residual[m] + x[m]) * norm_weight for the M rows of
-// k elements, with the arithmetic and rounding of fused_add_rms_norm (or rms_norm without a
-// residual); block 0 also writes the summed rows to h_out. Every thread of the block calls it.
-template <typename T, int M>
-__device__ void normalize_rows(const GemvParams& p, T* rows) {
-  __shared__ float partial[M * kNormMaxLanes];
-  __shared__ float inv_rms[M];
-  const int chunks = p.k / 8;
-  const T* x = static_cast<const T*>(p.x);
-  const T* res = static_cast<const T*>(p.residual);
-  for (int i = threadIdx.x; i < M * chunks; i += kThreads) {
-    const int m = i / chunks, c = i % chunks;
-    uint4 v = *reinterpret_cast<const uint4*>(x + m * p.x_stride + c * 8);
-    if (res != nullptr) {
-      const uint4 r = *reinterpret_cast<const uint4*>(res + m * p.res_stride + c * 8);
-      const T* a = reinterpret_cast<const T*>(&v);
-      const T* b = reinterpret_cast<const T*>(&r);
-      uint4 sum;
-      T* h = reinterpret_cast<T*>(&sum);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) h[e] = Num<T>::from_f(__fadd_rn(Num<T>::to_f(b[e]), Num<T>::to_f(a[e])));
-      v = sum;
-      if (blockIdx.x == 0) *reinterpret_cast<uint4*>(static_cast<T*>(p.h_out) + m * p.h_stride + c * 8) = v;
-    }
-    *reinterpret_cast<uint4*>(rows + m * p.k + c * 8) = v;
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < M * p.lanes; i += kThreads) {
-    const int m = i / p.lanes, lane = i % p.lanes;
-    const T* row = rows + m * p.k;
-    partial[m * kNormMaxLanes + lane] =
-        p.vectorized ? lane_sum_vectorized(row, p.k, (m * p.k) & 3, lane, p.lanes, p.lanes_x)
-                     : lane_sum_scalar(row, p.k, lane, p.lanes);
-  }
-  __syncthreads();
-  tree_sum(partial, M, kNormMaxLanes, p.lanes, p.lanes_x);
-  if (threadIdx.x < M)
-    inv_rms[threadIdx.x] = rsqrtf(__fadd_rn(__fmul_rn(partial[threadIdx.x * kNormMaxLanes], p.inv_n), p.eps));
-  __syncthreads();
-  const T* g = static_cast<const T*>(p.norm_weight);
-  for (int i = threadIdx.x; i < M * p.k; i += kThreads) {
-    const int m = i / p.k, e = i % p.k;
-    const float normed = round_to<T>(__fmul_rn(Num<T>::to_f(rows[i]), inv_rms[m]));
-    rows[i] = Num<T>::from_f(__fmul_rn(Num<T>::to_f(g[e]), normed));
-  }
-  __syncthreads();
-}
-
-template <typename T, int M, bool GATED, bool NORM>
+template <typename T, int M, bool GATED>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int inter = p.n / 2;
@@ -117,11 +64,9 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   uint4 wv[kUnroll][kRows];
   if (has_rows) load_w<T>(w, chunks, row_gap, second_row, lane, wv);
   grid_dependency_wait();
-  extern __shared__ uint4 normed[];  // NORM: the M normalized rows, k elements each
-  if constexpr (NORM) normalize_rows<T, M>(p, reinterpret_cast<T*>(normed));
   if (!has_rows) return;
-  const uint4* x = NORM ? normed : reinterpret_cast<const uint4*>(p.x);
-  const int64_t x_chunks = NORM ? chunks : p.x_stride / 8;
+  const uint4* x = reinterpret_cast<const uint4*>(p.x);
+  const int64_t x_chunks = p.x_stride / 8;
   float acc[M][kRows] = {};
   for (int c0 = lane; c0 < chunks; c0 += kWarp * kUnroll) {
     if (c0 != lane) load_w<T>(w, chunks, row_gap, second_row, c0, wv);
@@ -135,7 +80,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
 #pragma unroll
         for (int m = 0; m < M; ++m) {
           float xf[8];
-          unpack8<T>(NORM ? x[m * x_chunks + c] : __ldg(x + m * x_chunks + c), xf);
+          unpack8<T>(__ldg(x + m * x_chunks + c), xf);
 #pragma unroll
           for (int r = 0; r < kRows; ++r)
 #pragma unroll
@@ -181,20 +126,10 @@ cudaError_t launch_rows(const GemvParams& p, cudaStream_t stream) {
   const int rows_per_block = p.gated ? kWarps : kWarps * kRows;
   const int out_rows = p.gated ? p.n / 2 : p.n;
   const unsigned blocks = static_cast<unsigned>((out_rows + rows_per_block - 1) / rows_per_block);
-  if (p.norm_weight != nullptr) {
-    const size_t smem = static_cast<size_t>(M) * p.k * sizeof(T);
-    if constexpr (M <= kGemvNormMaxRows) {
-      if (smem > kGemvNormMaxBytes || p.lanes < 1 || p.lanes > kNormMaxLanes) return cudaErrorInvalidValue;
-      if (p.gated) launch(gemv_kernel<T, M, true, true>, blocks, kThreads, smem, stream, p);
-      else launch(gemv_kernel<T, M, false, true>, blocks, kThreads, smem, stream, p);
-      return cudaGetLastError();
-    }
-    return cudaErrorInvalidValue;
-  }
   if (p.gated) {
-    launch(gemv_kernel<T, M, true, false>, blocks, kThreads, 0, stream, p);
+    launch(gemv_kernel<T, M, true>, blocks, kThreads, 0, stream, p);
   } else {
-    launch(gemv_kernel<T, M, false, false>, blocks, kThreads, 0, stream, p);
+    launch(gemv_kernel<T, M, false>, blocks, kThreads, 0, stream, p);
   }
   return cudaGetLastError();
 }

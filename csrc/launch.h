@@ -142,17 +142,6 @@ struct GemvParams {
   int m, n, k;
   DType dtype;
   bool gated = false;
-  // Set norm_weight: x is the last sublayer's output and the kernel multiplies
-  // rms_norm(residual + x) * norm_weight instead (no residual: rms_norm(x)), bit for bit as
-  // fused_add_rms_norm / rms_norm would, each block normalizing its own copy of the rows;
-  // block 0 writes residual + x to h_out (rows h_stride apart). MeanOrder as NormParams'.
-  const void* residual = nullptr;
-  const void* norm_weight = nullptr;
-  void* h_out = nullptr;
-  int64_t res_stride = 0, h_stride = 0;
-  float eps = 0.f, inv_n = 0.f;
-  int lanes = 0, lanes_x = 0;
-  bool vectorized = false;
 };
 
 // Absorbed MLA decode over the latent cache [n_slots, 576] (kv_lora_rank 512 + rope 64):
@@ -204,8 +193,5 @@ cudaError_t launch_rms_norm(const NormParams& p, cudaStream_t stream);
 cudaError_t launch_rotary(const RotaryParams& p, cudaStream_t stream);
 cudaError_t launch_silu_and_mul(const SiluMulParams& p, cudaStream_t stream);
 cudaError_t launch_gemv(const GemvParams& p, cudaStream_t stream);
-// Rows and bytes of shared memory a normalizing GEMV stages; launch_gemv refuses more.
-constexpr int kGemvNormMaxRows = 4;
-constexpr int kGemvNormMaxBytes = 32 * 1024;
 
 }  // namespace kvray

@@ -543,12 +543,11 @@ void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out) {
   check_launch(kvray::launch_silu_and_mul(p, c10::cuda::getCurrentCUDAStream()), "silu_and_mul");
 }
 
-// GemvParams of out [M, N] (gated: [M, N / 2]) = x [M, K] @ w [N, K].T (+ bias), checked.
-kvray::GemvParams gemv_params(const at::Tensor& x, const at::Tensor& w,
-                              const c10::optional<at::Tensor>& bias, const at::Tensor& out,
-                              bool gated) {
+void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+          const at::Tensor& out, bool gated) {
   KV_CHECK(x.is_cuda() && x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
            "gemv: x [M, K], w [N, K] and out [M, N] must be 2-D CUDA tensors");
+  const c10::cuda::CUDAGuard guard(x.device());
   const DType dt = dtype_of(x, "x");
   check_cuda(w, x, "w");
   check_cuda(out, x, "out");
@@ -570,53 +569,9 @@ kvray::GemvParams gemv_params(const at::Tensor& x, const at::Tensor& w,
     check_cuda(*bias, x, "bias");
     b = bias->data_ptr();
   }
-  return kvray::GemvParams{x.data_ptr(), w.data_ptr(), b, out.data_ptr(), x.stride(0), out.stride(0),
-                           static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), dt, gated};
-}
-
-void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-          const at::Tensor& out, bool gated) {
-  const c10::cuda::CUDAGuard guard(x.device());
-  const kvray::GemvParams p = gemv_params(x, w, bias, out, gated);
+  kvray::GemvParams p{x.data_ptr(), w.data_ptr(), b, out.data_ptr(), x.stride(0), out.stride(0),
+                      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), dt, gated};
   check_launch(kvray::launch_gemv(p, c10::cuda::getCurrentCUDAStream()), "gemv");
-}
-
-// gemv of rms_norm(residual + x) (no residual: rms_norm(x)), the norm computed by the GEMV
-// itself; with a residual, h_out receives residual + x (what fused_add_rms_norm leaves in
-// residual). x, residual and h_out are left as they are otherwise.
-void norm_gemv(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-               const at::Tensor& norm_weight, double eps, const at::Tensor& w,
-               const c10::optional<at::Tensor>& bias, const at::Tensor& out,
-               const c10::optional<at::Tensor>& h_out, bool gated) {
-  const c10::cuda::CUDAGuard guard(x.device());
-  kvray::GemvParams p = gemv_params(x, w, bias, out, gated);
-  const kvray::NormParams norm = norm_params(x, norm_weight, eps);
-  KV_CHECK(p.m <= kvray::kGemvNormMaxRows &&
-               p.m * p.k * static_cast<int64_t>(x.element_size()) <= kvray::kGemvNormMaxBytes,
-           "norm_gemv stages at most ", kvray::kGemvNormMaxRows, " rows and ",
-           kvray::kGemvNormMaxBytes, " bytes in shared memory");
-  KV_CHECK(aligned16(norm_weight), "norm_weight must be 16-byte aligned");
-  KV_CHECK(residual.has_value() == h_out.has_value(), "residual and h_out come together");
-  if (residual.has_value()) {
-    for (const at::Tensor* t : {&*residual, &*h_out}) {
-      check_same(*t, x, "residual and h_out");
-      KV_CHECK(t->sizes() == x.sizes(), "residual and h_out must have x's shape");
-      check_aligned(*t, "residual and h_out", 8);
-    }
-    KV_CHECK(residual->data_ptr() != h_out->data_ptr() && x.data_ptr() != h_out->data_ptr(),
-             "h_out must not overlap x or residual: other blocks still read them");
-    p.residual = residual->data_ptr();
-    p.h_out = h_out->data_ptr();
-    p.res_stride = residual->stride(0);
-    p.h_stride = h_out->stride(0);
-  }
-  p.norm_weight = norm_weight.data_ptr();
-  p.eps = norm.eps;
-  p.inv_n = norm.inv_n;
-  p.lanes = norm.lanes;
-  p.lanes_x = norm.lanes_x;
-  p.vectorized = norm.vectorized;
-  check_launch(kvray::launch_gemv(p, c10::cuda::getCurrentCUDAStream()), "norm_gemv");
 }
 
 // A tensor over t's memory that does not own it. The piecewise prompt graphs keep one for
@@ -642,8 +597,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up for gate_up = [gate | up]");
   m.def("gemv", &gemv,
         "out = x @ w.T (+ bias) for 1 to 8 rows of x (decode batches); gated: silu(gate) * up");
-  m.def("norm_gemv", &norm_gemv,
-        "gemv of rms_norm(residual + x), the norm inside the GEMV; h_out = residual + x");
   m.def("alias", &alias, "a tensor over another's memory that does not own it");
   m.def("decode_plan", &decode_plan, "(resolved variant, splits) decode uses for a batch");
   m.def("decode_num_variants", &kvray::decode_num_variants, "number of decode tiling variants");

@@ -394,32 +394,6 @@ def gemv(
     load().gemv(x, w, bias, out, gated)
 
 
-GEMV_NORM_MAX_ROWS = 4
-GEMV_NORM_MAX_BYTES = 32 * 1024  # csrc/launch.h, kGemvNormMaxBytes
-
-
-def norm_gemv(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-    h_out: torch.Tensor | None,
-    gated: bool = False,
-) -> None:
-    """gemv of rms_norm(residual + x) * norm_weight (no residual: of rms_norm(x)), the bits
-    of fused_add_rms_norm (rms_norm) then gemv in one launch; h_out [M, K] receives
-    residual + x. For at most GEMV_NORM_MAX_ROWS rows of GEMV_NORM_MAX_BYTES in all."""
-    if not 1 <= x.shape[0] <= GEMV_NORM_MAX_ROWS or x[:1].nbytes * x.shape[0] > GEMV_NORM_MAX_BYTES:
-        raise ValueError(
-            f"norm_gemv takes 1 to {GEMV_NORM_MAX_ROWS} rows of {GEMV_NORM_MAX_BYTES} bytes "
-            f"in all, got {tuple(x.shape)}"
-        )
-    load().norm_gemv(x, residual, norm_weight, eps, w, bias, out, h_out, gated)
-
-
 def alias(t: torch.Tensor) -> torch.Tensor:
     """A tensor over t's memory (same shape and strides) that does not keep it allocated:
     reading it is valid only while the caller knows what that memory holds."""

@@ -3,8 +3,6 @@ pre-norm decoder stack every supported model shares (HF's `model.` backbone)."""
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch import nn
 
@@ -15,20 +13,10 @@ from worker.model.layers import RMSNorm, RotaryEmbedding
 from worker.model.ops import ModelOps, RopeInputs, TorchOps
 
 
-class MlpSublayer(Protocol):
-    def sublayer(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, ops: ModelOps
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the MLP's output, the residual stream) for its input before `norm`."""
-        ...
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm residual block around any attention and MLP of this call shape (DeepSeek's too)."""
 
-    mlp: MlpSublayer
-
-    def __init__(self, cfg: ModelConfig, self_attn: nn.Module, mlp: MlpSublayer):
+    def __init__(self, cfg: ModelConfig, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
@@ -45,11 +33,15 @@ class DecoderLayer(nn.Module):
         ops: ModelOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before adding it); the next layer's
-        norm (or the final one) adds them. The first layer gets residual None. Each sublayer
-        takes its input before its pre-norm, so that its first projection may fold the norm
-        in (ModelOps.norm_linear)."""
-        x, residual = self.self_attn(x, residual, self.input_layernorm, rope, view, backend, ops)
-        return self.mlp.sublayer(x, residual, self.post_attention_layernorm, ops)
+        norm (or the final one) adds them. The first layer gets residual None."""
+        norm, post = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            x, residual = ops.rms_norm(x, norm.weight, norm.eps), x
+        else:
+            x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        x = self.self_attn(x, rope, view, backend, ops)
+        x, residual = ops.add_rms_norm(x, residual, post.weight, post.eps)
+        return self.mlp(x, ops), residual
 
 
 class Backbone(nn.Module):

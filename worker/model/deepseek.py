@@ -53,15 +53,11 @@ class MlaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: RMSNorm,
         rope: RopeInputs,
         view: CacheView,
         backend: AttentionBackend,
         ops: ModelOps,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the sublayer's output, the residual stream) for its input before `norm`."""
-        x, residual = ops.pre_norm(x, residual, norm)  # two projections read it
+    ) -> torch.Tensor:
         mla, n = self.mla, x.shape[0]
         q = self._query(x, ops).view(n, self.num_heads, mla.qk_head_dim)
         q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
@@ -75,7 +71,7 @@ class MlaAttention(nn.Module):
         out = backend.forward(
             self.layer_id, torch.cat((q_nope, q_pe), dim=-1), latent, latent, view
         )
-        return ops.linear(out.reshape(n, -1), self.o_proj.weight, self.o_proj.bias), residual
+        return ops.linear(out.reshape(n, -1), self.o_proj.weight, self.o_proj.bias)
 
     def _query(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
         if self.q_proj is not None:

@@ -39,16 +39,13 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: RMSNorm,
         rope: RopeInputs,
         view: CacheView,
         backend: AttentionBackend,
         ops: ModelOps,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the sublayer's output, the residual stream) for its input before `norm`."""
+    ) -> torch.Tensor:
         n = x.shape[0]
-        qkv, residual = ops.norm_linear(x, residual, norm, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
@@ -61,8 +58,7 @@ class Attention(nn.Module):
         else:
             q, k = ops.rope(q, k, rope)
             out = backend.forward(self.layer_id, q, k, v, view)
-        out = ops.linear(out.reshape(n, self.q_size), self.o_proj.weight, self.o_proj.bias)
-        return out, residual
+        return ops.linear(out.reshape(n, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -82,14 +78,6 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
         act = ops.gated_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
         return ops.linear(act, self.down_proj.weight, self.down_proj.bias)
-
-    def sublayer(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, ops: ModelOps
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As the layer's MLP: (output, residual stream) for its input before `norm`."""
-        gate_up = self.gate_up_proj
-        act, residual = ops.norm_linear(x, residual, norm, gate_up.weight, gate_up.bias, gated=True)
-        return ops.linear(act, self.down_proj.weight, self.down_proj.bias), residual
 
 
 class LlamaForCausalLM(CausalLM):

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.model.config import ModelConfig, MoeConfig
-from worker.model.layers import RMSNorm
 from worker.model.llama import MLP
 from worker.model.ops import ModelOps
 
@@ -116,10 +115,3 @@ class MoE(nn.Module):
         weighted[order] = out * weights.reshape(-1)[order, None]
         routed = weighted.view(num_tokens, k, -1).sum(dim=1).to(x.dtype)
         return routed + self.shared_experts(x, ops)
-
-    def sublayer(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, ops: ModelOps
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As the layer's MLP: (output, residual stream) for its input before `norm`."""
-        x, residual = ops.pre_norm(x, residual, norm)
-        return self.forward(x, ops), residual

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.model.layers import RMSNorm, RotaryEmbedding, apply_rope, rms_norm
+from worker.model.layers import RotaryEmbedding, apply_rope, rms_norm
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,30 +58,6 @@ class ModelOps(ABC):
     @abstractmethod
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for `gate_up = [gate | up]` of shape `[T, 2I]`."""
-
-    def pre_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sublayer's input and the residual stream: (norm(residual + x), residual + x), or
-        (norm(x), x) in the first layer (residual None)."""
-        if residual is None:
-            return self.rms_norm(x, norm.weight, norm.eps), x
-        return self.add_rms_norm(x, residual, norm.weight, norm.eps)
-
-    def norm_linear(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: RMSNorm,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        *,
-        gated: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sublayer's first projection of its pre-norm (gated: the MLP's gate_up, as
-        `gated_linear`) and the residual stream: `pre_norm` then the linear layer."""
-        h, residual = self.pre_norm(x, residual, norm)
-        return (self.gated_linear if gated else self.linear)(h, weight, bias), residual
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -179,51 +155,19 @@ class CudaOps(ModelOps):
         self._k.gemv(x, weight, bias, out, gated=True)  # no activation kernel
         return out
 
-    def norm_linear(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: RMSNorm,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        *,
-        gated: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the projection runs on the GEMV, the GEMV computes the norm itself: one
-        launch fewer, the same bits (csrc/gemv.cu)."""
-        if not self._norm_gemv_runs(x, residual, weight):
-            return super().norm_linear(x, residual, norm, weight, bias, gated=gated)
-        n = weight.shape[0] // 2 if gated else weight.shape[0]
-        out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-        h = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        self._k.norm_gemv(x, residual, norm.weight, norm.eps, weight, bias, out, h, gated)
-        return out, x if h is None else h
-
-    def _norm_gemv_runs(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
-    ) -> bool:
-        m, k = x.shape
-        return (
-            m <= self._k.GEMV_NORM_MAX_ROWS
-            and m * k * x.element_size() <= self._k.GEMV_NORM_MAX_BYTES
-            and self._gemv_runs(x, weight)
-            and (residual is None or self._rows_aligned(residual))
-        )
-
-    @staticmethod
-    def _rows_aligned(x: torch.Tensor) -> bool:
-        return (
-            x.stride(1) == 1
-            and (x.stride(0) % 8 == 0 or x.shape[0] == 1)
-            and x.data_ptr() % 16 == 0
-        )
-
     def _gemv_runs(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         m, k = x.shape
         fits = (m == 1 and k <= 8192) or (
             m <= self.gemv_max_rows and weight.numel() <= self.gemv_small_weights
         )
-        return fits and k % 8 == 0 and self._rows_aligned(x) and x.dtype != torch.float32
+        return (
+            fits
+            and k % 8 == 0
+            and x.stride(1) == 1
+            and (x.stride(0) % 8 == 0 or m == 1)
+            and x.data_ptr() % 16 == 0
+            and x.dtype != torch.float32
+        )
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = torch.empty(
