@@ -31,6 +31,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [B] int64: last new token of each request
     q_lens: list[int]
     seq_lens_host: list[int]
+    rows_host: list[int]  # req_pool_indices on the host
     steady: DecodeSteadyState | None = None
     # [S] int64: the requests that sample this step, in order; None when all of them do. A
     # device tensor staged with the metadata, because indexing the logits with a host list

@@ -177,7 +177,7 @@ class KVCache(CacheView):
             page_size,
             workspace,
         )
-        self.req_to_token = req_pool.table
+        self.req_to_token, self.req_to_token_host = req_pool.table, req_pool.host
         self._task_len = np.zeros(req_pool.table.shape[0], dtype=np.int64)  # tokens bound per row
         self._last_bind: _BindState | None = None
         self.batch: ForwardBatch | None = None
@@ -245,6 +245,7 @@ class KVCache(CacheView):
             logits_indices=ws.logits_indices[:b],
             q_lens=q_lens,
             seq_lens_host=seq_lens,
+            rows_host=rows,
             steady=DecodeSteadyState(b) if steady else None,
             sample_rows=sample_rows,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
 import torch
 
 
@@ -18,6 +19,7 @@ class CacheView(ABC):
     k_scale: torch.Tensor | None  # None unless the cache is FP8
     v_scale: torch.Tensor | None
     req_to_token: torch.Tensor  # int32 [max_running, max_seq_len]
+    req_to_token_host: np.ndarray  # the host's mirror of req_to_token, the same values
     page_size: int
 
     @abstractmethod

@@ -130,6 +130,7 @@ class DecodeGraphRunner:
             logits_indices=ws.logits_indices[:bs],
             q_lens=[1] * bs,
             seq_lens_host=[1] * bs,
+            rows_host=[self.cache.req_pool.scratch_row] * bs,
         )
 
 

@@ -400,9 +400,9 @@ def test_flash_prefill_matches_reference(dtype, d, hq, hkv, page, seqs) -> None:
     kv, q, qo = _ragged_prompts(dtype, d, hq, hkv, page, seqs)
     q_lens, kv_lens = [n for n, _ in seqs], [k for _, k in seqs]
     cu_q = torch.tensor(qo, dtype=torch.int32, device=DEV)
-    plan = flash.GatherPlan.build(
-        kv.req_to_token, kv.req_pool_indices, kv.seq_lens, cu_q, q_lens, kv_lens
-    )
+    cu_k = torch.tensor([0, *kv_lens], device=DEV).cumsum(0).to(torch.int32)
+    table, rows = kv.req_to_token.cpu().numpy(), kv.req_pool_indices.tolist()
+    plan = flash.GatherPlan.build(table, rows, cu_q, cu_k, q_lens, kv_lens)
     out = flash.prefill(q, kv.k_cache, kv.v_cache, plan, d**-0.5)
     torch.cuda.synchronize()
     check_close(out, ref_prefill(q, kv, qo, d**-0.5), dtype)
@@ -418,7 +418,8 @@ def test_fa3_prefill_matches_reference(dtype, d, hq, hkv, page, seqs) -> None:
         pytest.skip("FlashInfer's FA3 prefill does not run here")
     kv, q, qo = _ragged_prompts(dtype, d, hq, hkv, page, seqs)
     q_lens, kv_lens = [n for n, _ in seqs], [k for _, k in seqs]
-    slots, _ = flash.context_slots(kv.req_to_token, kv.req_pool_indices, kv.seq_lens, kv_lens)
+    table, rows = kv.req_to_token.cpu().numpy(), kv.req_pool_indices.tolist()
+    slots = flash.context_slots(table, rows, kv_lens, q.device)
     runner = fa3.Fa3Prefill(q.device)
     out = torch.full((qo[-1], hq, d), float("nan"), device=DEV, dtype=dtype)
     for _ in range(2):  # the second plan goes to the other wrapper

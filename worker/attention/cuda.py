@@ -79,6 +79,7 @@ class CudaBackend(AttentionBackend):
             d += 1
         self._num_leading_decodes = d
         self._rest_qo_indptr = batch.qo_indptr[d:] - d if d else batch.qo_indptr
+        kv_indptr = batch.kv_indptr[d:] - batch.kv_indptr[d] if d else batch.kv_indptr
         # FA3 beats kvray's kernel on short chunks too (97 against 54 TFLOP/s on 64 chunks of
         # 32), where FlashAttention-2 does not
         if self._fa3 is not None and view.k_scale is None:
@@ -87,10 +88,10 @@ class CudaBackend(AttentionBackend):
         self._flash = self._wants_flash(batch.q_lens[d:], view)
         if self._flash or view.k_scale is not None:
             self._plan = flash.GatherPlan.build(
-                view.req_to_token,
-                batch.req_pool_indices[d:],
-                batch.seq_lens[d:],
+                view.req_to_token_host,
+                batch.rows_host[d:],
                 self._rest_qo_indptr,
+                kv_indptr,
                 batch.q_lens[d:],
                 batch.seq_lens_host[d:],
             )
@@ -104,9 +105,8 @@ class CudaBackend(AttentionBackend):
     def _plan_fa3(self, batch: ForwardBatch, view: CacheView, d: int) -> None:
         assert self._fa3 is not None
         kv_lens = batch.seq_lens_host[d:]
-        slots, _ = flash.context_slots(
-            view.req_to_token, batch.req_pool_indices[d:], batch.seq_lens[d:], kv_lens
-        )
+        device = view.k_cache.device
+        slots = flash.context_slots(view.req_to_token_host, batch.rows_host[d:], kv_lens, device)
         k_cache = view.k_cache[0]
         self._fa3.plan(
             slots, batch.q_lens[d:], kv_lens, self.num_heads, k_cache.shape[1], k_cache.shape[2],

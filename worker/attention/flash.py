@@ -8,9 +8,11 @@ build without flash attention, float32, an unsupported head size) kvray's kernel
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
+import numpy as np
 import torch
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -40,20 +42,21 @@ def prefers_flash(q_lens: list[int]) -> bool:
 
 
 def context_slots(
-    req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, kv_lens: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
+    table: np.ndarray,
+    rows: Sequence[int],
+    kv_lens: Sequence[int],
+    device: torch.device,
+    dtype: torch.dtype = torch.int32,
+) -> torch.Tensor:
     """The cache slot of every token of each row's context (cached prefix and new tokens),
-    rows in order, as int32 (`req_to_token`'s type), and the rows' offsets in that list
-    (`[B+1]` int32); from device metadata and the host's lengths, without reading the device."""
-    device = seq_lens.device
+    rows in order, on `device`: read from the host's mirror of req_to_token (`table`) and
+    copied once, since computing them on the device took a dozen small ops, ~0.5 ms of host
+    time before a prompt step's first kernel (docs/performance.md)."""
     total = sum(kv_lens)
-    cu_k = torch.zeros(len(kv_lens) + 1, dtype=torch.int32, device=device)
-    torch.cumsum(seq_lens, 0, out=cu_k[1:])
-    seq = torch.repeat_interleave(
-        torch.arange(len(kv_lens), device=device), seq_lens.long(), output_size=total
-    )
-    pos = torch.arange(total, device=device) - cu_k[seq]
-    return req_to_token[rows.long()[seq], pos], cu_k
+    host = torch.empty(total, dtype=dtype, pin_memory=device.type == "cuda")
+    parts = [table[r, :n] for r, n in zip(rows, kv_lens, strict=True)]
+    np.concatenate(parts, out=host.numpy(), casting="safe")
+    return host.to(device, non_blocking=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,16 +72,17 @@ class GatherPlan:
 
     @staticmethod
     def build(
-        req_to_token: torch.Tensor,
-        rows: torch.Tensor,
-        seq_lens: torch.Tensor,
+        table: np.ndarray,
+        rows: Sequence[int],
         cu_q: torch.Tensor,
+        cu_k: torch.Tensor,
         q_lens: list[int],
         kv_lens: list[int],
     ) -> GatherPlan:
-        """From device metadata and the host's lengths, without reading the device."""
-        slots, cu_k = context_slots(req_to_token, rows, seq_lens, kv_lens)
-        return GatherPlan(slots.long(), cu_q, cu_k, max(q_lens), max(kv_lens))
+        """For rows of req_to_token (`table`, the host's mirror) with q_lens new tokens each
+        and kv_lens in all, whose prefix sums on the device are cu_q and cu_k."""
+        slots = context_slots(table, rows, kv_lens, cu_q.device, torch.int64)
+        return GatherPlan(slots, cu_q, cu_k, max(q_lens), max(kv_lens))
 
     def gather(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor

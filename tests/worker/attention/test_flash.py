@@ -42,11 +42,10 @@ def engine(tiny_model, monkeypatch):
         ours = backend_fwd(layer, q, view)
         b = backend.batch
         d = next((i for i, n in enumerate(b.q_lens) if n != 1), len(b.q_lens))
-        cu_q = b.qo_indptr[d:] - b.qo_indptr[d]
+        cu_q, cu_k = b.qo_indptr[d:] - b.qo_indptr[d], b.kv_indptr[d:] - b.kv_indptr[d]
         plan = flash.GatherPlan.build(
-            view.req_to_token, b.req_pool_indices[d:], b.seq_lens[d:], cu_q, b.q_lens[d:],
-            b.seq_lens_host[d:],
-        )  # fmt: skip
+            view.req_to_token_host, b.rows_host[d:], cu_q, cu_k, b.q_lens[d:], b.seq_lens_host[d:]
+        )
         start = int(b.qo_indptr[d])
         theirs = flash.prefill(
             q[start:], view.k_cache[layer], view.v_cache[layer], plan, backend.scale
