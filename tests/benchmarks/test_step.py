@@ -1,6 +1,8 @@
 """`kvray bench step`'s kernel tables (its timings need a GPU)."""
 
-from benchmarks.step import category, idle_spans, kernel_label
+from types import SimpleNamespace
+
+from benchmarks.step import category, device_intervals, idle_spans, kernel_label
 
 
 def test_kernels_are_labelled_by_bare_name_and_filed_by_kind() -> None:
@@ -31,3 +33,26 @@ def test_idle_spans_merge_overlapping_kernels_and_rank_the_gaps() -> None:
     assert idle["longest"] == [[30, 10], [50, 2]]  # (offset, length), longest first
     assert idle["wall_us"] == idle["busy_us"] + 10 + 12 + 10
     assert idle_spans([], 5, 9)["before_us"] == 4  # no kernel: all of it idle
+
+
+def test_device_intervals_leave_out_the_span_that_covers_every_kernel() -> None:
+    """The GPU side of the traced run's own record_function span would merge every kernel
+    into one busy interval: no gap would show."""
+    from torch.autograd import DeviceType
+
+    def event(start: float, end: float, device: DeviceType, annotation: bool = False):
+        return SimpleNamespace(
+            time_range=SimpleNamespace(start=start, end=end),
+            device_type=device,
+            is_user_annotation=annotation,
+        )
+
+    events = [
+        event(0, 100, DeviceType.CPU),
+        event(5, 95, DeviceType.CUDA, annotation=True),
+        event(5, 20, DeviceType.CUDA),
+        event(60, 95, DeviceType.CUDA),
+    ]
+    kernels = device_intervals(events)
+    assert kernels == [(5, 20), (60, 95)]
+    assert idle_spans(kernels, 0, 100)["between_us"] == 40
