@@ -79,7 +79,6 @@ class CudaBackend(AttentionBackend):
             d += 1
         self._num_leading_decodes = d
         self._rest_qo_indptr = batch.qo_indptr[d:] - d if d else batch.qo_indptr
-        kv_indptr = batch.kv_indptr[d:] - batch.kv_indptr[d] if d else batch.kv_indptr
         # FA3 beats kvray's kernel on short chunks too (97 against 54 TFLOP/s on 64 chunks of
         # 32), where FlashAttention-2 does not
         if self._fa3 is not None and view.k_scale is None:
@@ -87,6 +86,7 @@ class CudaBackend(AttentionBackend):
             return
         self._flash = self._wants_flash(batch.q_lens[d:], view)
         if self._flash or view.k_scale is not None:
+            kv_indptr = batch.kv_indptr[d:] - batch.kv_indptr[d] if d else batch.kv_indptr
             self._plan = flash.GatherPlan.build(
                 view.req_to_token_host,
                 batch.rows_host[d:],
