@@ -10,6 +10,7 @@ import platform
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,20 @@ BF16_TFLOPS = 790.0
 
 def git_state(directory: Path = Path(__file__).resolve().parent) -> dict[str, Any]:
     """The commit of the git checkout that holds `directory` (default: this file's, so kvray's
-    own checkout, wherever the benchmark runs from) and whether its tracked files had changes;
-    "unknown" / None where it is not a git checkout (an installed wheel)."""
+    own checkout, wherever the benchmark runs from), whether its tracked files had changes,
+    and the git tree of the files as they were (tracked and untracked, less the ignored):
+    `git rev-parse C^{tree}` names the same tree exactly when the run's files were commit C's,
+    which a copy of a working tree on another machine (its base commit, dirty) cannot say
+    otherwise. "unknown" / None where it is not a git checkout (an installed wheel)."""
 
-    def git(*cmd: str) -> str | None:
+    def git(*cmd: str, env: dict[str, str] | None = None) -> str | None:
         try:
             out = subprocess.run(
-                ["git", "-C", str(directory), *cmd], capture_output=True, text=True, timeout=5
+                ["git", "-C", str(directory), *cmd],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                env=env,
             )
         except (OSError, subprocess.TimeoutExpired):
             return None
@@ -37,9 +45,19 @@ def git_state(directory: Path = Path(__file__).resolve().parent) -> dict[str, An
 
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    tree = None
+    if commit:
+        with (
+            tempfile.TemporaryDirectory() as tmp
+        ):  # a scratch index: the checkout's own is untouched
+            env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+            top = git("rev-parse", "--show-toplevel")
+            if top and git("-C", top, "add", "-A", env=env) is not None:
+                tree = git("write-tree", env=env)
     return {
         "git_commit": commit or "unknown",
         "git_dirty": bool(status) if status is not None else None,
+        "git_tree": tree,
     }
 
 

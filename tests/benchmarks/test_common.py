@@ -47,7 +47,31 @@ def test_the_commit_is_kvrays_even_when_run_inside_another_repository(
 
 
 def test_outside_a_git_checkout_the_commit_is_unknown(tmp_path: Path) -> None:
-    assert git_state(tmp_path) == {"git_commit": "unknown", "git_dirty": None}
+    assert git_state(tmp_path) == {"git_commit": "unknown", "git_dirty": None, "git_tree": None}
+
+
+def test_the_tree_names_the_files_as_they_were(tmp_path: Path) -> None:
+    """A dirty checkout's tree is the commit's that holds the same files, new ones included,
+    ignored ones not; the checkout's own index stays as it was."""
+    repo = tmp_path / "repo"
+    (repo / "sub").mkdir(parents=True)
+    _git(repo, "init", "-q")
+    (repo / ".gitignore").write_text("*.log\n")
+    (repo / "a.py").write_text("1\n")
+    commit = ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x"]
+    _git(repo, "add", "-A")
+    _git(repo, *commit)
+    clean = git_state(repo / "sub")
+    assert clean["git_tree"] == _git(repo, "rev-parse", "HEAD^{tree}") and not clean["git_dirty"]
+    (repo / "a.py").write_text("2\n")
+    (repo / "sub" / "new.py").write_text("3\n")
+    (repo / "run.log").write_text("ignored\n")
+    dirty = git_state(repo)
+    assert dirty["git_dirty"] and dirty["git_tree"] != clean["git_tree"]
+    assert _git(repo, "status", "--porcelain") == "M a.py\n?? sub/"  # index untouched
+    _git(repo, "add", "-A")
+    _git(repo, *commit)
+    assert dirty["git_tree"] == _git(repo, "rev-parse", "HEAD^{tree}")
 
 
 def test_a_result_file_starts_with_date_hardware_and_commit(tmp_path: Path) -> None:
