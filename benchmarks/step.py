@@ -539,8 +539,9 @@ def _traced(run: Callable[[], None], path: Path) -> dict[str, Any]:
             run()
             torch.cuda.synchronize()
     prof.export_chrome_trace(str(path))
-    span = next(e.time_range for e in prof.events() if e.name == TRACED)
-    return {"trace": path.name, **idle_spans(device_intervals(prof.events()), span.start, span.end)}
+    events = prof.events()
+    span = next(e.time_range for e in events if e.name == TRACED)
+    return {"trace": path.name, **idle_spans(device_intervals(events), span.start, span.end)}
 
 
 def device_intervals(events: Iterable[Any]) -> list[tuple[float, float]]:
