@@ -502,9 +502,11 @@ def _profile_shape(engine: Engine, shape: str, batches: list[int], context: int)
 def idle_spans(kernels: list[tuple[float, float]], start: float, end: float) -> dict[str, Any]:
     """Where the GPU sat idle from `start` to `end` (µs), given its kernels' (start, end):
     before the first kernel, between kernels (in all, and the five longest gaps as (offset
-    from `start`, length)) and after the last."""
+    from `start`, length)) and after the last. Kernels are clipped to the span (the profiler's
+    warm-up launch lies before it)."""
+    inside = [(max(s, start), min(e, end)) for s, e in kernels if e > start and s < end]
     busy: list[list[float]] = []
-    for s, e in sorted(kernels):
+    for s, e in sorted(inside):
         if busy and s <= busy[-1][1]:
             busy[-1][1] = max(busy[-1][1], e)
         else:

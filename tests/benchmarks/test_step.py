@@ -56,3 +56,10 @@ def test_device_intervals_leave_out_the_span_that_covers_every_kernel() -> None:
     kernels = device_intervals(events)
     assert kernels == [(5, 20), (60, 95)]
     assert idle_spans(kernels, 0, 100)["between_us"] == 40
+
+
+def test_idle_spans_count_only_what_lies_inside_the_span() -> None:
+    """The profiler's warm-up kernel runs before the traced span starts."""
+    idle = idle_spans([(-30, -20), (5, 20), (90, 120)], 0, 100)
+    assert idle["before_us"] == 5 and idle["after_us"] == 0
+    assert idle["busy_us"] == 25 and idle["between_us"] == 70
