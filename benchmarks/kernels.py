@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import COPY_TBPS, write_result
+from benchmarks.common import BF16_TFLOPS, COPY_TBPS, write_result
 from worker.attention import cuda_ops, fa3, flash
 from worker.attention.kv_quant import dequantize, quantize_rows
 
@@ -375,6 +375,34 @@ def bench_gemv() -> list[dict[str, Any]]:
     return rows
 
 
+GEMM_BATCHES = (16, 32, 64, 96, 128, 160, 192, 224, 256)
+
+
+def bench_gemm() -> list[dict[str, Any]]:
+    """cuBLAS (F.linear) on the 8B shape's linear layers at the batch sizes of an offline
+    run's decode steps, against each call's floor: the longer of streaming the weights at the
+    copy ceiling and its FLOPs at the bf16 peak (the two cross near M=190)."""
+    rows = []
+    for name, (k, n) in GEMV_SHAPES.items():
+        if not name.startswith("8b"):
+            continue
+        nbytes = k * n * 2
+        copies = max(1, min(64, math.ceil(256e6 / nbytes)))
+        ws = [torch.randn(n, k, device=DEV, dtype=DTYPE) / k**0.5 for _ in range(copies)]
+        for m in GEMM_BATCHES:
+            x = torch.randn(m, k, device=DEV, dtype=DTYPE)
+            out = torch.empty(m, n, device=DEV, dtype=DTYPE)
+            us = graph_time_us([partial(torch.matmul, x, w.T, out=out) for w in ws])
+            flops = 2 * m * k * n
+            floor = max(nbytes / (COPY_TBPS * 1e6), flops / (BF16_TFLOPS * 1e6))
+            rows.append({"layer": name, "m": m, "k": k, "n": n, "cublas_us": us,
+                         "tflops": flops / us / 1e6, "floor_us": floor,
+                         "of_floor": floor / us})  # fmt: skip
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
 MLA_CASES = [(heads, b, n) for heads in (16, 128) for b in (1, 32, 128) for n in (1024, 4096)]
 
 
@@ -437,6 +465,15 @@ def print_gemv_table(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         print(f"{r['layer']:<16} {r['m']:2d} {r['kvray_us']:9.1f} {r['kvray_tbps']:5.2f} "
               f"{r['cublas_us']:10.1f} {r['cublas_tbps']:5.2f} {r['floor_us']:9.1f}")  # fmt: skip
+
+
+def print_gemm_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"\n{'linear (cuBLAS)':<16} {'M':>3} {'us':>8} {'TFLOP/s':>8} {'floor us':>9} {'of floor':>8}"
+    )
+    for r in rows:
+        print(f"{r['layer']:<16} {r['m']:3d} {r['cublas_us']:8.1f} {r['tflops']:8.1f} "
+              f"{r['floor_us']:9.1f} {r['of_floor']:8.0%}")  # fmt: skip
 
 
 def bench_store_kv() -> list[dict[str, Any]]:
@@ -685,7 +722,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="three decode cases only")
     parser.add_argument(
         "--only",
-        choices=("decode", "store_kv", "prefill", "gemv", "mla"),
+        choices=("decode", "store_kv", "prefill", "gemv", "gemm", "mla"),
         help="run one of the benchmarks",
     )
     parser.add_argument(
@@ -734,6 +771,7 @@ def run(args: argparse.Namespace) -> int:
         ("store_kv", bench_store_kv),
         ("prefill", lambda: bench_prefill(with_fa3=fi is not None)),
         ("gemv", bench_gemv),
+        ("gemm", bench_gemm),
         ("mla", bench_mla),
     ):
         if args.only not in (None, name):
@@ -760,6 +798,8 @@ def run(args: argparse.Namespace) -> int:
         print_prefill_table(result["prefill"])
     if "gemv" in result:
         print_gemv_table(result["gemv"])
+    if "gemm" in result:
+        print_gemm_table(result["gemm"])
     if "mla" in result:
         print_mla_table(result["mla"])
     return 1 if failed else 0
