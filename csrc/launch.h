@@ -144,6 +144,21 @@ struct GemvParams {
   bool gated = false;
 };
 
+// out[r] = torch.argmax(x[r, :n]) for each of `rows` float32 rows (stride elements apart).
+// Blocks sharing a row leave their results in partial [rows, kArgmaxMaxBlocks]; the last one
+// merges them, counting in counters [rows] (int32, zero between launches, left zero).
+constexpr int kArgmaxMaxBlocks = 32;
+struct ArgmaxParams {
+  const float* x;
+  int64_t stride;
+  int64_t* out;
+  unsigned long long* partial;
+  int* counters;
+  int rows, n;
+  bool vec_ok;    // n, stride and x allow 16-byte loads
+  int slice = 0;  // elements a block takes (set by launch_argmax)
+};
+
 // Absorbed MLA decode over the latent cache [n_slots, 576] (kv_lora_rank 512 + rope 64):
 // q [B, H, 576] (q_nope W_UK | q_pe), out [B, H, 512]; the slot of (row r, position t) is
 // req_to_token[r * rt_stride + t]. Partials (num_splits > 1): o_part [B, H, splits, 512]
@@ -193,5 +208,6 @@ cudaError_t launch_rms_norm(const NormParams& p, cudaStream_t stream);
 cudaError_t launch_rotary(const RotaryParams& p, cudaStream_t stream);
 cudaError_t launch_silu_and_mul(const SiluMulParams& p, cudaStream_t stream);
 cudaError_t launch_gemv(const GemvParams& p, cudaStream_t stream);
+cudaError_t launch_argmax(const ArgmaxParams& p, cudaStream_t stream);
 
 }  // namespace kvray

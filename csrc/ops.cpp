@@ -6,6 +6,8 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
+#include <type_traits>
 #include <utility>
 
 #include "launch.h"
@@ -14,7 +16,32 @@ namespace {
 
 using kvray::DType;
 
-#define KV_CHECK(cond, ...) TORCH_CHECK(cond, "kvray: ", __VA_ARGS__)
+// A refusal raises RuntimeError("kvray: ..."). Its numbers are formatted with std::to_string,
+// never an ostream: on the lent GPU machines every refusal whose message held a number
+// crashed the process instead of raising (gemv 2026-12-03, argmax 2026-12-06, also with the
+// message built in an ostringstream here), while refusals of C strings alone raised. Most
+// likely the extension's ostream and the process's C++ runtime disagree on the locale's
+// number formatting; std::to_string does not use it.
+inline void kv_append(std::string& s, const char* v) { s += v; }
+inline void kv_append(std::string& s, const std::string& v) { s += v; }
+inline void kv_append(std::string& s, at::ScalarType v) { s += c10::toString(v); }
+template <typename T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+void kv_append(std::string& s, T v) {
+  s += std::to_string(v);
+}
+template <typename... Args>
+std::string kv_message(const Args&... args) {
+  std::string s;
+  (kv_append(s, args), ...);
+  return s;
+}
+#define KV_CHECK(cond, ...)                                          \
+  do {                                                               \
+    if (!(cond)) {                                                   \
+      const std::string kv_msg_ = kv_message("kvray: ", __VA_ARGS__); \
+      TORCH_CHECK(false, kv_msg_.c_str());                           \
+    }                                                                \
+  } while (0)
 
 DType dtype_of(const at::Tensor& t, const char* name) {
   if (t.scalar_type() == at::kBFloat16) return DType::kBF16;
@@ -574,6 +601,37 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tens
   check_launch(kvray::launch_gemv(p, c10::cuda::getCurrentCUDAStream()), "gemv");
 }
 
+// out[r] = argmax(x[r]) as torch.argmax(x, -1) gives it; partial and counters are the
+// workspace's (argmax_scratch_sizes), counters zero.
+void argmax(const at::Tensor& x, const at::Tensor& out, const at::Tensor& partial,
+            const at::Tensor& counters) {
+  KV_CHECK(x.is_cuda() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+           "argmax: x must be a float32 CUDA [B, N] tensor, rows contiguous");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = x.size(0), n = x.size(1);
+  KV_CHECK(n >= 1 && n < (int64_t{1} << 31), "argmax: rows of 1 to 2^31 - 1 elements");
+  check_cuda(out, x, "out");
+  KV_CHECK(out.scalar_type() == at::kLong && out.dim() == 1 && out.size(0) == rows &&
+               out.is_contiguous(),
+           "argmax: out must be a contiguous int64 [B] tensor");
+  check_cuda(partial, x, "partial");
+  const int64_t partials = rows * kvray::kArgmaxMaxBlocks;
+  KV_CHECK(partial.scalar_type() == at::kLong && partial.is_contiguous() &&
+               partial.numel() >= partials,
+           "argmax: partial must be a contiguous int64 tensor of at least ", partials, " entries");
+  check_int32_vec(counters, x, rows, "counters");
+  kvray::ArgmaxParams p{x.data_ptr<float>(),
+                        x.stride(0),
+                        out.data_ptr<int64_t>(),
+                        reinterpret_cast<unsigned long long*>(partial.data_ptr<int64_t>()),
+                        counters.data_ptr<int>(),
+                        static_cast<int>(rows),
+                        static_cast<int>(n),
+                        n % 4 == 0 && x.stride(0) % 4 == 0 &&
+                            reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0};
+  check_launch(kvray::launch_argmax(p, c10::cuda::getCurrentCUDAStream()), "argmax");
+}
+
 // A tensor over t's memory that does not own it. The piecewise prompt graphs keep one for
 // each attention input they hand out, so that their memory pool can reuse that memory later
 // in the capture the way an eager forward's allocator would.
@@ -597,6 +655,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up for gate_up = [gate | up]");
   m.def("gemv", &gemv,
         "out = x @ w.T (+ bias) for 1 to 8 rows of x (decode batches); gated: silu(gate) * up");
+  m.def("argmax", &argmax, "out = argmax(x, -1) of float32 rows, torch's answer, several blocks a row");
   m.def("alias", &alias, "a tensor over another's memory that does not own it");
   m.def("decode_plan", &decode_plan, "(resolved variant, splits) decode uses for a batch");
   m.def("decode_num_variants", &kvray::decode_num_variants, "number of decode tiling variants");

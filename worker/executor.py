@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from worker.attention import BACKENDS, mla_backend
+from worker.attention import BACKENDS, cuda_ops, mla_backend
 from worker.attention.cuda import CudaBackend
 from worker.batch import ForwardBatch
 from worker.config import EngineConfig
@@ -173,6 +173,17 @@ class Executor:
         self._host_ids = [
             torch.zeros(config.max_running, dtype=torch.int64, pin_memory=cuda) for _ in range(2)
         ]
+        # Greedy rows' argmax: csrc's kernel spreads a row over several blocks where torch's
+        # takes one (29 µs for a 128k vocabulary on an H100, 0.6 % of an 8B step).
+        self._argmax_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        if cuda and config.advanced.backend == "cuda":
+            rows = config.max_running
+            self._argmax_scratch = (
+                torch.zeros(
+                    rows * cuda_ops.ARGMAX_MAX_BLOCKS, dtype=torch.int64, device=self.device
+                ),
+                torch.zeros(rows, dtype=torch.int32, device=self.device),
+            )
         # Timing events cost a little on every step, so only the prompt pacer, which needs each
         # step's device span (PendingStep.device_seconds), gets them.
         timed = cuda and config.advanced.prefill_slowdown is not None
@@ -349,7 +360,11 @@ class Executor:
     ) -> None:
         next_ids = self.workspace.next_token_ids[: len(pending.rows)]
         if info.plain_greedy:  # no sampler, and no allocation without a grammar
-            torch.argmax(logits if mask is None else mask.apply(logits), dim=-1, out=next_ids)
+            x = logits if mask is None else mask.apply(logits)
+            if self._argmax_scratch is None:
+                torch.argmax(x, dim=-1, out=next_ids)
+            else:
+                cuda_ops.argmax(x, next_ids, *self._argmax_scratch)
         else:
             out = sample(logits, info, mask)
             info.record(out.token_ids)

@@ -26,7 +26,16 @@ from types import ModuleType
 
 import torch
 
-_SOURCES = ("ops.cpp", "decode.cu", "prefill.cu", "store_kv.cu", "fused.cu", "gemv.cu", "mla.cu")
+_SOURCES = (
+    "ops.cpp",
+    "decode.cu",
+    "prefill.cu",
+    "store_kv.cu",
+    "fused.cu",
+    "gemv.cu",
+    "mla.cu",
+    "argmax.cu",
+)
 _HEADERS = ("common.cuh", "launch.h")
 
 
@@ -392,6 +401,20 @@ def gemv(
     if x.shape[-1] % 8 or w.shape[-1] != x.shape[-1] or not w.is_contiguous():
         raise ValueError("gemv: w must be contiguous [N, K] with K % 8 == 0 and x [M, K]")
     load().gemv(x, w, bias, out, gated)
+
+
+ARGMAX_MAX_BLOCKS = 32  # csrc/launch.h kArgmaxMaxBlocks: partials a row
+
+
+def argmax(
+    x: torch.Tensor, out: torch.Tensor, partial: torch.Tensor, counters: torch.Tensor
+) -> None:
+    """out[r] = torch.argmax(x[r]) for float32 rows x [B, N], bit for bit (first index of the
+    largest, NaN above all); partial: int64 [>= B * ARGMAX_MAX_BLOCKS], counters: int32 [>= B],
+    zero, left zero."""
+    if partial.numel() < x.shape[0] * ARGMAX_MAX_BLOCKS:
+        raise ValueError(f"argmax: partial too small for {x.shape[0]} rows")
+    load().argmax(x, out, partial, counters)
 
 
 def alias(t: torch.Tensor) -> torch.Tensor:
