@@ -366,9 +366,16 @@ def bench_gemv() -> list[dict[str, Any]]:
             out = torch.empty(m, n, device=DEV, dtype=DTYPE)
             ours = graph_time_us([partial(cuda_ops.gemv, x, w, None, out) for w in ws])
             cublas = graph_time_us([partial(torch.matmul, x, w.T, out=out) for w in ws])
+            # K shared by 1, 2 or 4 warps a row group (the default above is one of them)
+            splits = {
+                str(s): graph_time_us(
+                    [partial(cuda_ops.gemv, x, w, None, out, split=s) for w in ws]
+                )
+                for s in (1, 2, 4)
+            }
             rows.append({"layer": name, "m": m, "k": k, "n": n, "kvray_us": ours,
                          "cublas_us": cublas, "kvray_tbps": nbytes / ours / 1e6,
-                         "cublas_tbps": nbytes / cublas / 1e6,
+                         "cublas_tbps": nbytes / cublas / 1e6, "split_us": splits,
                          "floor_us": nbytes / (COPY_TBPS * 1e6)})  # fmt: skip
         del ws
         torch.cuda.empty_cache()
@@ -460,11 +467,12 @@ def print_mla_table(rows: list[dict[str, Any]]) -> None:
 
 def print_gemv_table(rows: list[dict[str, Any]]) -> None:
     print(
-        f"\n{'linear (weight TB/s)':<16} {'M':>2} {'kvray us':>9} {'TB/s':>5} {'cuBLAS us':>10} {'TB/s':>5} {'floor us':>9}"
+        f"\n{'linear (weight TB/s)':<16} {'M':>2} {'kvray us':>9} {'TB/s':>5} {'cuBLAS us':>10} {'TB/s':>5} {'floor us':>9}  split 1 / 2 / 4 us"
     )
     for r in rows:
+        splits = " / ".join(f"{us:.1f}" for us in r.get("split_us", {}).values())
         print(f"{r['layer']:<16} {r['m']:2d} {r['kvray_us']:9.1f} {r['kvray_tbps']:5.2f} "
-              f"{r['cublas_us']:10.1f} {r['cublas_tbps']:5.2f} {r['floor_us']:9.1f}")  # fmt: skip
+              f"{r['cublas_us']:10.1f} {r['cublas_tbps']:5.2f} {r['floor_us']:9.1f}  {splits}")  # fmt: skip
 
 
 def print_gemm_table(rows: list[dict[str, Any]]) -> None:

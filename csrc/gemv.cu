@@ -19,6 +19,23 @@ constexpr int kThreads = 256, kWarps = kThreads / kWarp;
 constexpr int kRows = 2;    // rows of w per warp
 constexpr int kUnroll = 4;  // 16-byte chunks of each row a lane loads before using them
 
+// Warps sharing a row group (1, 2 or 4): p.split when set, else KVRAY_GEMV_SPLIT when set (for
+// measuring), else the fewest that give at least two blocks an SM.
+int gemv_split(const GemvParams& p) {
+  static const int forced = [] {
+    const char* env = std::getenv("KVRAY_GEMV_SPLIT");
+    return env != nullptr ? std::atoi(env) : 0;
+  }();
+  if (p.split != 0) return p.split;
+  if (forced != 0) return forced;
+  const int out_rows = p.gated ? p.n / 2 : p.n;
+  const int rows_per_block = p.gated ? kWarps : kWarps * kRows;  // at split 1
+  const int blocks = (out_rows + rows_per_block - 1) / rows_per_block;
+  int split = 1;
+  while (split < 4 && blocks * split < 2 * p.num_sms) split *= 2;
+  return split;
+}
+
 template <typename T>
 __device__ __forceinline__ void unpack8(const uint4& v, float f[8]) {
   const uint32_t* u = reinterpret_cast<const uint32_t*>(&v);
@@ -49,31 +66,40 @@ __device__ __forceinline__ void load_w(const uint4* w, int chunks, int64_t row_g
 // The warp's first chunks of w are loaded before the wait on the kernel before: weights are
 // never a previous kernel's output, so with programmatic dependent launch their first bytes
 // are in flight while that kernel finishes.
-template <typename T, int M, bool GATED>
+//
+// SPLIT > 1: SPLIT warps share a group of rows, each taking a contiguous SPLIT-th of K, and
+// the group's first warp adds their sums in a fixed order. More, shorter blocks: a small
+// matrix (qkv, o, and down with its long rows) then fills the SMs evenly and its last
+// blocks finish sooner.
+template <typename T, int M, bool GATED, int SPLIT>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
+  constexpr int kGroups = kWarps / SPLIT;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int group = warp / SPLIT, part = warp % SPLIT;
   const int inter = p.n / 2;
-  // this warp's rows: row0 and row0 + 1, or (gated) gate row0 and up row inter + row0
-  const int row0 = (blockIdx.x * kWarps + warp) * (GATED ? 1 : kRows);
+  // this group's rows: row0 and row0 + 1, or (gated) gate row0 and up row inter + row0
+  const int row0 = (blockIdx.x * kGroups + group) * (GATED ? 1 : kRows);
   const bool has_rows = row0 < (GATED ? inter : p.n);
   const int chunks = p.k / 8;
+  const int per_part = (chunks + SPLIT - 1) / SPLIT;
+  const int c_begin = part * per_part, c_end = min(chunks, c_begin + per_part);
   const int64_t row_gap = static_cast<int64_t>(GATED ? inter : 1) * chunks;
   const uint4* w = reinterpret_cast<const uint4*>(static_cast<const T*>(p.w)) +
                    static_cast<int64_t>(row0) * chunks;
   const bool second_row = GATED || row0 + 1 < p.n;
   uint4 wv[kUnroll][kRows];
-  if (has_rows) load_w<T>(w, chunks, row_gap, second_row, lane, wv);
+  if (has_rows) load_w<T>(w, c_end, row_gap, second_row, c_begin + lane, wv);
   grid_dependency_wait();
-  if (!has_rows) return;
+  if (SPLIT == 1 && !has_rows) return;  // with SPLIT > 1 every warp reaches the barrier below
   const uint4* x = reinterpret_cast<const uint4*>(p.x);
   const int64_t x_chunks = p.x_stride / 8;
   float acc[M][kRows] = {};
-  for (int c0 = lane; c0 < chunks; c0 += kWarp * kUnroll) {
-    if (c0 != lane) load_w<T>(w, chunks, row_gap, second_row, c0, wv);
+  for (int c0 = c_begin + lane; has_rows && c0 < c_end; c0 += kWarp * kUnroll) {
+    if (c0 != c_begin + lane) load_w<T>(w, c_end, row_gap, second_row, c0, wv);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int c = c0 + u * kWarp;
-      if (c < chunks) {
+      if (c < c_end) {
         float wf[kRows][8];
 #pragma unroll
         for (int r = 0; r < kRows; ++r) unpack8<T>(wv[u][r], wf[r]);
@@ -96,6 +122,26 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
 #pragma unroll
       for (int off = kWarp / 2; off > 0; off >>= 1)
         acc[m][r] += __shfl_xor_sync(0xffffffffu, acc[m][r], off);
+  if constexpr (SPLIT > 1) {
+    __shared__ float parts[kWarps][M][kRows];
+    if (lane == 0) {
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) parts[warp][m][r] = acc[m][r];
+    }
+    __syncthreads();
+    if (part != 0 || !has_rows) return;
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        float sum = parts[warp][m][r];
+#pragma unroll
+        for (int q = 1; q < SPLIT; ++q) sum += parts[warp + q][m][r];
+        acc[m][r] = sum;
+      }
+  }
   if (lane != 0) return;
   T* out = static_cast<T*>(p.out);
   const T* bias = static_cast<const T*>(p.bias);
@@ -121,15 +167,26 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   }
 }
 
-template <typename T, int M>
-cudaError_t launch_rows(const GemvParams& p, cudaStream_t stream) {
-  const int rows_per_block = p.gated ? kWarps : kWarps * kRows;
+template <typename T, int M, int SPLIT>
+void launch_split(const GemvParams& p, cudaStream_t stream) {
+  const int groups = kWarps / SPLIT;
+  const int rows_per_block = p.gated ? groups : groups * kRows;
   const int out_rows = p.gated ? p.n / 2 : p.n;
   const unsigned blocks = static_cast<unsigned>((out_rows + rows_per_block - 1) / rows_per_block);
   if (p.gated) {
-    launch(gemv_kernel<T, M, true>, blocks, kThreads, 0, stream, p);
+    launch(gemv_kernel<T, M, true, SPLIT>, blocks, kThreads, 0, stream, p);
   } else {
-    launch(gemv_kernel<T, M, false>, blocks, kThreads, 0, stream, p);
+    launch(gemv_kernel<T, M, false, SPLIT>, blocks, kThreads, 0, stream, p);
+  }
+}
+
+template <typename T, int M>
+cudaError_t launch_rows(const GemvParams& p, cudaStream_t stream) {
+  switch (gemv_split(p)) {
+    case 1: launch_split<T, M, 1>(p, stream); break;
+    case 2: launch_split<T, M, 2>(p, stream); break;
+    case 4: launch_split<T, M, 4>(p, stream); break;
+    default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }

@@ -142,6 +142,8 @@ struct GemvParams {
   int m, n, k;
   DType dtype;
   bool gated = false;
+  int split = 0;    // warps sharing a row group over K: 1, 2 or 4; 0: chosen from the shape
+  int num_sms = 0;  // of the device, for that choice
 };
 
 // out[r] = torch.argmax(x[r, :n]) for each of `rows` float32 rows (stride elements apart).

@@ -571,7 +571,7 @@ void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out) {
 }
 
 void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-          const at::Tensor& out, bool gated) {
+          const at::Tensor& out, bool gated, int64_t split) {
   KV_CHECK(x.is_cuda() && x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
            "gemv: x [M, K], w [N, K] and out [M, N] must be 2-D CUDA tensors");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -598,6 +598,9 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tens
   }
   kvray::GemvParams p{x.data_ptr(), w.data_ptr(), b, out.data_ptr(), x.stride(0), out.stride(0),
                       static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), dt, gated};
+  KV_CHECK(split == 0 || split == 1 || split == 2 || split == 4, "gemv: split must be 0, 1, 2 or 4");
+  p.split = static_cast<int>(split);
+  p.num_sms = num_sms();
   check_launch(kvray::launch_gemv(p, c10::cuda::getCurrentCUDAStream()), "gemv");
 }
 

@@ -436,16 +436,18 @@ GEMV_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (4096, 6144), (
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("k", "n"), GEMV_SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 8])
-def test_gemv_matches_a_float32_matmul(dtype, k: int, n: int, m: int) -> None:
+@pytest.mark.parametrize("split", [0, 2, 4])
+def test_gemv_matches_a_float32_matmul(dtype, k: int, n: int, m: int, split: int) -> None:
     """kvray's GEMV against float32 x @ w.T: within one rounding of the output dtype plus
-    float32 accumulation error; with and without bias, on a row-strided x."""
+    float32 accumulation error; with and without bias, on a row-strided x, with K whole or
+    shared by 2 or 4 warps (264 / 8 chunks leave the last warp of 4 a shorter part)."""
     x_wide = torch.randn(m, k + 8, device=DEV).to(dtype)
     x = x_wide[:, :k]  # rows k + 8 apart, as a slice of a wider activation would be
     w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)
     bias = torch.randn(n, device=DEV).to(dtype)
     for b in (None, bias):
         out = torch.full((m, n), float("nan"), device=DEV, dtype=dtype)
-        cuda_ops.gemv(x, w, b, out)
+        cuda_ops.gemv(x, w, b, out, split=split)
         ref = x.float() @ w.float().T + (0 if b is None else b.float())
         check_close(out, ref, dtype)
 
@@ -453,17 +455,20 @@ def test_gemv_matches_a_float32_matmul(dtype, k: int, n: int, m: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("k", "n"), [(576, 3072), (4096, 28672), (264, 40)])
 @pytest.mark.parametrize("m", [1, 2, 3, 8])
-def test_gated_gemv_gives_the_bits_of_gemv_then_silu_and_mul(dtype, k: int, n: int, m: int):
+@pytest.mark.parametrize("split", [0, 4])
+def test_gated_gemv_gives_the_bits_of_gemv_then_silu_and_mul(
+    dtype, k: int, n: int, m: int, split: int
+):
     """The MLP's gate_up GEMV taking silu(gate) * up itself: exactly the two kernels' output."""
     x = torch.randn(m, k + 8, device=DEV).to(dtype)[:, :k]
     w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)
     for b in (None, torch.randn(n, device=DEV).to(dtype)):
         gate_up = torch.empty(m, n, device=DEV, dtype=dtype)
         want = torch.empty(m, n // 2, device=DEV, dtype=dtype)
-        cuda_ops.gemv(x, w, b, gate_up)
+        cuda_ops.gemv(x, w, b, gate_up, split=split)
         cuda_ops.silu_and_mul(gate_up, want)
         got = torch.full((m, n // 2), float("nan"), device=DEV, dtype=dtype)
-        cuda_ops.gemv(x, w, b, got, gated=True)
+        cuda_ops.gemv(x, w, b, got, gated=True, split=split)
         assert torch.equal(got, want), f"{int((got != want).sum())} of {want.numel()} differ"
 
 

@@ -389,18 +389,20 @@ def gemv(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     gated: bool = False,
+    split: int = 0,
 ) -> None:
     """out [M, N] = x [M, K] @ w [N, K].T (+ bias) for M <= GEMV_MAX_ROWS: one pass over w.
 
     `gated` (w = [gate; up], N even): out [M, N / 2] = silu(gate) * up, the bits of
-    `silu_and_mul` applied to the plain GEMV's output."""
+    `silu_and_mul` applied to the plain GEMV's output (with the same `split`). `split`: warps
+    sharing each group of rows over K (1, 2 or 4; 0: the default)."""
     # Checked here too: on the H200 a refusal raised inside the extension crashed the process
     # (2026-12-03, not understood yet; the other ops' refusals raise normally).
     if not 1 <= x.shape[0] <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes 1 to {GEMV_MAX_ROWS} rows, got {x.shape[0]}")
     if x.shape[-1] % 8 or w.shape[-1] != x.shape[-1] or not w.is_contiguous():
         raise ValueError("gemv: w must be contiguous [N, K] with K % 8 == 0 and x [M, K]")
-    load().gemv(x, w, bias, out, gated)
+    load().gemv(x, w, bias, out, gated, split)
 
 
 ARGMAX_MAX_BLOCKS = 32  # csrc/launch.h kArgmaxMaxBlocks: partials a row
