@@ -396,8 +396,8 @@ def gemv(
     `gated` (w = [gate; up], N even): out [M, N / 2] = silu(gate) * up, the bits of
     `silu_and_mul` applied to the plain GEMV's output (with the same `split`). `split`: warps
     sharing each group of rows over K (1, 2 or 4; 0: the default)."""
-    # Checked here too: on the H200 a refusal raised inside the extension crashed the process
-    # (2026-12-03, not understood yet; the other ops' refusals raise normally).
+    # Checked here too: refusals whose message held a number crashed the process on the lent
+    # GPUs (KV_CHECK in csrc/ops.cpp).
     if not 1 <= x.shape[0] <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes 1 to {GEMV_MAX_ROWS} rows, got {x.shape[0]}")
     if x.shape[-1] % 8 or w.shape[-1] != x.shape[-1] or not w.is_contiguous():
