@@ -85,22 +85,25 @@ def test_repeated_long_prefix_sticks_to_one_replica_and_hits_its_cache(two: Serv
     assert after[home]["prefix_hit_rate"] > before[home]["prefix_hit_rate"]
 
 
-def drain(response: Any) -> None:
-    with contextlib.suppress(Exception):  # cancelled at the end of the test
+def drain(response: Any, stop: threading.Event) -> None:
+    """Read a session until `stop`, then cancel it from this thread: a response generator is
+    not thread-safe, and a cancel from another thread while this one waits in next() races
+    it (the likely cause of a flood that ran on past its cancel, 1 run in 10)."""
+    with contextlib.suppress(Exception):
         for _ in response:
-            pass
+            if stop.is_set():
+                break
+        response.cancel()
 
 
-def flood(two: Served, replica_id: str, count: int) -> list[Any]:
-    """Start `count` long generations on one replica, straight through a worker handle."""
+def flood(two: Served, replica_id: str, count: int, stop: threading.Event) -> None:
+    """Start `count` long generations on one replica, straight through a worker handle; each
+    session is cancelled once `stop` is set (by its reader, at its next frame)."""
     params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
-    responses = []
     for i in range(count):
         request = EngineRequest(f"flood-{i}", [1000 + i] * 40, params)
         response = two.open_on(replica_id, [request])
-        threading.Thread(target=drain, args=(response,), daemon=True).start()
-        responses.append(response)
-    return responses
+        threading.Thread(target=drain, args=(response, stop), daemon=True).start()
 
 
 def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
@@ -113,7 +116,8 @@ def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
 
 def test_prefix_requests_spill_from_a_flooded_replica(two: Served) -> None:
     home = complete(two, f"{DOC}Question: who pays rent?").headers[REPLICA_HEADER]
-    floods = flood(two, home, 4)
+    stop = threading.Event()
+    flood(two, home, 4, stop)
     try:
         wait_for(lambda: two.worker_stats()[home]["num_running"] >= 4, 30, "the flood to run")
         time.sleep(0.5)  # let the routers see the flooded replica's report
@@ -123,8 +127,7 @@ def test_prefix_requests_spill_from_a_flooded_replica(two: Served) -> None:
         ]
         assert all(rid != home for rid in spilled), (home, spilled)
     finally:
-        for response in floods:
-            response.cancel()
+        stop.set()
     wait_for(lambda: two.worker_stats()[home]["num_running"] == 0, 30, "the flood to be aborted")
 
 
