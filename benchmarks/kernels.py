@@ -352,15 +352,20 @@ GEMV_SHAPES = {  # (K, N) of the linear layers a decode step runs
 }  # fmt: skip
 
 
+def _weight_copies(k: int, n: int) -> list[torch.Tensor]:
+    """Copies of a random [n, k] weight, >= 256 MB in all, for calls to cycle over so that
+    the weights stream from HBM, as a decode step's layers do."""
+    copies = max(1, min(64, math.ceil(256e6 / (k * n * 2))))
+    return [torch.randn(n, k, device=DEV, dtype=DTYPE) / k**0.5 for _ in range(copies)]
+
+
 def bench_gemv() -> list[dict[str, Any]]:
     """kvray's GEMV vs cuBLAS (F.linear) at decode batch sizes, weight bytes / time; calls
     cycle over enough weight copies (>= 256 MB) that the weights stream from HBM, as a
     decode step's layers do."""
     rows = []
     for name, (k, n) in GEMV_SHAPES.items():
-        nbytes = k * n * 2
-        copies = max(1, min(64, math.ceil(256e6 / nbytes)))
-        ws = [torch.randn(n, k, device=DEV, dtype=DTYPE) / k**0.5 for _ in range(copies)]
+        nbytes, ws = k * n * 2, _weight_copies(k, n)
         for m in (1, 2, 4, 8):
             x = torch.randn(m, k, device=DEV, dtype=DTYPE)
             out = torch.empty(m, n, device=DEV, dtype=DTYPE)
@@ -393,9 +398,7 @@ def bench_gemm() -> list[dict[str, Any]]:
     for name, (k, n) in GEMV_SHAPES.items():
         if not name.startswith("8b"):
             continue
-        nbytes = k * n * 2
-        copies = max(1, min(64, math.ceil(256e6 / nbytes)))
-        ws = [torch.randn(n, k, device=DEV, dtype=DTYPE) / k**0.5 for _ in range(copies)]
+        nbytes, ws = k * n * 2, _weight_copies(k, n)
         for m in GEMM_BATCHES:
             x = torch.randn(m, k, device=DEV, dtype=DTYPE)
             out = torch.empty(m, n, device=DEV, dtype=DTYPE)

@@ -605,7 +605,7 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tens
 }
 
 // out[r] = argmax(x[r]) as torch.argmax(x, -1) gives it; partial and counters are the
-// workspace's (argmax_scratch_sizes), counters zero.
+// caller's scratch (the executor's), counters zero.
 void argmax(const at::Tensor& x, const at::Tensor& out, const at::Tensor& partial,
             const at::Tensor& counters) {
   KV_CHECK(x.is_cuda() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
