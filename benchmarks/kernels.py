@@ -387,27 +387,40 @@ def bench_gemv() -> list[dict[str, Any]]:
     return rows
 
 
-GEMM_BATCHES = (16, 32, 64, 96, 128, 160, 192, 224, 256)
+GEMM_BATCHES = (1, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+SKINNY_SPLITS = (1, 2, 4, 8)
 
 
 def bench_gemm() -> list[dict[str, Any]]:
-    """cuBLAS (F.linear) on the 8B shape's linear layers at the batch sizes of an offline
-    run's decode steps, against each call's floor: the longer of streaming the weights at the
-    copy ceiling and its FLOPs at the bf16 peak (the two cross near M=190)."""
+    """cuBLAS (F.linear) on the linear layers at the batch sizes of an offline run's decode
+    steps (the 8B shape's up to 256 rows, the demo's up to 64), and kvray's skinny GEMM where
+    it runs (up to 64 rows; with K split over 1, 2, 4 or 8 warps too), against each call's
+    floor: the longer of streaming the weights at the copy ceiling and its FLOPs at the bf16
+    peak (the two cross near M=190)."""
     rows = []
     for name, (k, n) in GEMV_SHAPES.items():
-        if not name.startswith("8b"):
-            continue
         nbytes, ws = k * n * 2, _weight_copies(k, n)
         for m in GEMM_BATCHES:
+            if m > cuda_ops.SKINNY_MAX_ROWS and not name.startswith("8b"):
+                continue
             x = torch.randn(m, k, device=DEV, dtype=DTYPE)
             out = torch.empty(m, n, device=DEV, dtype=DTYPE)
             us = graph_time_us([partial(torch.matmul, x, w.T, out=out) for w in ws])
             flops = 2 * m * k * n
             floor = max(nbytes / (COPY_TBPS * 1e6), flops / (BF16_TFLOPS * 1e6))
-            rows.append({"layer": name, "m": m, "k": k, "n": n, "cublas_us": us,
-                         "tflops": flops / us / 1e6, "floor_us": floor,
-                         "of_floor": floor / us})  # fmt: skip
+            row: dict[str, Any] = {"layer": name, "m": m, "k": k, "n": n, "cublas_us": us,
+                                   "tflops": flops / us / 1e6, "floor_us": floor,
+                                   "of_floor": floor / us}  # fmt: skip
+            if m <= cuda_ops.SKINNY_MAX_ROWS:
+                skinny = graph_time_us([partial(cuda_ops.skinny_gemm, x, w, None, out) for w in ws])
+                row["skinny_us"], row["skinny_of_floor"] = skinny, floor / skinny
+                row["skinny_split_us"] = {
+                    str(sp): graph_time_us(
+                        [partial(cuda_ops.skinny_gemm, x, w, None, out, split=sp) for w in ws]
+                    )
+                    for sp in SKINNY_SPLITS
+                }
+            rows.append(row)
         del ws
         torch.cuda.empty_cache()
     return rows
@@ -480,11 +493,16 @@ def print_gemv_table(rows: list[dict[str, Any]]) -> None:
 
 def print_gemm_table(rows: list[dict[str, Any]]) -> None:
     print(
-        f"\n{'linear (cuBLAS)':<16} {'M':>3} {'us':>8} {'TFLOP/s':>8} {'floor us':>9} {'of floor':>8}"
+        f"\n{'linear':<16} {'M':>3} {'cuBLAS us':>9} {'TFLOP/s':>8} {'of floor':>8} "
+        f"{'skinny us':>9} {'of floor':>8} {'floor us':>9}  skinny split 1 / 2 / 4 / 8 us"
     )
     for r in rows:
-        print(f"{r['layer']:<16} {r['m']:3d} {r['cublas_us']:8.1f} {r['tflops']:8.1f} "
-              f"{r['floor_us']:9.1f} {r['of_floor']:8.0%}")  # fmt: skip
+        skinny = (
+            f"{r['skinny_us']:9.1f} {r['skinny_of_floor']:8.0%}" if "skinny_us" in r else " " * 18
+        )
+        splits = " / ".join(f"{us:.1f}" for us in r.get("skinny_split_us", {}).values())
+        print(f"{r['layer']:<16} {r['m']:3d} {r['cublas_us']:9.1f} {r['tflops']:8.1f} "
+              f"{r['of_floor']:8.0%} {skinny} {r['floor_us']:9.1f}  {splits}")  # fmt: skip
 
 
 def bench_store_kv() -> list[dict[str, Any]]:

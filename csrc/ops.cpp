@@ -570,18 +570,19 @@ void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out) {
   check_launch(kvray::launch_silu_and_mul(p, c10::cuda::getCurrentCUDAStream()), "silu_and_mul");
 }
 
-void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-          const at::Tensor& out, bool gated, int64_t split) {
-  KV_CHECK(x.is_cuda() && x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
-           "gemv: x [M, K], w [N, K] and out [M, N] must be 2-D CUDA tensors");
-  const c10::cuda::CUDAGuard guard(x.device());
+// The checks and parameters gemv and skinny_gemm share; max_m is the op's row limit.
+kvray::GemvParams linear_params(const char* op, int64_t max_m, const at::Tensor& x,
+                                const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                                const at::Tensor& out, bool gated, int64_t split) {
+  KV_CHECK(x.is_cuda() && x.dim() == 2 && w.dim() == 2 && out.dim() == 2, op,
+           ": x [M, K], w [N, K] and out [M, N] must be 2-D CUDA tensors");
   const DType dt = dtype_of(x, "x");
   check_cuda(w, x, "w");
   check_cuda(out, x, "out");
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  KV_CHECK(m >= 1 && m <= 8, "gemv takes 1 to 8 rows, got ", m);
+  KV_CHECK(m >= 1 && m <= max_m, op, " takes 1 to ", max_m, " rows, got ", m);
   KV_CHECK(w.size(1) == k && k % 8 == 0 && w.is_contiguous(), "w must be contiguous [N, K], K % 8 == 0");
-  KV_CHECK(!gated || n % 2 == 0, "a gated gemv needs an even N (gate rows, then up rows)");
+  KV_CHECK(!gated || n % 2 == 0, "a gated ", op, " needs an even N (gate rows, then up rows)");
   KV_CHECK(out.size(0) == m && out.size(1) == (gated ? n / 2 : n) && out.stride(1) == 1,
            "out must be [M, N] (gated: [M, N / 2]), rows contiguous");
   KV_CHECK(w.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
@@ -598,10 +599,26 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tens
   }
   kvray::GemvParams p{x.data_ptr(), w.data_ptr(), b, out.data_ptr(), x.stride(0), out.stride(0),
                       static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), dt, gated};
-  KV_CHECK(split == 0 || split == 1 || split == 2 || split == 4, "gemv: split must be 0, 1, 2 or 4");
   p.split = static_cast<int>(split);
   p.num_sms = num_sms();
+  return p;
+}
+
+void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+          const at::Tensor& out, bool gated, int64_t split) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  KV_CHECK(split == 0 || split == 1 || split == 2 || split == 4, "gemv: split must be 0, 1, 2 or 4");
+  const kvray::GemvParams p = linear_params("gemv", 8, x, w, bias, out, gated, split);
   check_launch(kvray::launch_gemv(p, c10::cuda::getCurrentCUDAStream()), "gemv");
+}
+
+void skinny_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                 const at::Tensor& out, bool gated, int64_t split) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  KV_CHECK(split == 0 || split == 1 || split == 2 || split == 4 || split == 8,
+           "skinny_gemm: split must be 0, 1, 2, 4 or 8");
+  const kvray::GemvParams p = linear_params("skinny_gemm", 64, x, w, bias, out, gated, split);
+  check_launch(kvray::launch_skinny_gemm(p, c10::cuda::getCurrentCUDAStream()), "skinny_gemm");
 }
 
 // out[r] = argmax(x[r]) as torch.argmax(x, -1) gives it; partial and counters are the
@@ -658,6 +675,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up for gate_up = [gate | up]");
   m.def("gemv", &gemv,
         "out = x @ w.T (+ bias) for 1 to 8 rows of x (decode batches); gated: silu(gate) * up");
+  m.def("skinny_gemm", &skinny_gemm,
+        "out = x @ w.T (+ bias) for 1 to 64 rows of x on tensor cores, one pass over w; gated too");
   m.def("argmax", &argmax, "out = argmax(x, -1) of float32 rows, torch's answer, several blocks a row");
   m.def("alias", &alias, "a tensor over another's memory that does not own it");
   m.def("decode_plan", &decode_plan, "(resolved variant, splits) decode uses for a batch");

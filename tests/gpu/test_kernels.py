@@ -472,6 +472,75 @@ def test_gated_gemv_gives_the_bits_of_gemv_then_silu_and_mul(
         assert torch.equal(got, want), f"{int((got != want).sum())} of {want.numel()} differ"
 
 
+SKINNY_SHAPES = [(576, 960), (576, 576), (4096, 6144), (14336, 4096), (264, 40), (4096, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("k", "n"), SKINNY_SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 40, 64])
+@pytest.mark.parametrize("split", [0, 2, 8])
+def test_skinny_gemm_matches_a_float32_matmul(dtype, k: int, n: int, m: int, split: int) -> None:
+    """The tensor-core skinny GEMM against float32 x @ w.T, as the GEMV's test: every count of
+    16-row x tiles, partial tiles, N not a multiple of 16, K split over up to 8 warps (264 / 8
+    chunks leave most of 8 parts empty), a row-strided x."""
+    x = torch.randn(m, k + 8, device=DEV).to(dtype)[:, :k]
+    w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)
+    bias = torch.randn(n, device=DEV).to(dtype)
+    for b in (None, bias):
+        out = torch.full((m, n), float("nan"), device=DEV, dtype=dtype)
+        cuda_ops.skinny_gemm(x, w, b, out, split=split)
+        ref = x.float() @ w.float().T + (0 if b is None else b.float())
+        check_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("k", "n"), [(576, 3072), (4096, 28672), (264, 40)])
+@pytest.mark.parametrize("m", [5, 33, 64])
+@pytest.mark.parametrize("split", [0, 8])
+def test_gated_skinny_gemm_gives_the_bits_of_skinny_gemm_then_silu_and_mul(
+    dtype, k: int, n: int, m: int, split: int
+):
+    x = torch.randn(m, k + 8, device=DEV).to(dtype)[:, :k]
+    w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)
+    for b in (None, torch.randn(n, device=DEV).to(dtype)):
+        gate_up = torch.empty(m, n, device=DEV, dtype=dtype)
+        want = torch.empty(m, n // 2, device=DEV, dtype=dtype)
+        cuda_ops.skinny_gemm(x, w, b, gate_up, split=split)
+        cuda_ops.silu_and_mul(gate_up, want)
+        got = torch.full((m, n // 2), float("nan"), device=DEV, dtype=dtype)
+        cuda_ops.skinny_gemm(x, w, b, got, gated=True, split=split)
+        assert torch.equal(got, want), f"{int((got != want).sum())} of {want.numel()} differ"
+
+
+def test_skinny_gemm_replays_in_a_cuda_graph() -> None:
+    """Captured, it reads the x of each replay and gives the eager call's bits."""
+    k, n, m = 4096, 6144, 32
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device=DEV) / k**0.5).to(torch.bfloat16)
+    out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+    cuda_ops.skinny_gemm(x, w, None, out)  # the build and first launch outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda_ops.skinny_gemm(x, w, None, out)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        want = torch.empty_like(out)
+        cuda_ops.skinny_gemm(x, w, None, want)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
+def test_skinny_gemm_refuses_what_it_cannot_run() -> None:
+    w = torch.randn(16, 64, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        cuda_ops.skinny_gemm(torch.randn(65, 64, device=DEV, dtype=torch.bfloat16), w, None,
+                             torch.empty(65, 16, device=DEV, dtype=torch.bfloat16))  # fmt: skip
+    with pytest.raises(RuntimeError, match="split must be"):
+        cuda_ops.skinny_gemm(torch.randn(2, 64, device=DEV, dtype=torch.bfloat16), w, None,
+                             torch.empty(2, 16, device=DEV, dtype=torch.bfloat16), split=3)  # fmt: skip
+
+
 def test_gemv_refuses_what_it_cannot_run() -> None:
     w = torch.randn(16, 64, device=DEV, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="1 to 8 rows"):

@@ -35,6 +35,7 @@ _SOURCES = (
     "gemv.cu",
     "mla.cu",
     "argmax.cu",
+    "skinny.cu",
 )
 _HEADERS = ("common.cuh", "launch.h")
 
@@ -403,6 +404,26 @@ def gemv(
     if x.shape[-1] % 8 or w.shape[-1] != x.shape[-1] or not w.is_contiguous():
         raise ValueError("gemv: w must be contiguous [N, K] with K % 8 == 0 and x [M, K]")
     load().gemv(x, w, bias, out, gated, split)
+
+
+SKINNY_MAX_ROWS = 64
+
+
+def skinny_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    gated: bool = False,
+    split: int = 0,
+) -> None:
+    """As `gemv` for M <= SKINNY_MAX_ROWS, on tensor cores: still one pass over w, for decode
+    batches too large for the GEMV's dot products. `split`: 1, 2, 4 or 8 (0: the default)."""
+    if not 1 <= x.shape[0] <= SKINNY_MAX_ROWS:
+        raise ValueError(f"skinny_gemm takes 1 to {SKINNY_MAX_ROWS} rows, got {x.shape[0]}")
+    if x.shape[-1] % 8 or w.shape[-1] != x.shape[-1] or not w.is_contiguous():
+        raise ValueError("skinny_gemm: w must be contiguous [N, K] with K % 8 == 0 and x [M, K]")
+    load().skinny_gemm(x, w, bias, out, gated, split)
 
 
 ARGMAX_MAX_BLOCKS = 32  # csrc/launch.h kArgmaxMaxBlocks: partials a row

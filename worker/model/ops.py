@@ -9,7 +9,9 @@ kernels instead of about forty.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -103,17 +105,22 @@ class CudaOps(ModelOps):
     (inside a captured graph they come from the graph's pool). A linear layer runs kvray's
     GEMV (one pass over the weights) where it measured faster than cuBLAS on one H200
     (`kvray bench kernels --only gemv`, docs/performance.md): one token with rows up to
-    8,192 long, and up to four tokens on matrices of at most 4 Mi weights (the demo's);
-    everything else stays on cuBLAS."""
+    8,192 long, and up to four tokens on matrices of at most 4 Mi weights (the demo's). On
+    those small matrices, batches up to `skinny_max_rows` tokens run the skinny GEMM (tensor
+    cores, still one pass over the weights), which beat cuBLAS there on an H100 (`--only
+    gemm`; on the 8B shape's matrices it lost); everything else stays on cuBLAS.
+    KVRAY_SKINNY_MAX_ROWS overrides that bound (0: never), for measuring."""
 
     gemv_max_rows = 4
     gemv_small_weights = 4 << 20
+    skinny_max_rows = 32
 
     def __init__(self) -> None:
         from worker.attention import cuda_ops
 
         cuda_ops.load()  # build (or load the cached build) now, not inside the first step
         self._k = cuda_ops
+        self.skinny_max_rows = int(os.environ.get("KVRAY_SKINNY_MAX_ROWS", self.skinny_max_rows))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -140,34 +147,39 @@ class CudaOps(ModelOps):
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if not self._gemv_runs(x, weight):
+        kernel = self._one_pass_kernel(x, weight)
+        if kernel is None:
             return F.linear(x, weight, bias)
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-        self._k.gemv(x, weight, bias, out)
+        kernel(x, weight, bias, out)
         return out
 
     def gated_linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if not self._gemv_runs(x, weight):
+        kernel = self._one_pass_kernel(x, weight)
+        if kernel is None:
             return self.silu_and_mul(F.linear(x, weight, bias))
         out = torch.empty((x.shape[0], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
-        self._k.gemv(x, weight, bias, out, gated=True)  # no activation kernel
+        kernel(x, weight, bias, out, gated=True)  # no activation kernel
         return out
 
-    def _gemv_runs(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    def _one_pass_kernel(self, x: torch.Tensor, weight: torch.Tensor) -> Callable[..., None] | None:
+        """csrc's GEMV or skinny GEMM where it runs and beats cuBLAS, else None."""
         m, k = x.shape
-        fits = (m == 1 and k <= 8192) or (
-            m <= self.gemv_max_rows and weight.numel() <= self.gemv_small_weights
-        )
-        return (
-            fits
-            and k % 8 == 0
+        runs = (
+            k % 8 == 0
             and x.stride(1) == 1
             and (x.stride(0) % 8 == 0 or m == 1)
             and x.data_ptr() % 16 == 0
             and x.dtype != torch.float32
         )
+        if not runs:
+            return None
+        small = weight.numel() <= self.gemv_small_weights
+        if (m == 1 and k <= 8192) or (m <= self.gemv_max_rows and small):
+            return self._k.gemv
+        return self._k.skinny_gemm if small and m <= self.skinny_max_rows else None
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = torch.empty(
