@@ -104,8 +104,9 @@ class CudaOps(ModelOps):
     """csrc's fused kernels: norms and RoPE in place, outputs of the others allocated here
     (inside a captured graph they come from the graph's pool). A linear layer runs kvray's
     GEMV (one pass over the weights) where it measured faster than cuBLAS on one H200
-    (`kvray bench kernels --only gemv`, docs/performance.md): one token with rows up to
-    8,192 long, and up to four tokens on matrices of at most 4 Mi weights (the demo's). On
+    (`kvray bench kernels --only gemv`, docs/performance.md): one token (the 8B shape's down
+    projection, K = 14,336, since its K is split over warps: measured on an H100), and up to
+    four tokens on matrices of at most 4 Mi weights (the demo's). On
     those small matrices, batches up to `skinny_max_rows` tokens run the skinny GEMM (tensor
     cores, still one pass over the weights), which beat cuBLAS there on an H100 (`--only
     gemm`; on the 8B shape's matrices it lost); everything else stays on cuBLAS.
@@ -177,7 +178,7 @@ class CudaOps(ModelOps):
         if not runs:
             return None
         small = weight.numel() <= self.gemv_small_weights
-        if (m == 1 and k <= 8192) or (m <= self.gemv_max_rows and small):
+        if m == 1 or (m <= self.gemv_max_rows and small):
             return self._k.gemv
         return self._k.skinny_gemm if small and m <= self.skinny_max_rows else None
 
