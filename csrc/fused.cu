@@ -116,27 +116,55 @@ __device__ __forceinline__ int64_t row_offset(int64_t r, int inner_rows, int64_t
   return (r / inner_rows) * s_outer + (r % inner_rows) * s_inner;
 }
 
-// dst = weight * round(src * scale), torch's two roundings; chunks of VEC elements, this
-// thread taking chunk `first` and every `stride`-th after it.
+// A thread's first kPreChunks chunks of the norm weight, loaded before the wait on the kernel
+// before (weights are never its output), so that under programmatic launch they are in
+// registers by the time the row's sum is known.
+constexpr int kPreChunks = 2;
+
 template <typename T, int VEC>
-__device__ __forceinline__ void scale_row(const T* src, const T* w, T* dst, int chunks, float scale,
-                                          int first, int stride) {
-  for (int c = first; c < chunks; c += stride) {
+struct NormWeight {
+  Pack<T, VEC> pre[kPreChunks];
+  const T* w;
+
+  __device__ __forceinline__ NormWeight(const T* weight, int chunks, int first, int stride)
+      : w(weight) {
+#pragma unroll
+    for (int q = 0; q < kPreChunks; ++q) {
+      const int c = first + q * stride;
+      if (c < chunks) pre[q] = load<T, VEC>(w + c * VEC);
+    }
+  }
+};
+
+// dst = weight * round(src * scale), torch's two roundings; chunks of VEC elements, this
+// thread taking chunk `first` and every `stride`-th after it (the first ones prefetched).
+template <typename T, int VEC>
+__device__ __forceinline__ void scale_row(const T* src, const NormWeight<T, VEC>& w, T* dst,
+                                          int chunks, float scale, int first, int stride) {
+  auto one = [&](int c, const Pack<T, VEC>& g) {
     Pack<T, VEC> v = load<T, VEC>(src + c * VEC);
-    const Pack<T, VEC> g = load<T, VEC>(w + c * VEC);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
       const float normed = round_to<T>(__fmul_rn(Num<T>::to_f(v.v[i]), scale));
       v.v[i] = Num<T>::from_f(__fmul_rn(Num<T>::to_f(g.v[i]), normed));
     }
     store<T, VEC>(dst + c * VEC, v);
+  };
+#pragma unroll
+  for (int q = 0; q < kPreChunks; ++q) {
+    const int c = first + q * stride;
+    if (c < chunks) one(c, w.pre[q]);
   }
+  for (int c = first + kPreChunks * stride; c < chunks; c += stride)
+    one(c, load<T, VEC>(w.w + c * VEC));
 }
 
 // Block: threadIdx.x = virtual lane (p.lanes of them), threadIdx.y = row within the block.
 // ADD: residual = round(residual + x), then x = norm(residual). Else out = norm(x).
 template <typename T, int VEC, bool ADD>
 __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const NormParams p) {
+  const NormWeight<T, VEC> weight(static_cast<const T*>(p.weight), p.n / VEC, threadIdx.x,
+                                  blockDim.x);
   grid_dependency_wait();
   __shared__ float partial[kMaxThreads];
   __shared__ float inv_rms[kMaxThreads];
@@ -147,7 +175,6 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const NormParams 
   T* x = static_cast<T*>(p.x) + (live ? row_offset(r, p.inner_rows, p.x_outer, p.x_inner) : 0);
   T* res = static_cast<T*>(p.residual) + (ADD && live ? r * p.res_stride : 0);
   T* out = static_cast<T*>(p.out) + (live ? row_offset(r, p.inner_rows, p.out_outer, p.out_inner) : 0);
-  const T* w = static_cast<const T*>(p.weight);
   const T* src = ADD ? res : x;
 
   if (ADD && live) {
@@ -185,7 +212,7 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const NormParams 
   __syncthreads();
   if (!live) return;
 
-  scale_row<T, VEC>(src, w, ADD ? x : out, chunks, inv_rms[y], lane, lanes);
+  scale_row<T, VEC>(src, weight, ADD ? x : out, chunks, inv_rms[y], lane, lanes);
 }
 
 // The same arithmetic for one row of n >= kRowKernelMinN per block: the block stages the row
@@ -195,6 +222,8 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const NormParams 
 // 32 for 32 rows of 4096) every lane waits on ~100 dependent loads, and 8 rows share a block.
 template <typename T, int VEC, bool ADD>
 __global__ void __launch_bounds__(kMaxThreads) rms_norm_row_kernel(const NormParams p) {
+  const NormWeight<T, VEC> weight(static_cast<const T*>(p.weight), p.n / VEC, threadIdx.x,
+                                  blockDim.x);
   grid_dependency_wait();
   extern __shared__ __align__(16) unsigned char staged[];
   __shared__ float partial[kMaxThreads];
@@ -206,7 +235,6 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_row_kernel(const NormPar
   T* x = static_cast<T*>(p.x) + row_offset(r, p.inner_rows, p.x_outer, p.x_inner);
   T* res = static_cast<T*>(p.residual) + (ADD ? r * p.res_stride : 0);
   T* out = static_cast<T*>(p.out) + row_offset(r, p.inner_rows, p.out_outer, p.out_inner);
-  const T* w = static_cast<const T*>(p.weight);
 
   for (int c = tid; c < chunks; c += threads) {
     Pack<T, VEC> a = load<T, VEC>(x + c * VEC);
@@ -242,7 +270,7 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_row_kernel(const NormPar
   if (tid == 0) inv_rms = rsqrtf(__fadd_rn(__fmul_rn(partial[0], p.inv_n), p.eps));
   __syncthreads();
 
-  scale_row<T, VEC>(row, w, ADD ? x : out, chunks, inv_rms, tid, threads);
+  scale_row<T, VEC>(row, weight, ADD ? x : out, chunks, inv_rms, tid, threads);
 }
 
 constexpr int kRowKernelMinN = 1024;
