@@ -20,7 +20,8 @@ constexpr int kRows = 2;    // rows of w per warp
 constexpr int kUnroll = 4;  // 16-byte chunks of each row a lane loads before using them
 
 // Warps sharing a row group (1, 2 or 4): p.split when set, else KVRAY_GEMV_SPLIT when set (for
-// measuring), else the fewest that give at least two blocks an SM.
+// measuring), else the fewest that give at least two blocks an SM, or more while each part
+// keeps a whole pass of the warp's loads (the 8B shape's rows: 4 measured fastest there).
 int gemv_split(const GemvParams& p) {
   static const int forced = [] {
     const char* env = std::getenv("KVRAY_GEMV_SPLIT");
@@ -31,8 +32,10 @@ int gemv_split(const GemvParams& p) {
   const int out_rows = p.gated ? p.n / 2 : p.n;
   const int rows_per_block = p.gated ? kWarps : kWarps * kRows;  // at split 1
   const int blocks = (out_rows + rows_per_block - 1) / rows_per_block;
+  const int chunks = p.k / 8;
   int split = 1;
-  while (split < 4 && blocks * split < 2 * p.num_sms) split *= 2;
+  while (split < 4 && (blocks * split < 2 * p.num_sms || chunks / (2 * split) >= kWarp * kUnroll))
+    split *= 2;
   return split;
 }
 
