@@ -13,6 +13,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -116,11 +117,14 @@ class CudaOps(ModelOps):
     gemv_small_weights = 4 << 20
     skinny_max_rows = 32
 
-    def __init__(self) -> None:
-        from worker.attention import cuda_ops
+    def __init__(self, kernels: ModuleType | None = None) -> None:
+        """`kernels`: worker.attention.cuda_ops, or a stand-in of it (tests on CPU)."""
+        if kernels is None:
+            from worker.attention import cuda_ops
 
-        cuda_ops.load()  # build (or load the cached build) now, not inside the first step
-        self._k = cuda_ops
+            cuda_ops.load()  # build (or load the cached build) now, not inside the first step
+            kernels = cuda_ops
+        self._k = kernels
         self.skinny_max_rows = int(os.environ.get("KVRAY_SKINNY_MAX_ROWS", self.skinny_max_rows))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
