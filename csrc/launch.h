@@ -132,8 +132,8 @@ struct SiluMulParams {
 
 // out[m, :] = x[m, :] @ w^T (+ bias) for m < M <= 8 (gemv; skinny_gemm: M <= 64): w [N, K]
 // contiguous, K % 8 == 0, x and out rows contiguous (strides in elements, multiples of 8 for
-// x), 16-byte aligned. Gated
-// (N even): out[m, :N/2] = silu(first half of that) * second half, as silu_and_mul.
+// x), 16-byte aligned. Gated (N even): out[m, :N/2] = silu(first half of that) * second
+// half, as silu_and_mul.
 struct GemvParams {
   const void* x;
   const void* w;
@@ -143,7 +143,7 @@ struct GemvParams {
   int m, n, k;
   DType dtype;
   bool gated = false;
-  int split = 0;    // warps sharing a row group over K: 1, 2, 4 (or 8: skinny); 0: chosen from the shape
+  int split = 0;    // warps sharing a row group over K: 1, 2, 4 (skinny: 8 too); 0: from the shape
   int num_sms = 0;  // of the device, for that choice
 };
 

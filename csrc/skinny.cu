@@ -4,12 +4,13 @@
 //
 // It is the GEMV's weight stream with mma.sync doing the arithmetic. Each warp owns 16 rows
 // of w (two 8-row tiles, the MMA's B operand) and all M rows of x (16-row tiles, the A
-// operand), and streams its rows with 16-byte loads, kUnroll chunks per row in flight per
-// lane. An MMA takes 16 values of K, but the dot product does not care in which order K is
+// operand), and streams its rows with 16-byte loads, the next kUnroll steps' chunks in flight
+// while this step's are multiplied. An MMA takes 16 values of K, but the dot product does not care in which order K is
 // visited, so a lane's 16-byte chunk of a weight row (8 consecutive K) feeds two MMAs: lane
 // (g, t) loads chunk t of each 32-K step of rows g and 8 + g, and the x chunk it loads at the
 // same K fills the matching slots of A. No shared memory, no ldmatrix; x's few rows come
-// through L1. Float32 accumulation, one rounding at the end.
+// through L1. Float32 accumulation, one rounding at the end. Where the engine runs it
+// (small matrices, where it beats cuBLAS) is CudaOps' choice, worker/model/ops.py.
 //
 // Gated (the MLP's gate_up, w = [gate; up], N = 2 * inter): a warp's two tiles are gate rows
 // j..j+7 and up rows inter + j..j+7, so the lane holding gate(m, j) also holds up(m, j) and
