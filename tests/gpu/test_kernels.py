@@ -454,21 +454,27 @@ def test_gemv_matches_a_float32_matmul(dtype, k: int, n: int, m: int, split: int
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("k", "n"), [(576, 3072), (4096, 28672), (264, 40)])
-@pytest.mark.parametrize("m", [1, 2, 3, 8])
+@pytest.mark.parametrize(
+    ("op", "m"),
+    [("gemv", 1), ("gemv", 2), ("gemv", 3), ("gemv", 8), ("skinny_gemm", 5),
+     ("skinny_gemm", 33), ("skinny_gemm", 64)],
+)  # fmt: skip
 @pytest.mark.parametrize("split", [0, 4])
-def test_gated_gemv_gives_the_bits_of_gemv_then_silu_and_mul(
-    dtype, k: int, n: int, m: int, split: int
+def test_gated_linear_gives_the_bits_of_the_plain_one_then_silu_and_mul(
+    dtype, k: int, n: int, op: str, m: int, split: int
 ):
-    """The MLP's gate_up GEMV taking silu(gate) * up itself: exactly the two kernels' output."""
+    """The MLP's gate_up GEMV (or skinny GEMM) taking silu(gate) * up itself: exactly the
+    two kernels' output."""
+    linear = getattr(cuda_ops, op)
     x = torch.randn(m, k + 8, device=DEV).to(dtype)[:, :k]
     w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)
     for b in (None, torch.randn(n, device=DEV).to(dtype)):
         gate_up = torch.empty(m, n, device=DEV, dtype=dtype)
         want = torch.empty(m, n // 2, device=DEV, dtype=dtype)
-        cuda_ops.gemv(x, w, b, gate_up, split=split)
+        linear(x, w, b, gate_up, split=split)
         cuda_ops.silu_and_mul(gate_up, want)
         got = torch.full((m, n // 2), float("nan"), device=DEV, dtype=dtype)
-        cuda_ops.gemv(x, w, b, got, gated=True, split=split)
+        linear(x, w, b, got, gated=True, split=split)
         assert torch.equal(got, want), f"{int((got != want).sum())} of {want.numel()} differ"
 
 
@@ -491,25 +497,6 @@ def test_skinny_gemm_matches_a_float32_matmul(dtype, k: int, n: int, m: int, spl
         cuda_ops.skinny_gemm(x, w, b, out, split=split)
         ref = x.float() @ w.float().T + (0 if b is None else b.float())
         check_close(out, ref, dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("k", "n"), [(576, 3072), (4096, 28672), (264, 40)])
-@pytest.mark.parametrize("m", [5, 33, 64])
-@pytest.mark.parametrize("split", [0, 8])
-def test_gated_skinny_gemm_gives_the_bits_of_skinny_gemm_then_silu_and_mul(
-    dtype, k: int, n: int, m: int, split: int
-):
-    x = torch.randn(m, k + 8, device=DEV).to(dtype)[:, :k]
-    w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)
-    for b in (None, torch.randn(n, device=DEV).to(dtype)):
-        gate_up = torch.empty(m, n, device=DEV, dtype=dtype)
-        want = torch.empty(m, n // 2, device=DEV, dtype=dtype)
-        cuda_ops.skinny_gemm(x, w, b, gate_up, split=split)
-        cuda_ops.silu_and_mul(gate_up, want)
-        got = torch.full((m, n // 2), float("nan"), device=DEV, dtype=dtype)
-        cuda_ops.skinny_gemm(x, w, b, got, gated=True, split=split)
-        assert torch.equal(got, want), f"{int((got != want).sum())} of {want.numel()} differ"
 
 
 def test_skinny_gemm_replays_in_a_cuda_graph() -> None:

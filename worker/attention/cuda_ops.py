@@ -397,13 +397,17 @@ def gemv(
     `gated` (w = [gate; up], N even): out [M, N / 2] = silu(gate) * up, the bits of
     `silu_and_mul` applied to the plain GEMV's output (with the same `split`). `split`: warps
     sharing each group of rows over K (1, 2 or 4; 0: the default)."""
-    # Checked here too: refusals whose message held a number crashed the process on the lent
-    # GPUs (KV_CHECK in csrc/ops.cpp).
-    if not 1 <= x.shape[0] <= GEMV_MAX_ROWS:
-        raise ValueError(f"gemv takes 1 to {GEMV_MAX_ROWS} rows, got {x.shape[0]}")
-    if x.shape[-1] % 8 or w.shape[-1] != x.shape[-1] or not w.is_contiguous():
-        raise ValueError("gemv: w must be contiguous [N, K] with K % 8 == 0 and x [M, K]")
+    _check_one_pass("gemv", x, w, GEMV_MAX_ROWS)
     load().gemv(x, w, bias, out, gated, split)
+
+
+def _check_one_pass(op: str, x: torch.Tensor, w: torch.Tensor, max_rows: int) -> None:
+    # Checked here too: refusals whose message held a number crashed the process on the lent
+    # GPUs until 07c17b0 (KV_CHECK in csrc/ops.cpp).
+    if not 1 <= x.shape[0] <= max_rows:
+        raise ValueError(f"{op} takes 1 to {max_rows} rows, got {x.shape[0]}")
+    if x.shape[-1] % 8 or w.shape[-1] != x.shape[-1] or not w.is_contiguous():
+        raise ValueError(f"{op}: w must be contiguous [N, K] with K % 8 == 0 and x [M, K]")
 
 
 SKINNY_MAX_ROWS = 64
@@ -419,10 +423,7 @@ def skinny_gemm(
 ) -> None:
     """As `gemv` for M <= SKINNY_MAX_ROWS, on tensor cores: still one pass over w, for decode
     batches too large for the GEMV's dot products. `split`: 1, 2, 4 or 8 (0: the default)."""
-    if not 1 <= x.shape[0] <= SKINNY_MAX_ROWS:
-        raise ValueError(f"skinny_gemm takes 1 to {SKINNY_MAX_ROWS} rows, got {x.shape[0]}")
-    if x.shape[-1] % 8 or w.shape[-1] != x.shape[-1] or not w.is_contiguous():
-        raise ValueError("skinny_gemm: w must be contiguous [N, K] with K % 8 == 0 and x [M, K]")
+    _check_one_pass("skinny_gemm", x, w, SKINNY_MAX_ROWS)
     load().skinny_gemm(x, w, bias, out, gated, split)
 
 
