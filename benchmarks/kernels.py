@@ -20,9 +20,11 @@ import argparse
 import json
 import math
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -391,12 +393,35 @@ GEMM_BATCHES = (1, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 SKINNY_SPLITS = (1, 2, 4, 8)
 
 
-def bench_gemm() -> list[dict[str, Any]]:
+def _tunableop_us(x: torch.Tensor, ws: list[torch.Tensor], out: torch.Tensor) -> float:
+    """The matmul timed as `graph_time_us` does, after PyTorch's TunableOp has tried the BLAS
+    library's algorithms for its shape (every copy of w shares it) and kept the fastest."""
+    from torch.cuda import tunable
+
+    tunable.enable(True)
+    tunable.tuning_enable(True)
+    try:
+        torch.matmul(x, ws[0].T, out=out)  # tuned here, outside any capture
+        torch.cuda.synchronize()
+        tunable.tuning_enable(False)
+        return graph_time_us([partial(torch.matmul, x, w.T, out=out) for w in ws])
+    finally:
+        tunable.tuning_enable(False)
+        tunable.enable(False)
+
+
+def bench_gemm(tunableop: bool = False) -> list[dict[str, Any]]:
     """cuBLAS (F.linear) on the linear layers at the batch sizes of an offline run's decode
     steps (the 8B shape's up to 256 rows, the demo's up to 64), and kvray's skinny GEMM where
     it runs (up to 64 rows; with K split over 1, 2, 4 or 8 warps too), against each call's
     floor: the longer of streaming the weights at the copy ceiling and its FLOPs at the bf16
-    peak (the two cross near M=190)."""
+    peak (the two cross near M=190). `tunableop`: cuBLAS again with the algorithm PyTorch's
+    TunableOp picks for each shape (its results go to a temporary file)."""
+    if tunableop:
+        from torch.cuda import tunable
+
+        tunable.set_filename(str(Path(tempfile.mkdtemp(prefix="kvray-tunableop-")) / "r.csv"))
+        tunable.set_max_tuning_duration(50)  # ms a GEMM shape
     rows = []
     for name, (k, n) in GEMV_SHAPES.items():
         nbytes, ws = k * n * 2, _weight_copies(k, n)
@@ -411,6 +436,8 @@ def bench_gemm() -> list[dict[str, Any]]:
             row: dict[str, Any] = {"layer": name, "m": m, "k": k, "n": n, "cublas_us": us,
                                    "tflops": flops / us / 1e6, "floor_us": floor,
                                    "of_floor": floor / us}  # fmt: skip
+            if tunableop:
+                row["cublas_tunableop_us"] = _tunableop_us(x, ws, out)
             if m <= cuda_ops.SKINNY_MAX_ROWS:
                 skinny = graph_time_us([partial(cuda_ops.skinny_gemm, x, w, None, out) for w in ws])
                 row["skinny_us"], row["skinny_of_floor"] = skinny, floor / skinny
@@ -492,17 +519,20 @@ def print_gemv_table(rows: list[dict[str, Any]]) -> None:
 
 
 def print_gemm_table(rows: list[dict[str, Any]]) -> None:
+    tuned = any("cublas_tunableop_us" in r for r in rows)
     print(
         f"\n{'linear':<16} {'M':>3} {'cuBLAS us':>9} {'TFLOP/s':>8} {'of floor':>8} "
-        f"{'skinny us':>9} {'of floor':>8} {'floor us':>9}  skinny split 1 / 2 / 4 / 8 us"
+        + (f"{'tuned us':>8} " if tuned else "")
+        + f"{'skinny us':>9} {'of floor':>8} {'floor us':>9}  skinny split 1 / 2 / 4 / 8 us"
     )
     for r in rows:
         skinny = (
             f"{r['skinny_us']:9.1f} {r['skinny_of_floor']:8.0%}" if "skinny_us" in r else " " * 18
         )
+        tuned_us = f"{r['cublas_tunableop_us']:8.1f} " if tuned else ""
         splits = " / ".join(f"{us:.1f}" for us in r.get("skinny_split_us", {}).values())
         print(f"{r['layer']:<16} {r['m']:3d} {r['cublas_us']:9.1f} {r['tflops']:8.1f} "
-              f"{r['of_floor']:8.0%} {skinny} {r['floor_us']:9.1f}  {splits}")  # fmt: skip
+              f"{r['of_floor']:8.0%} {tuned_us}{skinny} {r['floor_us']:9.1f}  {splits}")  # fmt: skip
 
 
 def bench_store_kv() -> list[dict[str, Any]]:
@@ -750,6 +780,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="three decode cases only")
     parser.add_argument(
+        "--tunableop",
+        action="store_true",
+        help="gemm: cuBLAS also with the algorithm PyTorch's TunableOp picks for each shape",
+    )
+    parser.add_argument(
         "--only",
         choices=("decode", "store_kv", "prefill", "gemv", "gemm", "mla"),
         help="run one of the benchmarks",
@@ -800,7 +835,7 @@ def run(args: argparse.Namespace) -> int:
         ("store_kv", bench_store_kv),
         ("prefill", lambda: bench_prefill(with_fa3=fi is not None)),
         ("gemv", bench_gemv),
-        ("gemm", bench_gemm),
+        ("gemm", lambda: bench_gemm(args.tunableop)),
         ("mla", bench_mla),
     ):
         if args.only not in (None, name):
