@@ -107,11 +107,11 @@ class CudaOps(ModelOps):
     GEMV (one pass over the weights) where it measured faster than cuBLAS on one H200
     (`kvray bench kernels --only gemv`, docs/performance.md): one token (the 8B shape's down
     projection, K = 14,336, since its K is split over warps: measured on an H100), and up to
-    four tokens on matrices of at most 4 Mi weights (the demo's). On
-    those small matrices, batches up to `skinny_max_rows` tokens run the skinny GEMM (tensor
-    cores, still one pass over the weights), which beat cuBLAS there on an H100 (`--only
-    gemm`; on the 8B shape's matrices it lost); everything else stays on cuBLAS.
-    KVRAY_SKINNY_MAX_ROWS overrides that bound (0: never), for measuring."""
+    four tokens on matrices of at most 4 Mi weights (the demo's). On those small matrices,
+    batches up to `skinny_max_rows` tokens run the skinny GEMM (tensor cores, still one pass
+    over the weights), which beat cuBLAS there on an H100 (`--only gemm`; on the 8B shape's
+    matrices it lost); everything else stays on cuBLAS. KVRAY_SKINNY_MAX_ROWS overrides that
+    bound (0: never), for measuring."""
 
     gemv_max_rows = 4
     gemv_small_weights = 4 << 20
