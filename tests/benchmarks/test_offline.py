@@ -310,6 +310,8 @@ def test_the_workload_floor_reads_weights_and_live_kv_each_step_and_counts_promp
     assert floor["decode_s"] == pytest.approx((1e6 + 1100 + 1e6 + 1200) / (COPY_TBPS * 1e12))
     assert floor["prefill_s"] == pytest.approx(2 * 5 * 30 / (BF16_TFLOPS * 1e12))
     assert floor["output_tok_s"] == pytest.approx(4 / (floor["decode_s"] + floor["prefill_s"]))
+    # memory-bound steps: overlapping changes nothing
+    assert floor["overlapped_decode_s"] == pytest.approx(floor["decode_s"])
 
 
 def test_a_decode_step_of_the_floor_is_compute_bound_where_its_flops_outlast_the_weights():
@@ -320,4 +322,13 @@ def test_a_decode_step_of_the_floor_is_compute_bound_where_its_flops_outlast_the
     workload = Workload(prompts=[[7] * 10, [7] * 20], output_lens=[2, 2])
     floor = workload_floor(workload, lambda b: 1.0, kv_bytes_per_token=100, params_per_token=5e9)
     flops_s = 2 * 5e9 * 2 / (BF16_TFLOPS * 1e12)
-    assert floor["decode_s"] == pytest.approx(flops_s + (11 + 21) * 100 / (COPY_TBPS * 1e12))
+    kv_s = (11 + 21) * 100 / (COPY_TBPS * 1e12)
+    assert floor["decode_s"] == pytest.approx(flops_s + kv_s)
+    # overlapped, the KV reads hide under the FLOPs
+    assert floor["overlapped_decode_s"] == pytest.approx(
+        max(flops_s, kv_s + 1 / (COPY_TBPS * 1e12))
+    )
+    prefill_s = floor["prefill_s"]
+    assert floor["overlapped_output_tok_s"] == pytest.approx(
+        4 / (floor["overlapped_decode_s"] + prefill_s)
+    )
