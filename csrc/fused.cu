@@ -159,6 +159,36 @@ __device__ __forceinline__ void scale_row(const T* src, const NormWeight<T, VEC>
     one(c, load<T, VEC>(w.w + c * VEC));
 }
 
+// The sum of a row's `lanes` per-lane partials (this thread's: v, lane `lane`) in torch's
+// order: lanes of one warp row first (block_x_reduce), then across rows (block_y_reduce),
+// each a tree with the offset halving and the lower lane's value on the left. Levels whose
+// pairs lie in one warp go through shuffles (v plus the value `off` lanes up: the same
+// operands in the same order), the others through `mine` (shared memory, the row's lanes);
+// a barrier a level cost the norm kernels ~9 in series. Every thread of the block calls it;
+// `active`: this thread is one of the row's lanes. Lane 0 gets the total.
+__device__ __forceinline__ float torch_tree_sum(float v, float* mine, int lane, int lanes,
+                                                int lanes_x, bool active) {
+  const int lx = lane % lanes_x;
+  int off = lanes_x / 2;
+  if (off >= kWarp) {
+    if (active) mine[lane] = v;
+    for (; off >= kWarp; off >>= 1) {
+      __syncthreads();
+      if (active && lx < off) mine[lane] = v = __fadd_rn(v, mine[lane + off]);
+    }
+  }
+  for (; off > 0; off >>= 1) v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, off));
+  const int rows = lanes / lanes_x, ly = lane / lanes_x;
+  if (rows > 1) {
+    if (active && lx == 0) mine[lane] = v;  // lx == 0 slots are never read above
+    for (int o = rows / 2; o > 0; o >>= 1) {
+      __syncthreads();
+      if (active && lx == 0 && ly < o) mine[lane] = v = __fadd_rn(v, mine[lane + o * lanes_x]);
+    }
+  }
+  return v;
+}
+
 // Block: threadIdx.x = virtual lane (p.lanes of them), threadIdx.y = row within the block.
 // ADD: residual = round(residual + x), then x = norm(residual). Else out = norm(x).
 template <typename T, int VEC, bool ADD>
@@ -194,32 +224,21 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const NormParams 
                                            p.lanes_x)
                      : lane_sum_scalar(src, p.n, lane, lanes);
   }
-  float* mine = partial + y * lanes;
-  mine[lane] = s;
-  __syncthreads();
-  // torch: lanes of one warp row first (block_x_reduce), then across rows (block_y_reduce),
-  // each as a tree with the offset halving and the lower lane's value on the left.
-  const int lx = lane % p.lanes_x;
-  for (int off = p.lanes_x / 2; off > 0; off >>= 1) {
-    if (lx < off) mine[lane] = __fadd_rn(mine[lane], mine[lane + off]);
-    __syncthreads();
-  }
-  for (int off = lanes / p.lanes_x / 2; off > 0; off >>= 1) {
-    if (lx == 0 && lane / p.lanes_x < off) mine[lane] = __fadd_rn(mine[lane], mine[lane + off * p.lanes_x]);
-    __syncthreads();
-  }
-  if (lane == 0) inv_rms[y] = rsqrtf(__fadd_rn(__fmul_rn(mine[0], p.inv_n), p.eps));
+  const float sum = torch_tree_sum(s, partial + y * lanes, lane, lanes, p.lanes_x, true);
+  if (lane == 0) inv_rms[y] = rsqrtf(__fadd_rn(__fmul_rn(sum, p.inv_n), p.eps));
   __syncthreads();
   if (!live) return;
 
   scale_row<T, VEC>(src, weight, ADD ? x : out, chunks, inv_rms[y], lane, lanes);
 }
 
-// The same arithmetic for one row of n >= kRowKernelMinN per block: the block stages the row
-// (after the residual add) in shared memory with 16-byte accesses from all its threads, the
-// first p.lanes threads replay torch's per-lane sums from there, and all threads normalize.
-// The kernel above walks global memory lane by lane: with few lanes per row (torch picks
-// 32 for 32 rows of 4096) every lane waits on ~100 dependent loads, and 8 rows share a block.
+// The same arithmetic for one row per block, where a row has n >= kRowKernelMinN or the
+// tensor at most kRowKernelMaxRows rows: the block stages the row (after the residual add)
+// in shared memory with 16-byte accesses from all its threads, the first p.lanes threads
+// replay torch's per-lane sums from there, and all threads normalize. The kernel above
+// walks global memory lane by lane: with few lanes per row (torch picks 32 for 32 rows of
+// 4096) every lane waits on ~100 dependent loads, and 8 rows share a block; with one row of
+// a decode step it reads the row from memory three times in series.
 template <typename T, int VEC, bool ADD>
 __global__ void __launch_bounds__(kMaxThreads) rms_norm_row_kernel(const NormParams p) {
   const NormWeight<T, VEC> weight(static_cast<const T*>(p.weight), p.n / VEC, threadIdx.x,
@@ -255,25 +274,15 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_row_kernel(const NormPar
     s = p.vectorized ? lane_sum_vectorized(row, p.n, static_cast<int>((r * p.n) & 3), tid, lanes, p.lanes_x)
                      : lane_sum_scalar(row, p.n, tid, lanes);
   }
-  partial[tid] = s;
-  __syncthreads();
-  const int lx = tid % p.lanes_x;
-  for (int off = p.lanes_x / 2; off > 0; off >>= 1) {
-    if (tid < lanes && lx < off) partial[tid] = __fadd_rn(partial[tid], partial[tid + off]);
-    __syncthreads();
-  }
-  for (int off = lanes / p.lanes_x / 2; off > 0; off >>= 1) {
-    if (tid < lanes && lx == 0 && tid / p.lanes_x < off)
-      partial[tid] = __fadd_rn(partial[tid], partial[tid + off * p.lanes_x]);
-    __syncthreads();
-  }
-  if (tid == 0) inv_rms = rsqrtf(__fadd_rn(__fmul_rn(partial[0], p.inv_n), p.eps));
+  const float sum = torch_tree_sum(s, partial, tid, lanes, p.lanes_x, tid < lanes);
+  if (tid == 0) inv_rms = rsqrtf(__fadd_rn(__fmul_rn(sum, p.inv_n), p.eps));
   __syncthreads();
 
   scale_row<T, VEC>(row, weight, ADD ? x : out, chunks, inv_rms, tid, threads);
 }
 
 constexpr int kRowKernelMinN = 1024;
+constexpr int kRowKernelMaxRows = 8;  // fewer rows (decode steps) take it at any n
 constexpr int kRowKernelMaxBytes = 48 * 1024;  // static shared-memory limit without opt-in
 
 int last_pow2(int n) {
@@ -395,7 +404,7 @@ struct LaunchNorm {
   static cudaError_t run(const NormParams& p, cudaStream_t stream) {
     constexpr int kVec = 16 / sizeof(T);
     const size_t row_bytes = static_cast<size_t>(p.n) * sizeof(T);
-    if (p.n >= kRowKernelMinN && row_bytes <= kRowKernelMaxBytes) {
+    if ((p.n >= kRowKernelMinN || p.rows <= kRowKernelMaxRows) && row_bytes <= kRowKernelMaxBytes) {
       const unsigned threads = static_cast<unsigned>(std::max(p.lanes, 256));
       const dim3 rows(static_cast<unsigned>(p.rows));
       if (p.residual != nullptr) {
