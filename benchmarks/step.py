@@ -35,6 +35,7 @@ for one lone prompt.
 `--trace DIR`: Chrome traces (host and GPU, `.json.gz`) of one lone prompt as the TTFT is
 timed and of graph decode steps at the smallest batch, each with where the GPU sat idle:
 before the first kernel, between kernels (the longest gaps) and after the last.
+`--trace-python` records every Python call in them too, to name the host's time.
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true", help="print step breakdowns too")
     parser.add_argument(
         "--trace", metavar="DIR", help="write Chrome traces of a prompt and decode steps"
+    )
+    parser.add_argument(
+        "--trace-python",
+        action="store_true",
+        help="with --trace: record every Python call too (a slower host, but its time named)",
     )
     parser.add_argument(
         "--prefill-kernel",
@@ -271,7 +277,9 @@ def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) 
         )
     if args.trace:
         result.setdefault("trace", []).append(
-            _trace_shape(engine, shape, min(args.batches), args.context, Path(args.trace))
+            _trace_shape(
+                engine, shape, min(args.batches), args.context, Path(args.trace), args.trace_python
+            )
         )
 
 
@@ -525,14 +533,14 @@ def idle_spans(kernels: list[tuple[float, float]], start: float, end: float) -> 
 TRACED = "kvray.traced"  # the record_function span of a traced run
 
 
-def _traced(run: Callable[[], None], path: Path) -> dict[str, Any]:
+def _traced(run: Callable[[], None], path: Path, python: bool = False) -> dict[str, Any]:
     """`run()` under the profiler, host and GPU: its Chrome trace to `path`, and where the GPU
-    sat idle over the host's span of it."""
+    sat idle over the host's span of it. `python`: Python calls in the trace too."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     torch.cuda.synchronize()
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=python) as prof:
         # The first launch under the profiler pays its setup (~1.8 ms on an H100): before
         # the traced span, where it would read as the run's own idle time.
         torch.zeros(1, device="cuda").add_(1)
@@ -558,7 +566,9 @@ def device_intervals(events: Iterable[Any]) -> list[tuple[float, float]]:
     ]
 
 
-def _trace_shape(engine: Engine, shape: str, batch: int, context: int, out: Path) -> dict[str, Any]:
+def _trace_shape(
+    engine: Engine, shape: str, batch: int, context: int, out: Path, python: bool = False
+) -> dict[str, Any]:
     """Traces of one lone prompt, run as `_ttft_ms` runs it, and of 5 decode steps at `batch`
     (graphs and overlap on, as the default variant runs)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -569,7 +579,7 @@ def _trace_shape(engine: Engine, shape: str, batch: int, context: int, out: Path
         while not stream.finished:
             engine.step()
 
-    traces = {"prompt": _traced(prompt, out / f"{shape}-prompt.json.gz")}
+    traces = {"prompt": _traced(prompt, out / f"{shape}-prompt.json.gz", python)}
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     requests = [
         EngineRequest(f"trace-{i}", p, params) for i, p in enumerate(_prompts(batch, context, 78))
@@ -583,7 +593,7 @@ def _trace_shape(engine: Engine, shape: str, batch: int, context: int, out: Path
         for _ in range(5):
             engine.step()
 
-    traces[f"decode_b{batch}"] = _traced(decode, out / f"{shape}-decode-b{batch}.json.gz")
+    traces[f"decode_b{batch}"] = _traced(decode, out / f"{shape}-decode-b{batch}.json.gz", python)
     stream.close()
     while engine.has_work:
         engine.step()

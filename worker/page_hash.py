@@ -22,15 +22,8 @@ def page_hashes(
     n_full = len(token_ids) // page_size
     if max_pages is not None:
         n_full = min(n_full, max_pages)
-    if n_full == 0:
-        return []
-    ids = np.asarray(token_ids[: n_full * page_size], dtype="<i4").reshape(n_full, page_size)
     keys: list[int] = []
-    prev = _ROOT
-    for row in ids:
-        digest = hashlib.blake2b(prev + row.tobytes(), digest_size=8).digest()
-        keys.append(int.from_bytes(digest, "little", signed=True))
-        prev = digest
+    _chain(keys, _ROOT, token_ids[: n_full * page_size], page_size)
     return keys
 
 
@@ -39,8 +32,18 @@ def extend_page_hashes(
 ) -> None:
     """Append keys for the full pages of `token_ids[:upto]` that `keys` does not cover yet."""
     n_full = min(upto, len(token_ids)) // page_size
+    if n_full <= len(keys):
+        return
     prev = keys[-1].to_bytes(8, "little", signed=True) if keys else _ROOT
-    for i in range(len(keys), n_full):
-        row = np.asarray(token_ids[i * page_size : (i + 1) * page_size], dtype="<i4")
-        prev = hashlib.blake2b(prev + row.tobytes(), digest_size=8).digest()
+    _chain(keys, prev, token_ids[len(keys) * page_size : n_full * page_size], page_size)
+
+
+def _chain(keys: list[int], prev: bytes, token_ids: Sequence[int], page_size: int) -> None:
+    """Append the keys of whole pages of `token_ids`, the first chained to `prev`. The ids
+    become bytes in one conversion: one per page cost more than the hashing (a 1,024-token
+    prompt's admission, 2026-12-06)."""
+    data = np.asarray(token_ids, dtype="<i4").tobytes()
+    step = 4 * page_size
+    for at in range(0, len(data) - step + 1, step):
+        prev = hashlib.blake2b(prev + data[at : at + step], digest_size=8).digest()
         keys.append(int.from_bytes(prev, "little", signed=True))
