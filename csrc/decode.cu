@@ -10,7 +10,8 @@
 //  - head-major: one block per (split, 4 kv heads, request); each warp streams one head,
 //    so the block reads adjacent head slices of the same token rows together.
 // Variant 0 picks head-major once the batch alone gives every SM a block, token-split
-// below that. With one split the block writes the output directly; otherwise it writes
+// below that. With one split holding tokens (one in the grid, or a sequence shorter than
+// the shortest split) the block writes the output directly; otherwise it writes
 // a normalized partial plus (max, sum) and the active splits are merged: by a combine
 // kernel, or, given zeroed counters, by whichever split of a (request, head unit)
 // finishes last (one launch fewer a layer; the counter is left at zero for the next).
@@ -497,6 +498,9 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
   load_q<T, D, kFp8>(qa, p, b, head0, n_rows, lane);
   WarpState<D> st;
   st.init();
+  // The only split holding tokens (a sequence under kMinChunk) writes the output itself
+  const int n_act = active_splits<TT, C::kMinChunk>(len, p.num_splits);
+  const bool direct = n_act == 1;
   const int n_tiles = (end - start + TT - 1) / TT;
   const int my_tiles = warp < n_tiles ? (n_tiles - warp + NW - 1) / NW : 0;
   KV* wsm = reinterpret_cast<KV*>(smem_raw) + warp * ST * Tile<KV, D, TT>::kStageElems;
@@ -547,7 +551,7 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
     const float inv = 1.f / lsum;
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[e] *= inv;
-    if (p.num_splits == 1) {
+    if (direct) {
       store_row4<T, D>(p, b, head0 + h, d, acc);
     } else {
       const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + head0 + h) * p.s_cap + split;
@@ -555,9 +559,8 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
       if (d == 0) *reinterpret_cast<float2*>(p.ml_part + row * 2) = make_float2(mw, lsum);
     }
   }
-  if (p.num_splits > 1 && p.counters != nullptr) {
+  if (!direct && p.counters != nullptr) {
     __shared__ bool last;
-    const int n_act = active_splits<TT, C::kMinChunk>(len, p.num_splits);
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) last = count_split(p, b, blockIdx.y, n_act);
@@ -597,6 +600,8 @@ __global__ void __launch_bounds__(NW * 32) decode_head_kernel(const DecodeParams
       write_zeros<T, D>(p, b, head0, n_rows, lane, 32);
     return;
   }
+  const int n_act = active_splits<TT, C::kMinChunk>(len, p.num_splits);
+  const bool direct = n_act == 1;  // as in the token-split kernel
   uint32_t qa[D / 16][4];
   load_q<T, D, kFp8>(qa, p, b, head0, n_rows, lane);
   WarpState<D> st;
@@ -612,7 +617,7 @@ __global__ void __launch_bounds__(NW * 32) decode_head_kernel(const DecodeParams
     const int row = r0 + h * 8;
     if (row >= n_rows) continue;
     const float inv = 1.f / lsum[h];
-    if (p.num_splits == 1) {
+    if (direct) {
       T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + (head0 + row) * p.out_stride_h + c0;
 #pragma unroll
       for (int dn = 0; dn < D / 8; ++dn) {
@@ -631,8 +636,7 @@ __global__ void __launch_bounds__(NW * 32) decode_head_kernel(const DecodeParams
       if ((lane & 3) == 0) *reinterpret_cast<float2*>(p.ml_part + prow * 2) = make_float2(st.m[h], lsum[h]);
     }
   }
-  if (p.num_splits > 1 && p.counters != nullptr) {  // per warp: each owns its unit
-    const int n_act = active_splits<TT, C::kMinChunk>(len, p.num_splits);
+  if (!direct && p.counters != nullptr) {  // per warp: each owns its unit
     __threadfence();
     __syncwarp();
     const bool last = __shfl_sync(0xffffffffu, lane == 0 && count_split(p, b, unit, n_act), 0);
@@ -654,7 +658,8 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams 
   const int b = idx / p.num_q_heads, qh = idx % p.num_q_heads;
   const int len = p.kv.seq_lens[b];
   const int chunk = split_chunk(len, p.num_splits, tile, min_chunk);
-  combine_head<T, D>(p, b, qh, len > 0 ? (len + chunk - 1) / chunk : 0, lane);
+  const int n_act = len > 0 ? (len + chunk - 1) / chunk : 0;
+  if (n_act != 1) combine_head<T, D>(p, b, qh, n_act, lane);  // one split wrote out itself
 }
 
 // Static facts of one kernel instantiation: shared memory, threads, resident blocks/SM,
