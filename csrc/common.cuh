@@ -56,6 +56,28 @@ inline cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
+// `launch` with the grid's blocks grouped into clusters of cluster_x consecutive blocks
+// along x (Hopper thread-block clusters: co-scheduled, sharing their shared memory).
+template <typename... Params, typename... Args>
+inline cudaError_t launch_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                    cudaStream_t stream, unsigned cluster_x, const Args&... args) {
+  cudaLaunchAttribute attrs[2];
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = pdl_enabled() ? 1 : 0;
+  attrs[1].id = cudaLaunchAttributeClusterDimension;
+  attrs[1].val.clusterDim.x = cluster_x;
+  attrs[1].val.clusterDim.y = 1;
+  attrs[1].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attrs;
+  config.numAttrs = 2;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
 // Per-dtype operations: packing two floats into one 32-bit MMA operand, and the MMA.
 template <typename T>
 struct Dtype;

@@ -14,7 +14,10 @@
 // the shortest split) the block writes the output directly; otherwise it writes
 // a normalized partial plus (max, sum) and the active splits are merged: by a combine
 // kernel, or, given zeroed counters, by whichever split of a (request, head unit)
-// finishes last (one launch fewer a layer; the counter is left at zero for the next).
+// finishes last (one launch fewer a layer; the counter is left at zero for the next), or,
+// in the token-split layout with up to 16 splits, by the first split of a thread-block
+// cluster holding all of them, reading the others' partials from their shared memory (no
+// round trip through global memory, no fence or atomic: ~2 µs a layer of a B=1 step).
 //
 // The grid depends only on shapes (batch, heads, the split count chosen from the batch
 // size), never on live sequence lengths, so launches can be captured in CUDA graphs;
@@ -25,6 +28,7 @@
 // token's K scale multiplies its score after the QK MMA and its V scale is folded into P
 // before the PV MMA (attend_tile_fp8).
 #include <algorithm>
+#include <cooperative_groups.h>
 #include <type_traits>
 
 #include "common.cuh"
@@ -470,6 +474,49 @@ __device__ __forceinline__ bool count_split(const DecodeParams& p, int b, int un
   return last;
 }
 
+// The merge of a cluster's splits: each block leaves its merged (o, m, l) rows in its shared
+// memory, then the first split combines the n_act active ones as combine_head does, reading
+// them through distributed shared memory; the second barrier keeps every block's shared
+// memory alive until it has. Every thread of every block of the cluster calls it.
+template <typename T, int D, int NW, int kItems>
+__device__ void cluster_merge(const DecodeParams& p, int b, int head0, int n_rows, int split,
+                              int n_act, const float4 (&kept_o)[kItems],
+                              const float2 (&kept_ml)[kItems], uint8_t* smem_raw) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  float* mine = reinterpret_cast<float*>(smem_raw);  // [kRows][D] o, then [kRows] m, [kRows] l
+  __syncthreads();  // the warps' states in this memory are read
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    const int it = threadIdx.x + k * NW * 32;
+    if (it >= n_rows * (D / 4)) break;
+    const int h = it / (D / 4), d = (it % (D / 4)) * 4;
+    *reinterpret_cast<float4*>(mine + h * D + d) = kept_o[k];
+    if (d == 0) mine[kRows * D + h] = kept_ml[k].x, mine[kRows * D + kRows + h] = kept_ml[k].y;
+  }
+  cluster.sync();
+  if (split == 0) {
+    for (int it = threadIdx.x; it < n_rows * (D / 4); it += NW * 32) {
+      const int h = it / (D / 4), d = (it % (D / 4)) * 4;
+      float mw = -INFINITY;
+      for (int s = 0; s < n_act; ++s) mw = fmaxf(mw, cluster.map_shared_rank(mine, s)[kRows * D + h]);
+      float lsum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int s = 0; s < n_act; ++s) {
+        const float* r = cluster.map_shared_rank(mine, s);
+        const float w = r[kRows * D + kRows + h] * fast_exp2(r[kRows * D + h] - mw);
+        lsum += w;
+        const float4 o = *reinterpret_cast<const float4*>(r + h * D + d);
+        acc[0] += w * o.x, acc[1] += w * o.y, acc[2] += w * o.z, acc[3] += w * o.w;
+      }
+      const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[e] *= inv;
+      store_row4<T, D>(p, b, head0 + h, d, acc);
+    }
+  }
+  cluster.sync();
+}
+
 // Token-split layout: one block per (split, kv head, request); its NW warps take
 // interleaved tiles of the split and merge their states through shared memory at the end.
 template <typename T, typename KV, int D, int NW, int TT, int ST>
@@ -489,18 +536,23 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
   const int len = p.kv.seq_lens[b];
   int start, end;
   split_range<TT, C::kMinChunk>(len, p.num_splits, split, start, end);
+  // The only split holding tokens (a sequence under kMinChunk) writes the output itself;
+  // with several, a cluster's blocks all take part in its two barriers (they see one len).
+  const int n_act = active_splits<TT, C::kMinChunk>(len, p.num_splits);
+  const bool direct = n_act == 1, clustered = p.cluster && n_act > 1;
   if (start >= end) {  // an empty sequence's output is zeros, written by its first split
     if (p.num_splits == 1 || (p.counters != nullptr && split == 0))
       write_zeros<T, D>(p, b, head0, n_rows, threadIdx.x, NW * 32);
+    if (clustered) {
+      cooperative_groups::this_cluster().sync();
+      cooperative_groups::this_cluster().sync();
+    }
     return;
   }
   uint32_t qa[D / 16][4];
   load_q<T, D, kFp8>(qa, p, b, head0, n_rows, lane);
   WarpState<D> st;
   st.init();
-  // The only split holding tokens (a sequence under kMinChunk) writes the output itself
-  const int n_act = active_splits<TT, C::kMinChunk>(len, p.num_splits);
-  const bool direct = n_act == 1;
   const int n_tiles = (end - start + TT - 1) / TT;
   const int my_tiles = warp < n_tiles ? (n_tiles - warp + NW - 1) / NW : 0;
   KV* wsm = reinterpret_cast<KV*>(smem_raw) + warp * ST * Tile<KV, D, TT>::kStageElems;
@@ -531,7 +583,13 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
   __syncthreads();
 
   const float* all = reinterpret_cast<const float*>(smem_raw);
-  for (int it = threadIdx.x; it < n_rows * (D / 4); it += NW * 32) {
+  constexpr int kItems = (kRows * D / 4 + NW * 32 - 1) / (NW * 32);  // a thread's, at most
+  float4 kept_o[kItems];  // this split's merged state, kept for the cluster's merge
+  float2 kept_ml[kItems];
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    const int it = threadIdx.x + k * NW * 32;
+    if (it >= n_rows * (D / 4)) break;
     const int h = it / (D / 4), d = (it % (D / 4)) * 4;
     float mw = -INFINITY;
 #pragma unroll
@@ -553,11 +611,18 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
     for (int e = 0; e < 4; ++e) acc[e] *= inv;
     if (direct) {
       store_row4<T, D>(p, b, head0 + h, d, acc);
+    } else if (clustered) {
+      kept_o[k] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      kept_ml[k] = make_float2(mw, lsum);
     } else {
       const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + head0 + h) * p.s_cap + split;
       *reinterpret_cast<float4*>(p.o_part + row * D + d) = make_float4(acc[0], acc[1], acc[2], acc[3]);
       if (d == 0) *reinterpret_cast<float2*>(p.ml_part + row * 2) = make_float2(mw, lsum);
     }
+  }
+  if (clustered) {
+    cluster_merge<T, D, NW>(p, b, head0, n_rows, split, n_act, kept_o, kept_ml, smem_raw);
+    return;
   }
   if (!direct && p.counters != nullptr) {
     __shared__ bool last;
@@ -662,6 +727,22 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams 
   if (n_act != 1) combine_head<T, D>(p, b, qh, n_act, lane);  // one split wrote out itself
 }
 
+// Splits one cluster may hold (16: Hopper's non-portable cluster size), and whether the
+// token-split layout merges through clusters (KVRAY_DECODE_CLUSTER=0: the counters' merge,
+// for measuring).
+constexpr int kMaxClusterSplits = 16;
+bool clusters_enabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("KVRAY_DECODE_CLUSTER");
+    if (env != nullptr && env[0] == '0') return false;
+    int device = 0, major = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return false;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    return major >= 9;
+  }();
+  return enabled;
+}
+
 // Static facts of one kernel instantiation: shared memory, threads, resident blocks/SM,
 // and how many (kv head, head chunk) units one block covers.
 struct KernelInfo {
@@ -686,6 +767,7 @@ const KernelInfo& info() {
     constexpr int smem = L == Layout::kSplit ? C::kSmem : C::kStageBytes;
     auto kern = kernel_fn<L, T, KV, D, NW, TT, ST>();
     cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (L == Layout::kSplit) cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     int blocks = 0;
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kern, NW * 32, smem);
     return KernelInfo{smem, NW * 32, TT, C::kMinChunk, blocks > 0 ? blocks : 1,
@@ -700,6 +782,14 @@ cudaError_t run(const DecodeParams& p, cudaStream_t stream) {
   const int group = p.num_q_heads / p.num_kv_heads;
   const int units = p.num_kv_heads * ((group + kRows - 1) / kRows);
   dim3 grid(p.num_splits, (units + ki.units_per_block - 1) / ki.units_per_block, p.batch);
+  if (L == Layout::kSplit && p.counters != nullptr && p.num_splits > 1 &&
+      p.num_splits <= kMaxClusterSplits && clusters_enabled()) {
+    DecodeParams q = p;
+    q.cluster = true;
+    launch_clustered(kernel_fn<L, T, KV, D, NW, TT, ST>(), grid, ki.threads, ki.smem, stream,
+                     static_cast<unsigned>(p.num_splits), q);
+    return cudaGetLastError();
+  }
   launch(kernel_fn<L, T, KV, D, NW, TT, ST>(), grid, ki.threads, ki.smem, stream, p);
   if (p.num_splits > 1 && p.counters == nullptr) {
     const int pairs = p.batch * p.num_q_heads;

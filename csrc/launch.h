@@ -42,6 +42,9 @@ struct DecodeParams {
   // [B, Hq] int32, zero between launches: set, the last split of each (request, head unit)
   // merges the partials (no combine kernel) and zeroes its counter again.
   int* counters = nullptr;
+  // Set by the launcher (token-split layout, 2-16 splits): the splits of a (request, head
+  // unit) run as one thread-block cluster and merge through distributed shared memory.
+  bool cluster = false;
 };
 
 struct PrefillParams {
