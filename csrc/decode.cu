@@ -767,7 +767,8 @@ const KernelInfo& info() {
     constexpr int smem = L == Layout::kSplit ? C::kSmem : C::kStageBytes;
     auto kern = kernel_fn<L, T, KV, D, NW, TT, ST>();
     cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (L == Layout::kSplit) cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (L == Layout::kSplit && clusters_enabled())  // an error here would surface at launch
+      cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     int blocks = 0;
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kern, NW * 32, smem);
     return KernelInfo{smem, NW * 32, TT, C::kMinChunk, blocks > 0 ? blocks : 1,
