@@ -17,7 +17,7 @@
 // finishes last (one launch fewer a layer; the counter is left at zero for the next), or,
 // in the token-split layout with up to 16 splits, by the first split of a thread-block
 // cluster holding all of them, reading the others' partials from their shared memory (no
-// round trip through global memory, no fence or atomic: ~2 µs a layer of a B=1 step).
+// round trip through global memory, no fence or atomic).
 //
 // The grid depends only on shapes (batch, heads, the split count chosen from the batch
 // size), never on live sequence lengths, so launches can be captured in CUDA graphs;
