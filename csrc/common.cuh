@@ -28,15 +28,18 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
+// A Hopper feature: on for compute capability 9 and later unless the variable `env` is 0.
+inline bool hopper_feature_on(const char* env) {
+  const char* value = std::getenv(env);
+  if (value != nullptr && value[0] == '0') return false;
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  return major >= 9;
+}
+
 inline bool pdl_enabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("KVRAY_PDL");
-    if (env != nullptr && env[0] == '0') return false;
-    int device = 0, major = 0;
-    if (cudaGetDevice(&device) != cudaSuccess) return false;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    return major >= 9;
-  }();
+  static const bool enabled = hopper_feature_on("KVRAY_PDL");
   return enabled;
 }
 

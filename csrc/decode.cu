@@ -732,14 +732,7 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams 
 // for measuring).
 constexpr int kMaxClusterSplits = 16;
 bool clusters_enabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("KVRAY_DECODE_CLUSTER");
-    if (env != nullptr && env[0] == '0') return false;
-    int device = 0, major = 0;
-    if (cudaGetDevice(&device) != cudaSuccess) return false;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    return major >= 9;
-  }();
+  static const bool enabled = hopper_feature_on("KVRAY_DECODE_CLUSTER");
   return enabled;
 }
 
