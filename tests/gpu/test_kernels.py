@@ -441,13 +441,18 @@ def test_gemv_matches_a_float32_matmul(dtype, k: int, n: int, m: int, split: int
     """kvray's GEMV against float32 x @ w.T: within one rounding of the output dtype plus
     float32 accumulation error; with and without bias, on a row-strided x, with K whole or
     shared by 2 or 4 warps (264 / 8 chunks leave the last warp of 4 a shorter part)."""
-    x_wide = torch.randn(m, k + 8, device=DEV).to(dtype)
-    x = x_wide[:, :k]  # rows k + 8 apart, as a slice of a wider activation would be
+    check_linear_against_float32(cuda_ops.gemv, dtype, k, n, m, split)
+
+
+def check_linear_against_float32(linear, dtype, k: int, n: int, m: int, split: int) -> None:
+    """`linear` (gemv or skinny_gemm) against float32 x @ w.T (+ bias), with and without bias,
+    on an x whose rows are k + 8 apart, as a slice of a wider activation would be."""
+    x = torch.randn(m, k + 8, device=DEV).to(dtype)[:, :k]
     w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)
     bias = torch.randn(n, device=DEV).to(dtype)
     for b in (None, bias):
         out = torch.full((m, n), float("nan"), device=DEV, dtype=dtype)
-        cuda_ops.gemv(x, w, b, out, split=split)
+        linear(x, w, b, out, split=split)
         ref = x.float() @ w.float().T + (0 if b is None else b.float())
         check_close(out, ref, dtype)
 
@@ -489,14 +494,7 @@ def test_skinny_gemm_matches_a_float32_matmul(dtype, k: int, n: int, m: int, spl
     """The tensor-core skinny GEMM against float32 x @ w.T, as the GEMV's test: every count of
     16-row x tiles, partial tiles, N not a multiple of 16, K split over up to 8 warps (264 / 8
     chunks leave most of 8 parts empty), a row-strided x."""
-    x = torch.randn(m, k + 8, device=DEV).to(dtype)[:, :k]
-    w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)
-    bias = torch.randn(n, device=DEV).to(dtype)
-    for b in (None, bias):
-        out = torch.full((m, n), float("nan"), device=DEV, dtype=dtype)
-        cuda_ops.skinny_gemm(x, w, b, out, split=split)
-        ref = x.float() @ w.float().T + (0 if b is None else b.float())
-        check_close(out, ref, dtype)
+    check_linear_against_float32(cuda_ops.skinny_gemm, dtype, k, n, m, split)
 
 
 def test_skinny_gemm_replays_in_a_cuda_graph() -> None:
