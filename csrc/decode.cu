@@ -19,6 +19,10 @@
 // cluster holding all of them, reading the others' partials from their shared memory (no
 // round trip through global memory, no fence or atomic).
 //
+// Under programmatic launch a warp issues the first tiles of its ring before it waits for
+// the kernel before, which writes q and each sequence's newest token: tiles of older
+// tokens only, so their loads overlap that kernel.
+//
 // The grid depends only on shapes (batch, heads, the split count chosen from the batch
 // size), never on live sequence lengths, so launches can be captured in CUDA graphs;
 // splits that start past a sequence's end exit at once and the combine skips them.
@@ -332,11 +336,16 @@ __device__ __forceinline__ void attend_tile_fp8(WarpState<D>& st, const uint32_t
 // A warp streams its tiles (tile i starts at token first + i * stride, tokens < end) of one
 // kv head through its own ST-deep cp.async ring `wsm` and folds them into `st`. The slot
 // of a tile's tokens is looked up one tile ahead so the page-table load is off the path.
-template <typename T, typename KV, int D, int TT, int ST>
+// `ready` waits for the kernel before (grid_dependency_wait) and loads `qa`; it runs once
+// the ring's first tiles that lie wholly before token `fresh` are issued: only a
+// sequence's newest token (and q) can come from that kernel, every older one from an
+// earlier step or kernel that has completed, so under programmatic launch those loads
+// overlap the kernel before.
+template <typename T, typename KV, int D, int TT, int ST, typename Ready>
 __device__ __forceinline__ void stream_tiles(WarpState<D>& st, const uint32_t (&qa)[D / 16][4],
                                              KV* wsm, const DecodeParams& p, int b, int kvh,
                                              int first, int stride, int n_tiles, int end,
-                                             int lane) {
+                                             int fresh, int lane, Ready&& ready) {
   using C = Tile<KV, D, TT>;
   constexpr bool kFp8 = kIsFp8<KV>;
   const int32_t* rt_row =
@@ -371,15 +380,19 @@ __device__ __forceinline__ void stream_tiles(WarpState<D>& st, const uint32_t (&
   };
 
   int64_t next_slot = n_tiles > 0 ? tile_slot(0) : -1;
-#pragma unroll
-  for (int i = 0; i < ST - 1; ++i) {
+  auto prologue = [&](int i) {
     if (i < n_tiles) {
       const int64_t s = next_slot;
       if (i + 1 < n_tiles) next_slot = tile_slot(i + 1);
       issue(i, s);
     }
     cp_async_commit();
-  }
+  };
+  int early = 0;  // prologue tiles issued before `ready`: each ends before `fresh`
+  while (early < ST - 1 && early < n_tiles && min(end, first + early * stride + TT) <= fresh)
+    prologue(early++);
+  ready();
+  for (int i = early; i < ST - 1; ++i) prologue(i);
   for (int i = 0; i < n_tiles; ++i) {
     const int nxt = i + ST - 1;
     if (nxt < n_tiles) {
@@ -521,7 +534,6 @@ __device__ void cluster_merge(const DecodeParams& p, int b, int head0, int n_row
 // interleaved tiles of the split and merge their states through shared memory at the end.
 template <typename T, typename KV, int D, int NW, int TT, int ST>
 __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParams p) {
-  grid_dependency_wait();
   using C = Cfg<KV, D, NW, TT, ST>;
   constexpr bool kFp8 = kIsFp8<KV>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
@@ -541,6 +553,7 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
   const int n_act = active_splits<TT, C::kMinChunk>(len, p.num_splits);
   const bool direct = n_act == 1, clustered = p.cluster && n_act > 1;
   if (start >= end) {  // an empty sequence's output is zeros, written by its first split
+    grid_dependency_wait();
     if (p.num_splits == 1 || (p.counters != nullptr && split == 0))
       write_zeros<T, D>(p, b, head0, n_rows, threadIdx.x, NW * 32);
     if (clustered) {
@@ -550,14 +563,16 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
     return;
   }
   uint32_t qa[D / 16][4];
-  load_q<T, D, kFp8>(qa, p, b, head0, n_rows, lane);
   WarpState<D> st;
   st.init();
   const int n_tiles = (end - start + TT - 1) / TT;
   const int my_tiles = warp < n_tiles ? (n_tiles - warp + NW - 1) / NW : 0;
   KV* wsm = reinterpret_cast<KV*>(smem_raw) + warp * ST * Tile<KV, D, TT>::kStageElems;
   stream_tiles<T, KV, D, TT, ST>(st, qa, wsm, p, b, kvh, start + warp * TT, NW * TT, my_tiles,
-                                 end, lane);
+                                 end, len - 1, lane, [&] {
+                                   grid_dependency_wait();
+                                   load_q<T, D, kFp8>(qa, p, b, head0, n_rows, lane);
+                                 });
   __syncthreads();
 
   // Merge the warps' states through shared memory (the tile ring is free now).
@@ -643,7 +658,6 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
 // cross-warp merge is needed.
 template <typename T, typename KV, int D, int NW, int TT, int ST>
 __global__ void __launch_bounds__(NW * 32) decode_head_kernel(const DecodeParams p) {
-  grid_dependency_wait();
   using C = Cfg<KV, D, NW, TT, ST>;
   constexpr bool kFp8 = kIsFp8<KV>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
@@ -661,6 +675,7 @@ __global__ void __launch_bounds__(NW * 32) decode_head_kernel(const DecodeParams
   int start, end;
   split_range<TT, C::kMinChunk>(len, p.num_splits, split, start, end);
   if (start >= end) {  // an empty sequence's output is zeros, written by its first split
+    grid_dependency_wait();
     if (p.num_splits == 1 || (p.counters != nullptr && split == 0))
       write_zeros<T, D>(p, b, head0, n_rows, lane, 32);
     return;
@@ -668,12 +683,14 @@ __global__ void __launch_bounds__(NW * 32) decode_head_kernel(const DecodeParams
   const int n_act = active_splits<TT, C::kMinChunk>(len, p.num_splits);
   const bool direct = n_act == 1;  // as in the token-split kernel
   uint32_t qa[D / 16][4];
-  load_q<T, D, kFp8>(qa, p, b, head0, n_rows, lane);
   WarpState<D> st;
   st.init();
   KV* wsm = reinterpret_cast<KV*>(smem_raw) + warp * ST * Tile<KV, D, TT>::kStageElems;
   stream_tiles<T, KV, D, TT, ST>(st, qa, wsm, p, b, kvh, start, TT, (end - start + TT - 1) / TT,
-                                 end, lane);
+                                 end, len - 1, lane, [&] {
+                                   grid_dependency_wait();
+                                   load_q<T, D, kFp8>(qa, p, b, head0, n_rows, lane);
+                                 });
 
   const int r0 = lane >> 2, c0 = o_col0<kFp8>(lane);
   const float lsum[2] = {quad_sum(st.l[0]), quad_sum(st.l[1])};

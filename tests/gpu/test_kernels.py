@@ -246,6 +246,42 @@ def test_decode_graph_replay_follows_live_lengths(merged: bool) -> None:
         assert counters is None or not counters.any()
 
 
+@pytest.mark.parametrize("variant", [1, 5], ids=["token-split", "head-major"])
+def test_decode_attends_the_token_stored_by_the_kernel_before(variant: int) -> None:
+    """store_kv then decode_attention, the engine's order, replayed in a graph with new
+    K/V each time: the attention kernel loads older tokens before it waits for store_kv,
+    and must still see every sequence's newest token as store_kv left it."""
+    dtype, d, hq, hkv = torch.bfloat16, 128, 32, 8
+    lens = [1, 16, 17, 48, 300, 1000, 2049, 4096]
+    kv = make_paged(lens, 16, hkv, d, dtype)
+    q = torch.randn(len(lens), hq, d, device=DEV).to(dtype)
+    loc = torch.stack([s[n - 1] for s, n in zip(kv.slots, lens, strict=True)])
+    k_new = torch.zeros(len(lens), hkv, d, device=DEV, dtype=dtype)
+    v_new = torch.zeros_like(k_new)
+    out, o_part, ml_part = decode_buffers(len(lens), hq, d, dtype, 32)
+    counters = torch.zeros(len(lens) * hq, dtype=torch.int32, device=DEV)
+
+    def step() -> None:
+        cuda_ops.store_kv(k_new, v_new, kv.k_cache, kv.v_cache, loc)
+        cuda_ops.decode_attention(
+            q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, kv.seq_lens,
+            16, d**-0.5, out, o_part, ml_part, variant=variant, counters=counters,
+        )  # fmt: skip
+
+    step()  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for scale in (4.0, -4.0, 8.0):  # the newest token dominates: a stale one shows
+        k_new.copy_(q.view(len(lens), hkv, hq // hkv, d).float().mean(2) * scale)
+        v_new.normal_(std=10.0)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(kv.k_cache[loc], k_new)
+        check_close(out, ref_decode(q, kv, d**-0.5), dtype)
+
+
 def test_decode_empty_sequence_gives_zeros() -> None:
     dtype, d = torch.float16, 64
     kv = make_paged([0, 40], 16, 2, d, dtype, capacity=[16, 40])
