@@ -43,24 +43,8 @@ inline bool pdl_enabled() {
   return enabled;
 }
 
-template <typename... Params, typename... Args>
-inline cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                          cudaStream_t stream, const Args&... args) {
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = pdl_enabled() ? 1 : 0;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = &attr;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, args...);
-}
-
 // `launch` with the grid's blocks grouped into clusters of cluster_x consecutive blocks
-// along x (Hopper thread-block clusters: co-scheduled, sharing their shared memory).
+// along x (Hopper thread-block clusters: co-scheduled, sharing their shared memory); 0: none.
 template <typename... Params, typename... Args>
 inline cudaError_t launch_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                                     cudaStream_t stream, unsigned cluster_x, const Args&... args) {
@@ -77,8 +61,14 @@ inline cudaError_t launch_clustered(void (*kernel)(Params...), dim3 grid, dim3 b
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = attrs;
-  config.numAttrs = 2;
+  config.numAttrs = cluster_x > 0 ? 2 : 1;
   return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+template <typename... Params, typename... Args>
+inline cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                          cudaStream_t stream, const Args&... args) {
+  return launch_clustered(kernel, grid, block, smem, stream, 0u, args...);
 }
 
 // Per-dtype operations: packing two floats into one 32-bit MMA operand, and the MMA.

@@ -439,9 +439,8 @@ __device__ void write_zeros(const DecodeParams& p, int b, int head0, int n_rows,
 }
 
 // Splits of a sequence of `len` tokens that hold tokens (the ones that write partials).
-template <int TT, int MIN_CHUNK>
-__device__ __forceinline__ int active_splits(int len, int num_splits) {
-  const int chunk = split_chunk(len, num_splits, TT, MIN_CHUNK);
+__device__ __forceinline__ int active_splits(int len, int num_splits, int tile, int min_chunk) {
+  const int chunk = split_chunk(len, num_splits, tile, min_chunk);
   return len > 0 ? (len + chunk - 1) / chunk : 0;
 }
 
@@ -550,7 +549,7 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
   split_range<TT, C::kMinChunk>(len, p.num_splits, split, start, end);
   // The only split holding tokens (a sequence under kMinChunk) writes the output itself;
   // with several, a cluster's blocks all take part in its two barriers (they see one len).
-  const int n_act = active_splits<TT, C::kMinChunk>(len, p.num_splits);
+  const int n_act = active_splits(len, p.num_splits, TT, C::kMinChunk);
   const bool direct = n_act == 1, clustered = p.cluster && n_act > 1;
   if (start >= end) {  // an empty sequence's output is zeros, written by its first split
     grid_dependency_wait();
@@ -680,7 +679,7 @@ __global__ void __launch_bounds__(NW * 32) decode_head_kernel(const DecodeParams
       write_zeros<T, D>(p, b, head0, n_rows, lane, 32);
     return;
   }
-  const int n_act = active_splits<TT, C::kMinChunk>(len, p.num_splits);
+  const int n_act = active_splits(len, p.num_splits, TT, C::kMinChunk);
   const bool direct = n_act == 1;  // as in the token-split kernel
   uint32_t qa[D / 16][4];
   WarpState<D> st;
@@ -739,8 +738,7 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams 
   if (idx >= p.batch * p.num_q_heads) return;
   const int b = idx / p.num_q_heads, qh = idx % p.num_q_heads;
   const int len = p.kv.seq_lens[b];
-  const int chunk = split_chunk(len, p.num_splits, tile, min_chunk);
-  const int n_act = len > 0 ? (len + chunk - 1) / chunk : 0;
+  const int n_act = active_splits(len, p.num_splits, tile, min_chunk);
   if (n_act != 1) combine_head<T, D>(p, b, qh, n_act, lane);  // one split wrote out itself
 }
 
