@@ -319,10 +319,11 @@ __device__ __forceinline__ void load_floats(const float* p, float (&out)[VEC]) {
 // Block (token, y): a thread per VEC pairs (d .. d + VEC - 1, each with d + D/2) of one head
 // of q, k, then v, which rotate together. With a cache, the token's k and v also go to slot
 // loc[token] (none if < 0). 32-bit index math and 16-byte accesses: a prompt step's rotary
-// ran at a fifth of HBM bandwidth with a thread per pair and 64-bit divisions.
+// ran at a fifth of HBM bandwidth with a thread per pair and 64-bit divisions. The slot,
+// the position and its cos/sin rows (step metadata and constant tables, never the kernel
+// before's output) are read before the wait, so only q/k/v's loads follow it.
 template <typename T, int VEC>
 __global__ void __launch_bounds__(256) rotary_kernel(const RotaryParams p) {
-  grid_dependency_wait();
   const int half = p.head_dim / 2, per_head = half / VEC;
   const int c = blockIdx.y * blockDim.x + threadIdx.x;
   if (c >= rotary_heads(p) * per_head) return;
@@ -342,6 +343,7 @@ __global__ void __launch_bounds__(256) rotary_kernel(const RotaryParams p) {
     h -= p.num_k_heads;
     const T* v = static_cast<const T*>(p.v) + t * p.v_stride_t + h * p.v_stride_h;
     T* dst = static_cast<T*>(p.v_cache) + slot * p.slot_stride + h * p.head_dim;
+    grid_dependency_wait();
     store<T, VEC>(dst + d, load<T, VEC>(v + d));
     store<T, VEC>(dst + d + half, load<T, VEC>(v + d + half));
     return;
@@ -352,6 +354,7 @@ __global__ void __launch_bounds__(256) rotary_kernel(const RotaryParams p) {
   load_floats<VEC>(p.cos + row + d + half, c2);
   load_floats<VEC>(p.sin + row + d, s1);
   load_floats<VEC>(p.sin + row + d + half, s2);
+  grid_dependency_wait();
   Pack<T, VEC> a = load<T, VEC>(x + d), b = load<T, VEC>(x + d + half);
 #pragma unroll
   for (int i = 0; i < VEC; ++i) {
