@@ -136,6 +136,12 @@ struct Num<__half> {
   static __device__ __forceinline__ __half from_f(float v) { return __float2half_rn(v); }
 };
 
+// fp32 value of x after a round trip through T: the rounding torch applies after each op.
+template <typename T>
+__device__ __forceinline__ float round_to(float x) {
+  return Num<T>::to_f(Num<T>::from_f(x));
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

@@ -25,12 +25,6 @@ namespace {
 
 constexpr int kMaxThreads = 512;  // torch's reduce block size (mnt_wrapper<float>)
 
-// fp32 value of x after a round trip through T: the rounding torch applies after each op.
-template <typename T>
-__device__ __forceinline__ float round_to(float x) {
-  return Num<T>::to_f(Num<T>::from_f(x));
-}
-
 // VEC elements of T moved as one 16-byte access, or one element when VEC == 1.
 template <typename T, int VEC>
 struct alignas(sizeof(T) * VEC) Pack {

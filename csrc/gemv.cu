@@ -9,6 +9,10 @@
 // Gated (the MLP's gate_up projection, w = [gate; up], N = 2 * inter): warp j takes gate
 // row j and up row inter + j and writes silu(gate) * up as silu_and_mul would from the two
 // rounded outputs, bit for bit, so a decode step needs no activation kernel.
+//
+// Rope (the qkv projection): a warp takes rows i and i + D/2 of one head, rotates the two
+// rounded outputs of a q or k head as the rotary kernel does, bit for bit, and writes k and
+// v rows to the KV cache too, so a decode step needs no RoPE / KV-write kernel.
 #include "common.cuh"
 #include "launch.h"
 
@@ -18,6 +22,10 @@ namespace {
 constexpr int kThreads = 256, kWarps = kThreads / kWarp;
 constexpr int kRows = 2;    // rows of w per warp
 constexpr int kUnroll = 4;  // 16-byte chunks of each row a lane loads before using them
+
+// What a row group's epilogue writes: its rows, silu(gate) * up, or rotated q / k and the
+// cache's k / v rows.
+enum class Epilogue { kPlain, kGated, kRope };
 
 // Warps sharing a row group (1, 2 or 4): p.split when set, else KVRAY_GEMV_SPLIT when set (for
 // measuring), else the fewest that give at least two blocks an SM, or more while each part
@@ -29,8 +37,9 @@ int gemv_split(const GemvParams& p) {
   }();
   if (p.split != 0) return p.split;
   if (forced != 0) return forced;
-  const int out_rows = p.gated ? p.n / 2 : p.n;
-  const int rows_per_block = p.gated ? kWarps : kWarps * kRows;  // at split 1
+  const bool paired = p.gated || p.rope.positions != nullptr;
+  const int out_rows = paired ? p.n / 2 : p.n;
+  const int rows_per_block = paired ? kWarps : kWarps * kRows;  // at split 1
   const int blocks = (out_rows + rows_per_block - 1) / rows_per_block;
   const int chunks = p.k / 8;
   int split = 1;
@@ -66,6 +75,41 @@ __device__ __forceinline__ void load_w(const uint4* w, int chunks, int64_t row_g
   }
 }
 
+// Rope's epilogue, lane 0 of a group: rows row0 and row0 + D/2 of head row0 / D for each
+// token, rounded as the plain GEMV writes them, then rotated (q and k heads) with the
+// rotary kernel's arithmetic; k and v rows also go to the token's cache slot.
+template <typename T, int M>
+__device__ __forceinline__ void rope_epilogue(const GemvParams& p, const float (&acc)[M][kRows],
+                                              int row0, const float (&cs)[M][4],
+                                              const int64_t (&slot)[M]) {
+  const GemvRope& r = p.rope;
+  const int d = r.head_dim, half = d / 2, head = row0 / d, i = row0 % d;
+  const bool rotate = head < r.num_q_heads + r.num_kv_heads;
+  const int kv_head = head - r.num_q_heads - (rotate ? 0 : r.num_kv_heads);
+  T* cache = static_cast<T*>(head < r.num_q_heads ? nullptr : rotate ? r.k_cache : r.v_cache);
+  const T* bias = static_cast<const T*>(p.bias);
+  const float b0 = bias != nullptr ? Num<T>::to_f(bias[row0]) : 0.f;
+  const float b1 = bias != nullptr ? Num<T>::to_f(bias[row0 + half]) : 0.f;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const float x1 = Num<T>::to_f(Num<T>::from_f(acc[m][0] + b0));
+    const float x2 = Num<T>::to_f(Num<T>::from_f(acc[m][1] + b1));
+    T lo = Num<T>::from_f(x1), hi = Num<T>::from_f(x2);
+    if (rotate) {  // x * cos + rotate_half(x) * sin, each product rounded (rotary_kernel)
+      const float cos1 = round_to<T>(cs[m][0]), cos2 = round_to<T>(cs[m][1]);
+      const float sin1 = round_to<T>(cs[m][2]), sin2 = round_to<T>(cs[m][3]);
+      lo = Num<T>::from_f(__fadd_rn(round_to<T>(__fmul_rn(x1, cos1)), round_to<T>(__fmul_rn(-x2, sin1))));
+      hi = Num<T>::from_f(__fadd_rn(round_to<T>(__fmul_rn(x2, cos2)), round_to<T>(__fmul_rn(x1, sin2))));
+    }
+    T* o = static_cast<T*>(p.out) + m * p.out_stride + row0;
+    o[0] = lo, o[half] = hi;
+    if (cache != nullptr && slot[m] >= 0) {
+      T* c = cache + slot[m] * r.slot_stride + kv_head * d + i;
+      c[0] = lo, c[half] = hi;
+    }
+  }
+}
+
 // The warp's first chunks of w are loaded before the wait on the kernel before: weights are
 // never a previous kernel's output, so with programmatic dependent launch their first bytes
 // are in flight while that kernel finishes.
@@ -74,24 +118,49 @@ __device__ __forceinline__ void load_w(const uint4* w, int chunks, int64_t row_g
 // the group's first warp adds their sums in a fixed order. More, shorter blocks: a small
 // matrix (qkv, o, and down with its long rows) then fills the SMs evenly and its last
 // blocks finish sooner.
-template <typename T, int M, bool GATED, int SPLIT>
+//
+// Rope: lanes m < M of a group's first warp also read token m's cos / sin values and slot
+// into shared memory before the wait (step metadata and constant tables).
+template <typename T, int M, Epilogue E, int SPLIT>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   constexpr int kGroups = kWarps / SPLIT;
+  constexpr bool kPaired = E != Epilogue::kPlain;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int group = warp / SPLIT, part = warp % SPLIT;
-  const int inter = p.n / 2;
-  // this group's rows: row0 and row0 + 1, or (gated) gate row0 and up row inter + row0
-  const int row0 = (blockIdx.x * kGroups + group) * (GATED ? 1 : kRows);
-  const bool has_rows = row0 < (GATED ? inter : p.n);
+  const int gi = blockIdx.x * kGroups + group;
+  // this group's rows: row0 and row0 + gap
+  const int half = p.rope.head_dim / 2;
+  int row0, gap;
+  if constexpr (E == Epilogue::kPlain) {
+    row0 = gi * kRows, gap = 1;
+  } else if constexpr (E == Epilogue::kGated) {
+    row0 = gi, gap = p.n / 2;  // gate row, up row
+  } else {
+    row0 = gi / half * p.rope.head_dim + gi % half, gap = half;  // a head's two halves
+  }
+  const bool has_rows = kPaired ? gi < p.n / 2 : row0 < p.n;
   const int chunks = p.k / 8;
   const int per_part = (chunks + SPLIT - 1) / SPLIT;
   const int c_begin = part * per_part, c_end = min(chunks, c_begin + per_part);
-  const int64_t row_gap = static_cast<int64_t>(GATED ? inter : 1) * chunks;
+  const int64_t row_gap = static_cast<int64_t>(gap) * chunks;
   const uint4* w = reinterpret_cast<const uint4*>(static_cast<const T*>(p.w)) +
                    static_cast<int64_t>(row0) * chunks;
-  const bool second_row = GATED || row0 + 1 < p.n;
+  const bool second_row = kPaired || row0 + 1 < p.n;
   uint4 wv[kUnroll][kRows];
   if (has_rows) load_w<T>(w, c_end, row_gap, second_row, c_begin + lane, wv);
+  constexpr int kRopeGroups = E == Epilogue::kRope ? kGroups : 1;
+  __shared__ float rope_cs[kRopeGroups][M][4];  // cos row0, cos row0 + half, sin, sin
+  __shared__ int64_t rope_slot[kRopeGroups][M];
+  if constexpr (E == Epilogue::kRope) {
+    if (part == 0 && has_rows && lane < M) {
+      const int64_t at = p.rope.positions[lane] * p.rope.head_dim + gi % half;
+      rope_cs[group][lane][0] = p.rope.cos[at];
+      rope_cs[group][lane][1] = p.rope.cos[at + half];
+      rope_cs[group][lane][2] = p.rope.sin[at];
+      rope_cs[group][lane][3] = p.rope.sin[at + half];
+      rope_slot[group][lane] = p.rope.loc[lane];
+    }
+  }
   grid_dependency_wait();
   if (SPLIT == 1 && !has_rows) return;  // with SPLIT > 1 every warp reaches the barrier below
   const uint4* x = reinterpret_cast<const uint4*>(p.x);
@@ -145,10 +214,14 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
         acc[m][r] = sum;
       }
   }
+  if constexpr (E == Epilogue::kRope) __syncwarp();  // lane 0 reads the other lanes' rope_cs
   if (lane != 0) return;
   T* out = static_cast<T*>(p.out);
   const T* bias = static_cast<const T*>(p.bias);
-  if constexpr (GATED) {
+  if constexpr (E == Epilogue::kRope) {
+    rope_epilogue<T, M>(p, acc, row0, rope_cs[group], rope_slot[group]);
+  } else if constexpr (E == Epilogue::kGated) {
+    const int inter = p.n / 2;
     const float bg = bias != nullptr ? Num<T>::to_f(bias[row0]) : 0.f;
     const float bu = bias != nullptr ? Num<T>::to_f(bias[inter + row0]) : 0.f;
 #pragma unroll
@@ -158,40 +231,43 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
       const float act = Num<T>::to_f(Num<T>::from_f(a / (1.0f + expf(-a))));  // torch's silu
       out[m * p.out_stride + row0] = Num<T>::from_f(__fmul_rn(act, up));
     }
-    return;
-  }
+  } else {
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int row = row0 + r;
-    if (row >= p.n) break;
-    const float b = bias != nullptr ? Num<T>::to_f(bias[row]) : 0.f;  // added before the rounding
+    for (int r = 0; r < kRows; ++r) {
+      const int row = row0 + r;
+      if (row >= p.n) break;
+      const float b = bias != nullptr ? Num<T>::to_f(bias[row]) : 0.f;  // added before the rounding
 #pragma unroll
-    for (int m = 0; m < M; ++m) out[m * p.out_stride + row] = Num<T>::from_f(acc[m][r] + b);
+      for (int m = 0; m < M; ++m) out[m * p.out_stride + row] = Num<T>::from_f(acc[m][r] + b);
+    }
   }
 }
 
 template <typename T, int M, int SPLIT>
-void launch_split(const GemvParams& p, cudaStream_t stream) {
+cudaError_t launch_split(const GemvParams& p, cudaStream_t stream) {
+  const bool rope = p.rope.positions != nullptr, paired = p.gated || rope;
   const int groups = kWarps / SPLIT;
-  const int rows_per_block = p.gated ? groups : groups * kRows;
-  const int out_rows = p.gated ? p.n / 2 : p.n;
+  const int rows_per_block = paired ? groups : groups * kRows;
+  const int out_rows = paired ? p.n / 2 : p.n;
   const unsigned blocks = static_cast<unsigned>((out_rows + rows_per_block - 1) / rows_per_block);
-  if (p.gated) {
-    launch(gemv_kernel<T, M, true, SPLIT>, blocks, kThreads, 0, stream, p);
-  } else {
-    launch(gemv_kernel<T, M, false, SPLIT>, blocks, kThreads, 0, stream, p);
+  if (rope) {
+    if constexpr (M > kGemvRopeMaxRows) return cudaErrorInvalidValue;
+    else return launch(gemv_kernel<T, M, Epilogue::kRope, SPLIT>, blocks, kThreads, 0, stream, p);
   }
+  if (p.gated) return launch(gemv_kernel<T, M, Epilogue::kGated, SPLIT>, blocks, kThreads, 0, stream, p);
+  return launch(gemv_kernel<T, M, Epilogue::kPlain, SPLIT>, blocks, kThreads, 0, stream, p);
 }
 
 template <typename T, int M>
 cudaError_t launch_rows(const GemvParams& p, cudaStream_t stream) {
+  cudaError_t err;
   switch (gemv_split(p)) {
-    case 1: launch_split<T, M, 1>(p, stream); break;
-    case 2: launch_split<T, M, 2>(p, stream); break;
-    case 4: launch_split<T, M, 4>(p, stream); break;
+    case 1: err = launch_split<T, M, 1>(p, stream); break;
+    case 2: err = launch_split<T, M, 2>(p, stream); break;
+    case 4: err = launch_split<T, M, 4>(p, stream); break;
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 template <typename T>

@@ -137,6 +137,24 @@ struct SiluMulParams {
 // contiguous, K % 8 == 0, x and out rows contiguous (strides in elements, multiples of 8 for
 // x), 16-byte aligned. Gated (N even): out[m, :N/2] = silu(first half of that) * second
 // half, as silu_and_mul.
+//
+// With rope.positions set (gemv only, M <= kGemvRopeMaxRows): w is a qkv projection whose
+// N = (Hq + 2 Hk) * D rows are q's heads, k's, then v's; out gets q and k rotated as
+// `rotary` rotates them and v as is, and rotated k and v also go to slot loc[m] of the
+// caches [n_slots, Hk, D] (a negative slot is skipped): the bits of gemv then
+// rotary_store_kv, in one launch.
+constexpr int kGemvRopeMaxRows = 4;
+struct GemvRope {
+  const int64_t* positions = nullptr;  // [M]
+  const float* cos = nullptr;          // [max_len, D] float32, as RotaryParams'
+  const float* sin = nullptr;
+  const int64_t* loc = nullptr;  // [M]
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  int64_t slot_stride = 0;  // elements
+  int head_dim = 0, num_q_heads = 0, num_kv_heads = 0;
+};
+
 struct GemvParams {
   const void* x;
   const void* w;
@@ -148,6 +166,7 @@ struct GemvParams {
   bool gated = false;
   int split = 0;    // warps sharing a row group over K: 1, 2, 4 (skinny: 8 too); 0: from the shape
   int num_sms = 0;  // of the device, for that choice
+  GemvRope rope;    // gemv only
 };
 
 // out[r] = torch.argmax(x[r, :n]) for each of `rows` float32 rows (stride elements apart).

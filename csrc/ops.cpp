@@ -612,6 +612,43 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tens
   check_launch(kvray::launch_gemv(p, c10::cuda::getCurrentCUDAStream()), "gemv");
 }
 
+// gemv over a qkv projection with rotary_store_kv's work in its epilogue (launch.h, GemvRope).
+void gemv_rope_store_kv(const at::Tensor& x, const at::Tensor& w,
+                        const c10::optional<at::Tensor>& bias, const at::Tensor& out,
+                        const at::Tensor& positions, const at::Tensor& cos_cache,
+                        const at::Tensor& sin_cache, int64_t num_q_heads, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& out_cache_loc, int64_t split) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  KV_CHECK(split == 0 || split == 1 || split == 2 || split == 4,
+           "gemv_rope_store_kv: split must be 0, 1, 2 or 4");
+  kvray::GemvParams p = linear_params("gemv_rope_store_kv", kvray::kGemvRopeMaxRows, x, w, bias,
+                                      out, false, split);
+  for (const at::Tensor* c : {&k_cache, &v_cache}) {
+    check_same(*c, x, "k_cache / v_cache");
+    KV_CHECK(c->dim() == 3 && c->is_contiguous() && c->sizes() == k_cache.sizes(),
+             "k_cache and v_cache must be contiguous [n_slots, Hk, D] of x's dtype");
+  }
+  const int64_t hk = k_cache.size(1), d = k_cache.size(2);
+  KV_CHECK(num_q_heads >= 1 && d % 2 == 0 && w.size(0) == (num_q_heads + 2 * hk) * d,
+           "w must be [(Hq + 2 Hk) * D, K] for caches [n_slots, Hk, D] with an even D");
+  for (const at::Tensor* t : {&positions, &out_cache_loc}) {
+    check_cuda(*t, x, "positions / out_cache_loc");
+    KV_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous() &&
+                 t->size(0) == x.size(0),
+             "positions and out_cache_loc must be contiguous int64 [M]");
+  }
+  for (const at::Tensor* t : {&cos_cache, &sin_cache}) {
+    check_cuda(*t, x, "cos_cache / sin_cache");
+    KV_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous() && t->size(1) == d,
+             "cos_cache and sin_cache must be contiguous float32 [max_len, D]");
+  }
+  p.rope = kvray::GemvRope{positions.data_ptr<int64_t>(), cos_cache.data_ptr<float>(),
+                           sin_cache.data_ptr<float>(), out_cache_loc.data_ptr<int64_t>(),
+                           k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                           static_cast<int>(d), static_cast<int>(num_q_heads), static_cast<int>(hk)};
+  check_launch(kvray::launch_gemv(p, c10::cuda::getCurrentCUDAStream()), "gemv_rope_store_kv");
+}
+
 void skinny_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                  const at::Tensor& out, bool gated, int64_t split) {
   const c10::cuda::CUDAGuard guard(x.device());
@@ -675,6 +712,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up for gate_up = [gate | up]");
   m.def("gemv", &gemv,
         "out = x @ w.T (+ bias) for 1 to 8 rows of x (decode batches); gated: silu(gate) * up");
+  m.def("gemv_rope_store_kv", &gemv_rope_store_kv,
+        "gemv over a qkv projection, q and k rotated and k, v written to the paged cache: the "
+        "bits of gemv then rotary_store_kv, for 1 to 4 rows");
   m.def("skinny_gemm", &skinny_gemm,
         "out = x @ w.T (+ bias) for 1 to 64 rows of x on tensor cores, one pass over w; gated too");
   m.def("argmax", &argmax, "out = argmax(x, -1) of float32 rows, torch's answer, several blocks a row");

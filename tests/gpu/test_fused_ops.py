@@ -170,6 +170,13 @@ def test_rotary_on_views_off_16_byte_alignment_matches_torch(dtype):
     _check_all(failures)
 
 
+def _check_qkv_and_caches(failures, case, qkv, want_qkv, caches, want_caches) -> None:
+    """Adds to `failures` each of the projection and the two caches that differs."""
+    pairs = [("qkv", qkv, want_qkv), ("k_cache", caches[0], want_caches[0]),
+             ("v_cache", caches[1], want_caches[1])]  # fmt: skip
+    failures += [f"{case}: {name} {_diff(g, w)}" for name, g, w in pairs if not torch.equal(g, w)]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rotary_store_kv_gives_the_bits_of_rotary_then_store_kv(dtype):
     """The decode step's fused launch: q and k rotated in place and the rotated k and v
@@ -190,10 +197,8 @@ def test_rotary_store_kv_gives_the_bits_of_rotary_then_store_kv(dtype):
             cuda_ops.rotary(wq, wk, positions, c_tab, s_tab)
             cuda_ops.store_kv(wk, wv, *want_caches, loc)
             cuda_ops.rotary_store_kv(q, k, v, positions, c_tab, s_tab, *caches, loc)
-            for name, got, want in [("qkv", qkv, want_qkv), ("k_cache", caches[0], want_caches[0]),
-                                    ("v_cache", caches[1], want_caches[1])]:  # fmt: skip
-                if not torch.equal(got, want):
-                    failures.append(f"D={d} Hq={hq} Hk={hk} T={t}: {name} {_diff(got, want)}")
+            case = f"D={d} Hq={hq} Hk={hk} T={t}"
+            _check_qkv_and_caches(failures, case, qkv, want_qkv, caches, want_caches)
     _check_all(failures)
 
 
@@ -207,6 +212,60 @@ def test_rotary_store_kv_refuses_an_fp8_cache_and_mismatched_v():
         cuda_ops.rotary_store_kv(q, k, v, positions, c_tab, s_tab, fp8, fp8, loc)
     with pytest.raises(RuntimeError, match="like k"):
         cuda_ops.rotary_store_kv(q, k, v[:, :1], positions, c_tab, s_tab, cache, cache.clone(), loc)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("d", "hq", "hk", "k"), [(64, 9, 3, 576), (128, 32, 8, 4096)])
+@pytest.mark.parametrize("split", [0, 1, 2, 4])
+def test_gemv_rope_store_kv_gives_the_bits_of_gemv_then_rotary_store_kv(dtype, d, hq, hk, k, split):
+    """The decode step's qkv projection doing RoPE and the KV write in its epilogue: the
+    projection, the caches and the skipped slot exactly as the GEMV then rotary_store_kv
+    leave them, at 1 to 4 tokens, with and without bias, on a row-strided x."""
+    torch.manual_seed(11)
+    n = (hq + 2 * hk) * d
+    w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)
+    c_tab, s_tab = _rope_tables(4096, d)
+    failures = []
+    for m in (1, 2, 3, 4):
+        x = _rand(m, k + 8, dtype=dtype)[:, :k]
+        positions = torch.randint(0, 4096, (m,), device=DEV)
+        loc = torch.randperm(512, device=DEV)[:m]
+        if m > 1:
+            loc[1] = -1
+        for b in (None, _rand(n, dtype=dtype)):
+            caches = [_rand(512, hk, d, dtype=dtype) for _ in range(2)]
+            want_caches = [c.clone() for c in caches]
+            want = torch.empty(m, n, device=DEV, dtype=dtype)
+            cuda_ops.gemv(x, w, b, want, split=split)
+            _, q, kk, v = _split_qkv(want, hq, hk, d)
+            cuda_ops.rotary_store_kv(q, kk, v, positions, c_tab, s_tab, *want_caches, loc)
+            got = torch.full((m, n), float("nan"), device=DEV, dtype=dtype)
+            cuda_ops.gemv_rope_store_kv(
+                x, w, b, got, positions, c_tab, s_tab, hq, *caches, loc, split=split
+            )
+            case = f"M={m} bias={b is not None}"
+            _check_qkv_and_caches(failures, case, got, want, caches, want_caches)
+    _check_all(failures)
+
+
+def test_gemv_rope_store_kv_refuses_what_it_cannot_run():
+    c_tab, s_tab = _rope_tables(64, 64)
+    x = _rand(5, 64, dtype=torch.bfloat16)
+    w = _rand((4 + 2 * 2) * 64, 64, dtype=torch.bfloat16)
+    caches = [_rand(16, 2, 64, dtype=torch.bfloat16) for _ in range(2)]
+    positions, loc = torch.arange(5, device=DEV), torch.arange(5, device=DEV)
+    out = torch.empty(5, w.shape[0], device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="1 to 4 rows"):
+        cuda_ops.gemv_rope_store_kv(x, w, None, out, positions, c_tab, s_tab, 4, *caches, loc)
+    with pytest.raises(RuntimeError, match="Hq"):  # 3 q heads do not fill w's rows
+        cuda_ops.gemv_rope_store_kv(
+            x[:2], w, None, out[:2], positions[:2], c_tab, s_tab, 3, *caches, loc[:2]
+        )
+    fp8 = [c.to(torch.float8_e4m3fn) for c in caches]
+    with pytest.raises(RuntimeError, match="dtype"):
+        cuda_ops.gemv_rope_store_kv(
+            x[:2], w, None, out[:2], positions[:2], c_tab, s_tab, 4, *fp8, loc[:2]
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -11,6 +11,14 @@ if TYPE_CHECKING:
     from worker.batch import ForwardBatch
     from worker.cache_view import CacheView
     from worker.model.ops import RopeInputs
+
+
+class KVDestination(NamedTuple):
+    """Where one layer's new K/V rows go: its caches `[n_slots, Hkv, D]` and a slot per token."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor
 
 
 class AttentionBackend(ABC):
@@ -43,6 +51,15 @@ class AttentionBackend(ABC):
         given only to a backend that `applies_rope`."""
         assert rope is None, f"{type(self).__name__} does not apply RoPE"
         view.write(layer, k, v)
+        return self.attend(layer, q, view)
+
+    def kv_destination(self, layer: int, view: CacheView) -> KVDestination | None:
+        """Where the q/k/v projection's kernel may write this step's K/V of `layer` itself,
+        rotated as `forward` would store them, before `attend`; None: `forward` stores them."""
+        return None
+
+    def attend(self, layer: int, q: torch.Tensor, view: CacheView) -> torch.Tensor:
+        """Attention over the cache, which already holds this step's K/V."""
         if self._decode:
             return self.fwd_decode(layer, q, view)
         return self.fwd_prefill(layer, q, view)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.attention import cuda_ops, fa3, flash
-from worker.attention.base import AttentionBackend
+from worker.attention.base import AttentionBackend, KVDestination
 from worker.attention.kv_quant import dequantize_gather
 from worker.batch import ForwardBatch
 from worker.cache_view import CacheView
@@ -141,6 +141,14 @@ class CudaBackend(AttentionBackend):
         if self._decode:
             return self.fwd_decode(layer, q, view, out)
         return self.fwd_prefill(layer, q, view, out)
+
+    def kv_destination(self, layer: int, view: CacheView) -> KVDestination | None:
+        """The layer's caches when they hold bf16 / fp16 (an FP8 cache quantizes whole rows
+        in store_kv)."""
+        assert self._batch is not None
+        if _scales(view, layer)[0] is not None:
+            return None
+        return KVDestination(view.k_cache[layer], view.v_cache[layer], self._batch.out_cache_loc)
 
     def fwd_decode(
         self, layer: int, q: torch.Tensor, view: CacheView, out: torch.Tensor | None = None

@@ -45,20 +45,39 @@ class Attention(nn.Module):
         ops: ModelOps,
     ) -> torch.Tensor:
         n = x.shape[0]
-        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        if backend.applies_rope:
-            out = backend.forward(self.layer_id, q, k, v, view, rope)
-        else:
-            q, k = ops.rope(q, k, rope)
-            out = backend.forward(self.layer_id, q, k, v, view)
+        out = self._attend_stored(x, rope, view, backend, ops)
+        if out is None:
+            qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(n, self.num_heads, self.head_dim)
+            k = k.view(n, self.num_kv_heads, self.head_dim)
+            v = v.view(n, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+                k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+            if backend.applies_rope:
+                out = backend.forward(self.layer_id, q, k, v, view, rope)
+            else:
+                q, k = ops.rope(q, k, rope)
+                out = backend.forward(self.layer_id, q, k, v, view)
         return ops.linear(out.reshape(n, self.q_size), self.o_proj.weight, self.o_proj.bias)
+
+    def _attend_stored(
+        self, x: torch.Tensor, rope: RopeInputs, view: CacheView, backend: AttentionBackend,
+        ops: ModelOps,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """Attention after a projection kernel that rotates q and k and writes K/V itself
+        (CudaOps' GEMV), where the backend and the ops offer one; else None. Not with q/k
+        norms, which come between the projection and the rotation."""
+        dest = backend.kv_destination(self.layer_id, view) if self.q_norm is None else None
+        if dest is None:
+            return None
+        w, b = self.qkv_proj.weight, self.qkv_proj.bias
+        qkv = ops.qkv_rope_store(x, w, b, rope, dest, self.num_heads)
+        if qkv is None:
+            return None
+        q = qkv[:, : self.q_size].view(x.shape[0], self.num_heads, self.head_dim)
+        return backend.attend(self.layer_id, q, view)
 
 
 class MLP(nn.Module):

@@ -14,11 +14,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from worker.model.layers import RotaryEmbedding, apply_rope, rms_norm
+
+if TYPE_CHECKING:
+    from worker.attention.base import KVDestination
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +72,14 @@ class ModelOps(ABC):
         """x `[T, K]` @ weight `[N, K]`.T (+ bias)."""
         return F.linear(x, weight, bias)
 
+    def qkv_rope_store(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+        rope: RopeInputs, dest: KVDestination, num_q_heads: int,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """The q/k/v projection `[T, (Hq + 2 Hkv) * D]` with q and k rotated and this
+        step's K/V written to `dest` in the same kernel, where one does that; else None."""
+        return None
+
     def gated_linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -111,9 +123,12 @@ class CudaOps(ModelOps):
     batches up to `skinny_max_rows` tokens run the skinny GEMM (tensor cores, still one pass
     over the weights), which beat cuBLAS there on an H100 (`--only gemm`; on the 8B shape's
     matrices it lost); everything else stays on cuBLAS. KVRAY_SKINNY_MAX_ROWS overrides that
-    bound (0: never), for measuring."""
+    bound (0: never), for measuring. Where the GEMV runs a qkv projection, it also applies
+    RoPE and writes K/V (`qkv_rope_store`); KVRAY_GEMV_ROPE_MAX_ROWS=0 leaves that to
+    attention's own kernel, for measuring."""
 
     gemv_max_rows = 4
+    gemv_rope_max_rows = 4  # cuda_ops.GEMV_ROPE_MAX_ROWS
     gemv_small_weights = 4 << 20
     skinny_max_rows = 32
 
@@ -126,6 +141,8 @@ class CudaOps(ModelOps):
             kernels = cuda_ops
         self._k = kernels
         self.skinny_max_rows = int(os.environ.get("KVRAY_SKINNY_MAX_ROWS", self.skinny_max_rows))
+        rope_rows = os.environ.get("KVRAY_GEMV_ROPE_MAX_ROWS", self.gemv_rope_max_rows)
+        self.gemv_rope_max_rows = int(rope_rows)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -167,6 +184,21 @@ class CudaOps(ModelOps):
             return self.silu_and_mul(F.linear(x, weight, bias))
         out = torch.empty((x.shape[0], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
         kernel(x, weight, bias, out, gated=True)  # no activation kernel
+        return out
+
+    def qkv_rope_store(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+        rope: RopeInputs, dest: KVDestination, num_q_heads: int,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """Where the GEMV runs the projection (at most 4 tokens): RoPE and the KV write in
+        its epilogue, one kernel a layer fewer."""
+        gemv = self._one_pass_kernel(x, weight) is self._k.gemv
+        if not gemv or x.shape[0] > self.gemv_rope_max_rows:
+            return None
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+        self._k.gemv_rope_store_kv(
+            x, weight, bias, out, rope.positions, rope.cos, rope.sin, num_q_heads, *dest
+        )
         return out
 
     def _one_pass_kernel(self, x: torch.Tensor, weight: torch.Tensor) -> Callable[..., None] | None:

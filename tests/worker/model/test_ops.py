@@ -8,7 +8,8 @@ import types
 import pytest
 import torch
 
-from worker.model.ops import CudaOps
+from worker.attention.base import KVDestination
+from worker.model.ops import CudaOps, RopeInputs
 
 BF16 = torch.bfloat16
 DEMO_QKV, DEMO_GATE_UP = (960, 576), (3072, 576)  # [N, K]: at most 4 Mi weights
@@ -74,3 +75,32 @@ def test_linear_and_gated_linear_hand_the_kernel_its_output():
     gated = ops.gated_linear(x, torch.empty(DEMO_GATE_UP, dtype=BF16, device="meta"))
     assert gated.shape == (8, 1536)
     assert calls == [("skinny_gemm", (8, 960), False), ("skinny_gemm", (8, 1536), True)]
+
+
+@pytest.mark.parametrize(
+    ("m", "nk", "fused"),
+    [(1, LLAMA_QKV, True), (4, DEMO_QKV, True), (2, LLAMA_QKV, False), (5, DEMO_QKV, False)],
+)
+def test_the_qkv_projection_takes_rope_and_the_kv_write_where_the_gemv_runs(m, nk, fused):
+    calls: list = []
+    kernels = _kernels(calls)
+    kernels.gemv_rope_store_kv = lambda x, w, b, out, *rope_and_dest: calls.append(
+        ("gemv_rope_store_kv", tuple(out.shape), rope_and_dest[3])
+    )
+    ops = CudaOps(kernels)
+    x = torch.empty(m, nk[1], dtype=BF16, device="meta")
+    rope = RopeInputs(*[torch.empty(1, device="meta")] * 3)
+    dest = KVDestination(*[torch.empty(1, device="meta")] * 3)
+    out = ops.qkv_rope_store(x, torch.empty(nk, dtype=BF16, device="meta"), None, rope, dest, 32)
+    assert (out is not None) == fused
+    assert calls == ([("gemv_rope_store_kv", (m, nk[0]), 32)] if fused else [])
+
+
+def test_the_fused_qkv_projection_can_be_turned_off_for_measuring(monkeypatch):
+    monkeypatch.setenv("KVRAY_GEMV_ROPE_MAX_ROWS", "0")
+    ops = CudaOps(_kernels([]))
+    x = torch.empty(1, LLAMA_QKV[1], dtype=BF16, device="meta")
+    rope = RopeInputs(*[torch.empty(1, device="meta")] * 3)
+    dest = KVDestination(*[torch.empty(1, device="meta")] * 3)
+    w = torch.empty(LLAMA_QKV, dtype=BF16, device="meta")
+    assert ops.qkv_rope_store(x, w, None, rope, dest, 32) is None
