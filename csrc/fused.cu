@@ -19,6 +19,7 @@
 
 #include "common.cuh"
 #include "launch.h"
+#include "rope.cuh"
 
 namespace kvray {
 namespace {
@@ -352,14 +353,10 @@ __global__ void __launch_bounds__(256) rotary_kernel(const RotaryParams p) {
   Pack<T, VEC> a = load<T, VEC>(x + d), b = load<T, VEC>(x + d + half);
 #pragma unroll
   for (int i = 0; i < VEC; ++i) {
-    const float x1 = Num<T>::to_f(a.v[i]), x2 = Num<T>::to_f(b.v[i]);
-    const float cos1 = round_to<T>(c1[i]), cos2 = round_to<T>(c2[i]);
-    const float sin1 = round_to<T>(s1[i]), sin2 = round_to<T>(s2[i]);
-    // x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1); each product rounded.
-    const float lo = __fadd_rn(round_to<T>(__fmul_rn(x1, cos1)), round_to<T>(__fmul_rn(-x2, sin1)));
-    const float hi = __fadd_rn(round_to<T>(__fmul_rn(x2, cos2)), round_to<T>(__fmul_rn(x1, sin2)));
-    a.v[i] = Num<T>::from_f(lo);
-    b.v[i] = Num<T>::from_f(hi);
+    const float2 y = rotate_half_pair<T>(Num<T>::to_f(a.v[i]), Num<T>::to_f(b.v[i]), c1[i], c2[i],
+                                         s1[i], s2[i]);
+    a.v[i] = Num<T>::from_f(y.x);
+    b.v[i] = Num<T>::from_f(y.y);
   }
   store<T, VEC>(x + d, a);
   store<T, VEC>(x + d + half, b);

@@ -15,6 +15,7 @@
 // v rows to the KV cache too, so a decode step needs no RoPE / KV-write kernel.
 #include "common.cuh"
 #include "launch.h"
+#include "rope.cuh"
 
 namespace kvray {
 namespace {
@@ -22,10 +23,6 @@ namespace {
 constexpr int kThreads = 256, kWarps = kThreads / kWarp;
 constexpr int kRows = 2;    // rows of w per warp
 constexpr int kUnroll = 4;  // 16-byte chunks of each row a lane loads before using them
-
-// What a row group's epilogue writes: its rows, silu(gate) * up, or rotated q / k and the
-// cache's k / v rows.
-enum class Epilogue { kPlain, kGated, kRope };
 
 // Warps sharing a row group (1, 2 or 4): p.split when set, else KVRAY_GEMV_SPLIT when set (for
 // measuring), else the fewest that give at least two blocks an SM, or more while each part
@@ -71,41 +68,6 @@ __device__ __forceinline__ void load_w(const uint4* w, int chunks, int64_t row_g
     for (int r = 0; r < kRows; ++r) {
       const bool ok = c < chunks && (r == 0 || second_row);
       wv[u][r] = ok ? __ldcs(w + r * row_gap + c) : make_uint4(0, 0, 0, 0);
-    }
-  }
-}
-
-// Rope's epilogue, lane 0 of a group: rows row0 and row0 + D/2 of head row0 / D for each
-// token, rounded as the plain GEMV writes them, then rotated (q and k heads) with the
-// rotary kernel's arithmetic; k and v rows also go to the token's cache slot.
-template <typename T, int M>
-__device__ __forceinline__ void rope_epilogue(const GemvParams& p, const float (&acc)[M][kRows],
-                                              int row0, const float (&cs)[M][4],
-                                              const int64_t (&slot)[M]) {
-  const GemvRope& r = p.rope;
-  const int d = r.head_dim, half = d / 2, head = row0 / d, i = row0 % d;
-  const bool rotate = head < r.num_q_heads + r.num_kv_heads;
-  const int kv_head = head - r.num_q_heads - (rotate ? 0 : r.num_kv_heads);
-  T* cache = static_cast<T*>(head < r.num_q_heads ? nullptr : rotate ? r.k_cache : r.v_cache);
-  const T* bias = static_cast<const T*>(p.bias);
-  const float b0 = bias != nullptr ? Num<T>::to_f(bias[row0]) : 0.f;
-  const float b1 = bias != nullptr ? Num<T>::to_f(bias[row0 + half]) : 0.f;
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    const float x1 = Num<T>::to_f(Num<T>::from_f(acc[m][0] + b0));
-    const float x2 = Num<T>::to_f(Num<T>::from_f(acc[m][1] + b1));
-    T lo = Num<T>::from_f(x1), hi = Num<T>::from_f(x2);
-    if (rotate) {  // x * cos + rotate_half(x) * sin, each product rounded (rotary_kernel)
-      const float cos1 = round_to<T>(cs[m][0]), cos2 = round_to<T>(cs[m][1]);
-      const float sin1 = round_to<T>(cs[m][2]), sin2 = round_to<T>(cs[m][3]);
-      lo = Num<T>::from_f(__fadd_rn(round_to<T>(__fmul_rn(x1, cos1)), round_to<T>(__fmul_rn(-x2, sin1))));
-      hi = Num<T>::from_f(__fadd_rn(round_to<T>(__fmul_rn(x2, cos2)), round_to<T>(__fmul_rn(x1, sin2))));
-    }
-    T* o = static_cast<T*>(p.out) + m * p.out_stride + row0;
-    o[0] = lo, o[half] = hi;
-    if (cache != nullptr && slot[m] >= 0) {
-      T* c = cache + slot[m] * r.slot_stride + kv_head * d + i;
-      c[0] = lo, c[half] = hi;
     }
   }
 }
@@ -219,7 +181,9 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   T* out = static_cast<T*>(p.out);
   const T* bias = static_cast<const T*>(p.bias);
   if constexpr (E == Epilogue::kRope) {
-    rope_epilogue<T, M>(p, acc, row0, rope_cs[group], rope_slot[group]);
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+      rope_epilogue_pair<T>(p, m, row0, acc[m][0], acc[m][1], rope_cs[group][m], rope_slot[group][m]);
   } else if constexpr (E == Epilogue::kGated) {
     const int inter = p.n / 2;
     const float bg = bias != nullptr ? Num<T>::to_f(bias[row0]) : 0.f;

@@ -138,11 +138,11 @@ struct SiluMulParams {
 // x), 16-byte aligned. Gated (N even): out[m, :N/2] = silu(first half of that) * second
 // half, as silu_and_mul.
 //
-// With rope.positions set (gemv only, M <= kGemvRopeMaxRows): w is a qkv projection whose
-// N = (Hq + 2 Hk) * D rows are q's heads, k's, then v's; out gets q and k rotated as
-// `rotary` rotates them and v as is, and rotated k and v also go to slot loc[m] of the
-// caches [n_slots, Hk, D] (a negative slot is skipped): the bits of gemv then
-// rotary_store_kv, in one launch.
+// With rope.positions set (gemv: M <= kGemvRopeMaxRows; skinny_gemm: D % 16 == 0): w is a
+// qkv projection whose N = (Hq + 2 Hk) * D rows are q's heads, k's, then v's; out gets q and
+// k rotated as `rotary` rotates them and v as is, and rotated k and v also go to slot loc[m]
+// of the caches [n_slots, Hk, D] (a negative slot is skipped): the bits of the plain
+// projection then rotary_store_kv, in one launch.
 constexpr int kGemvRopeMaxRows = 4;
 struct GemvRope {
   const int64_t* positions = nullptr;  // [M]
@@ -166,7 +166,7 @@ struct GemvParams {
   bool gated = false;
   int split = 0;    // warps sharing a row group over K: 1, 2, 4 (skinny: 8 too); 0: from the shape
   int num_sms = 0;  // of the device, for that choice
-  GemvRope rope;    // gemv only
+  GemvRope rope;
 };
 
 // out[r] = torch.argmax(x[r, :n]) for each of `rows` float32 rows (stride elements apart).

@@ -612,17 +612,12 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tens
   check_launch(kvray::launch_gemv(p, c10::cuda::getCurrentCUDAStream()), "gemv");
 }
 
-// gemv over a qkv projection with rotary_store_kv's work in its epilogue (launch.h, GemvRope).
-void gemv_rope_store_kv(const at::Tensor& x, const at::Tensor& w,
-                        const c10::optional<at::Tensor>& bias, const at::Tensor& out,
-                        const at::Tensor& positions, const at::Tensor& cos_cache,
-                        const at::Tensor& sin_cache, int64_t num_q_heads, const at::Tensor& k_cache,
-                        const at::Tensor& v_cache, const at::Tensor& out_cache_loc, int64_t split) {
-  const c10::cuda::CUDAGuard guard(x.device());
-  KV_CHECK(split == 0 || split == 1 || split == 2 || split == 4,
-           "gemv_rope_store_kv: split must be 0, 1, 2 or 4");
-  kvray::GemvParams p = linear_params("gemv_rope_store_kv", kvray::kGemvRopeMaxRows, x, w, bias,
-                                      out, false, split);
+// The checks and parameters of a qkv projection with rotary_store_kv's work in its epilogue
+// (launch.h, GemvRope), for w [N, K] and x's dtype.
+kvray::GemvRope rope_params(const at::Tensor& x, const at::Tensor& w, const at::Tensor& positions,
+                            const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                            int64_t num_q_heads, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& out_cache_loc) {
   for (const at::Tensor* c : {&k_cache, &v_cache}) {
     check_same(*c, x, "k_cache / v_cache");
     KV_CHECK(c->dim() == 3 && c->is_contiguous() && c->sizes() == k_cache.sizes(),
@@ -642,11 +637,42 @@ void gemv_rope_store_kv(const at::Tensor& x, const at::Tensor& w,
     KV_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous() && t->size(1) == d,
              "cos_cache and sin_cache must be contiguous float32 [max_len, D]");
   }
-  p.rope = kvray::GemvRope{positions.data_ptr<int64_t>(), cos_cache.data_ptr<float>(),
-                           sin_cache.data_ptr<float>(), out_cache_loc.data_ptr<int64_t>(),
-                           k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-                           static_cast<int>(d), static_cast<int>(num_q_heads), static_cast<int>(hk)};
+  return kvray::GemvRope{positions.data_ptr<int64_t>(), cos_cache.data_ptr<float>(),
+                         sin_cache.data_ptr<float>(), out_cache_loc.data_ptr<int64_t>(),
+                         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                         static_cast<int>(d), static_cast<int>(num_q_heads), static_cast<int>(hk)};
+}
+
+void gemv_rope_store_kv(const at::Tensor& x, const at::Tensor& w,
+                        const c10::optional<at::Tensor>& bias, const at::Tensor& out,
+                        const at::Tensor& positions, const at::Tensor& cos_cache,
+                        const at::Tensor& sin_cache, int64_t num_q_heads, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& out_cache_loc, int64_t split) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  KV_CHECK(split == 0 || split == 1 || split == 2 || split == 4,
+           "gemv_rope_store_kv: split must be 0, 1, 2 or 4");
+  kvray::GemvParams p = linear_params("gemv_rope_store_kv", kvray::kGemvRopeMaxRows, x, w, bias,
+                                      out, false, split);
+  p.rope = rope_params(x, w, positions, cos_cache, sin_cache, num_q_heads, k_cache, v_cache,
+                       out_cache_loc);
   check_launch(kvray::launch_gemv(p, c10::cuda::getCurrentCUDAStream()), "gemv_rope_store_kv");
+}
+
+void skinny_rope_store_kv(const at::Tensor& x, const at::Tensor& w,
+                          const c10::optional<at::Tensor>& bias, const at::Tensor& out,
+                          const at::Tensor& positions, const at::Tensor& cos_cache,
+                          const at::Tensor& sin_cache, int64_t num_q_heads,
+                          const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& out_cache_loc, int64_t split) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  KV_CHECK(split == 0 || split == 1 || split == 2 || split == 4 || split == 8,
+           "skinny_rope_store_kv: split must be 0, 1, 2, 4 or 8");
+  kvray::GemvParams p = linear_params("skinny_rope_store_kv", 64, x, w, bias, out, false, split);
+  p.rope = rope_params(x, w, positions, cos_cache, sin_cache, num_q_heads, k_cache, v_cache,
+                       out_cache_loc);
+  KV_CHECK(p.rope.head_dim % 16 == 0, "skinny_rope_store_kv needs a head_dim that is a multiple of 16");
+  check_launch(kvray::launch_skinny_gemm(p, c10::cuda::getCurrentCUDAStream()),
+               "skinny_rope_store_kv");
 }
 
 void skinny_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
@@ -715,6 +741,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_rope_store_kv", &gemv_rope_store_kv,
         "gemv over a qkv projection, q and k rotated and k, v written to the paged cache: the "
         "bits of gemv then rotary_store_kv, for 1 to 4 rows");
+  m.def("skinny_rope_store_kv", &skinny_rope_store_kv,
+        "skinny_gemm over a qkv projection, q and k rotated and k, v written to the paged cache: "
+        "the bits of skinny_gemm then rotary_store_kv, for 1 to 64 rows");
   m.def("skinny_gemm", &skinny_gemm,
         "out = x @ w.T (+ bias) for 1 to 64 rows of x on tensor cores, one pass over w; gated too");
   m.def("argmax", &argmax, "out = argmax(x, -1) of float32 rows, torch's answer, several blocks a row");

@@ -15,8 +15,13 @@
 // Gated (the MLP's gate_up, w = [gate; up], N = 2 * inter): a warp's two tiles are gate rows
 // j..j+7 and up rows inter + j..j+7, so the lane holding gate(m, j) also holds up(m, j) and
 // writes silu(gate) * up as silu_and_mul would from the two rounded outputs.
+//
+// Rope (a qkv projection, head_dim a multiple of 16): the two tiles are rows i..i+7 and
+// i + D/2.. of one head, so the lane holding x[i] of a token also holds x[i + D/2]; it
+// rotates q and k and writes k and v to the cache as gemv.cu's rope epilogue does.
 #include "common.cuh"
 #include "launch.h"
+#include "rope.cuh"
 
 namespace kvray {
 namespace {
@@ -33,7 +38,8 @@ constexpr int kUnroll = MT == 1 ? 4 : 2;
 // give at least two blocks an SM.
 int skinny_split(const GemvParams& p) {
   if (p.split != 0) return p.split;
-  const int groups = p.gated ? (p.n / 2 + 7) / 8 : (p.n + 15) / 16;
+  const bool paired = p.gated || p.rope.positions != nullptr;
+  const int groups = paired ? (p.n / 2 + 7) / 8 : (p.n + 15) / 16;
   const int blocks = (groups + kWarps - 1) / kWarps;  // at split 1
   int split = 1;
   while (split < 8 && blocks * split < 2 * p.num_sms) split *= 2;
@@ -52,18 +58,26 @@ __device__ __forceinline__ void load_w(const uint4* w0, const uint4* w1, bool ok
   }
 }
 
-template <typename T, int MT, bool GATED, int SPLIT>
+template <typename T, int MT, Epilogue E, int SPLIT>
 __global__ void __launch_bounds__(kThreads, 2) skinny_kernel(const GemvParams p) {
   constexpr int kGroups = kWarps / SPLIT, U = kUnroll<MT>;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int g = lane / 4, t = lane % 4;  // the MMA's groupID and thread-in-group
   const int group = warp / SPLIT, part = warp % SPLIT;
-  const int inter = p.n / 2;
-  // tile 0: rows row0..row0+7; tile 1: row0+8.. or (gated) up rows inter+row0..
-  const int row0 = (blockIdx.x * kGroups + group) * (GATED ? 8 : 16);
-  const int r0 = row0 + g, r1 = GATED ? inter + row0 + g : row0 + 8 + g;
-  const bool ok0 = GATED ? row0 + g < inter : r0 < p.n;
-  const bool ok1 = GATED ? ok0 : r1 < p.n;
+  const int gi = blockIdx.x * kGroups + group;
+  // tile 0: rows row0..row0+7; tile 1: row0 + gap..
+  const int half = p.rope.head_dim / 2;
+  int row0, gap;
+  if constexpr (E == Epilogue::kPlain) {
+    row0 = gi * 16, gap = 8;
+  } else if constexpr (E == Epilogue::kGated) {
+    row0 = gi * 8, gap = p.n / 2;  // gate rows, up rows
+  } else {
+    row0 = gi * 8 / half * p.rope.head_dim + gi * 8 % half, gap = half;  // a head's halves
+  }
+  const int r0 = row0 + g, r1 = row0 + gap + g;
+  const bool ok0 = E == Epilogue::kPlain ? r0 < p.n : gi * 8 + g < p.n / 2;
+  const bool ok1 = E == Epilogue::kPlain ? r1 < p.n : ok0;
   const int chunks = p.k / 8;
   // each part a whole number of 32-K steps
   const int per_part = (chunks + SPLIT * kStepChunks - 1) / (SPLIT * kStepChunks) * kStepChunks;
@@ -135,7 +149,13 @@ __global__ void __launch_bounds__(kThreads, 2) skinny_kernel(const GemvParams p)
       const int m = mt * 16 + g + (i >= 2 ? 8 : 0);
       const int col = 2 * t + (i & 1);
       if (m >= p.m) continue;
-      if constexpr (GATED) {
+      if constexpr (E == Epilogue::kRope) {
+        const int64_t at = p.rope.positions[m] * p.rope.head_dim + row0 % p.rope.head_dim + col;
+        const float cs[4] = {p.rope.cos[at], p.rope.cos[at + half], p.rope.sin[at],
+                             p.rope.sin[at + half]};
+        rope_epilogue_pair<T>(p, m, row0 + col, acc[mt][0][i], acc[mt][1][i], cs, p.rope.loc[m]);
+      } else if constexpr (E == Epilogue::kGated) {
+        const int inter = p.n / 2;
         const int j = row0 + col;
         if (j >= inter) continue;
         const float bg = bias != nullptr ? Num<T>::to_f(bias[j]) : 0.f;
@@ -158,13 +178,16 @@ __global__ void __launch_bounds__(kThreads, 2) skinny_kernel(const GemvParams p)
 
 template <typename T, int MT, int SPLIT>
 void launch_split(const GemvParams& p, cudaStream_t stream) {
-  const int rows_per_block = kWarps / SPLIT * (p.gated ? 8 : 16);
-  const int out_rows = p.gated ? p.n / 2 : p.n;
+  const bool rope = p.rope.positions != nullptr, paired = p.gated || rope;
+  const int rows_per_block = kWarps / SPLIT * (paired ? 8 : 16);
+  const int out_rows = paired ? p.n / 2 : p.n;
   const unsigned blocks = static_cast<unsigned>((out_rows + rows_per_block - 1) / rows_per_block);
-  if (p.gated) {
-    launch(skinny_kernel<T, MT, true, SPLIT>, blocks, kThreads, 0, stream, p);
+  if (rope) {
+    launch(skinny_kernel<T, MT, Epilogue::kRope, SPLIT>, blocks, kThreads, 0, stream, p);
+  } else if (p.gated) {
+    launch(skinny_kernel<T, MT, Epilogue::kGated, SPLIT>, blocks, kThreads, 0, stream, p);
   } else {
-    launch(skinny_kernel<T, MT, false, SPLIT>, blocks, kThreads, 0, stream, p);
+    launch(skinny_kernel<T, MT, Epilogue::kPlain, SPLIT>, blocks, kThreads, 0, stream, p);
   }
 }
 

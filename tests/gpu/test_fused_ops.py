@@ -214,19 +214,25 @@ def test_rotary_store_kv_refuses_an_fp8_cache_and_mismatched_v():
         cuda_ops.rotary_store_kv(q, k, v[:, :1], positions, c_tab, s_tab, cache, cache.clone(), loc)
 
 
+ROPE_PROJECTIONS = [("gemv", (1, 2, 3, 4), (0, 1, 2, 4)), ("skinny_gemm", (5, 16, 17, 64), (0, 8))]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("d", "hq", "hk", "k"), [(64, 9, 3, 576), (128, 32, 8, 4096)])
-@pytest.mark.parametrize("split", [0, 1, 2, 4])
-def test_gemv_rope_store_kv_gives_the_bits_of_gemv_then_rotary_store_kv(dtype, d, hq, hk, k, split):
-    """The decode step's qkv projection doing RoPE and the KV write in its epilogue: the
-    projection, the caches and the skipped slot exactly as the GEMV then rotary_store_kv
-    leave them, at 1 to 4 tokens, with and without bias, on a row-strided x."""
+@pytest.mark.parametrize(("op", "tokens", "splits"), ROPE_PROJECTIONS, ids=["gemv", "skinny"])
+def test_qkv_projection_with_rope_gives_the_bits_of_it_then_rotary_store_kv(
+    dtype, d, hq, hk, k, op, tokens, splits
+):
+    """The decode step's qkv projection (gemv, skinny_gemm) doing RoPE and the KV write in
+    its epilogue: the projection, the caches and the skipped slot exactly as the plain
+    projection then rotary_store_kv leave them, with and without bias, on a row-strided x."""
     torch.manual_seed(11)
+    plain, fused = getattr(cuda_ops, op), getattr(cuda_ops, op.split("_")[0] + "_rope_store_kv")
     n = (hq + 2 * hk) * d
     w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)
     c_tab, s_tab = _rope_tables(4096, d)
     failures = []
-    for m in (1, 2, 3, 4):
+    for m, split in [(m, split) for m in tokens for split in splits]:
         x = _rand(m, k + 8, dtype=dtype)[:, :k]
         positions = torch.randint(0, 4096, (m,), device=DEV)
         loc = torch.randperm(512, device=DEV)[:m]
@@ -236,19 +242,17 @@ def test_gemv_rope_store_kv_gives_the_bits_of_gemv_then_rotary_store_kv(dtype, d
             caches = [_rand(512, hk, d, dtype=dtype) for _ in range(2)]
             want_caches = [c.clone() for c in caches]
             want = torch.empty(m, n, device=DEV, dtype=dtype)
-            cuda_ops.gemv(x, w, b, want, split=split)
+            plain(x, w, b, want, split=split)
             _, q, kk, v = _split_qkv(want, hq, hk, d)
             cuda_ops.rotary_store_kv(q, kk, v, positions, c_tab, s_tab, *want_caches, loc)
             got = torch.full((m, n), float("nan"), device=DEV, dtype=dtype)
-            cuda_ops.gemv_rope_store_kv(
-                x, w, b, got, positions, c_tab, s_tab, hq, *caches, loc, split=split
-            )
-            case = f"M={m} bias={b is not None}"
+            fused(x, w, b, got, positions, c_tab, s_tab, hq, *caches, loc, split=split)
+            case = f"M={m} split={split} bias={b is not None}"
             _check_qkv_and_caches(failures, case, got, want, caches, want_caches)
     _check_all(failures)
 
 
-def test_gemv_rope_store_kv_refuses_what_it_cannot_run():
+def test_qkv_projection_with_rope_refuses_what_it_cannot_run():
     c_tab, s_tab = _rope_tables(64, 64)
     x = _rand(5, 64, dtype=torch.bfloat16)
     w = _rand((4 + 2 * 2) * 64, 64, dtype=torch.bfloat16)
@@ -261,6 +265,12 @@ def test_gemv_rope_store_kv_refuses_what_it_cannot_run():
         cuda_ops.gemv_rope_store_kv(
             x[:2], w, None, out[:2], positions[:2], c_tab, s_tab, 3, *caches, loc[:2]
         )
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        odd = [_rand(16, 2, 40, dtype=torch.bfloat16) for _ in range(2)]
+        w40 = _rand((4 + 2 * 2) * 40, 64, dtype=torch.bfloat16)
+        out40 = torch.empty(5, w40.shape[0], device=DEV, dtype=torch.bfloat16)
+        c40, s40 = _rope_tables(64, 40)
+        cuda_ops.skinny_rope_store_kv(x, w40, None, out40, positions, c40, s40, 4, *odd, loc)
     fp8 = [c.to(torch.float8_e4m3fn) for c in caches]
     with pytest.raises(RuntimeError, match="dtype"):
         cuda_ops.gemv_rope_store_kv(

@@ -37,7 +37,7 @@ _SOURCES = (
     "argmax.cu",
     "skinny.cu",
 )
-_HEADERS = ("common.cuh", "launch.h")
+_HEADERS = ("common.cuh", "launch.h", "rope.cuh")
 
 
 def find_csrc(package_dir: Path = Path(__file__).resolve().parents[1]) -> Path:
@@ -452,6 +452,28 @@ def skinny_gemm(
     batches too large for the GEMV's dot products. `split`: 1, 2, 4 or 8 (0: the default)."""
     _check_one_pass("skinny_gemm", x, w, SKINNY_MAX_ROWS)
     load().skinny_gemm(x, w, bias, out, gated, split)
+
+
+def skinny_rope_store_kv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    num_q_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    split: int = 0,
+) -> None:
+    """`gemv_rope_store_kv` on the skinny GEMM: M <= SKINNY_MAX_ROWS, head_dim a multiple of 16."""
+    _check_one_pass("skinny_rope_store_kv", x, w, SKINNY_MAX_ROWS)
+    load().skinny_rope_store_kv(
+        x, w, bias, out, positions, cos_cache, sin_cache, num_q_heads, k_cache, v_cache,
+        out_cache_loc, split,
+    )  # fmt: skip
 
 
 ARGMAX_MAX_BLOCKS = 32  # csrc/launch.h kArgmaxMaxBlocks: partials a row

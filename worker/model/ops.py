@@ -123,12 +123,11 @@ class CudaOps(ModelOps):
     batches up to `skinny_max_rows` tokens run the skinny GEMM (tensor cores, still one pass
     over the weights), which beat cuBLAS there on an H100 (`--only gemm`; on the 8B shape's
     matrices it lost); everything else stays on cuBLAS. KVRAY_SKINNY_MAX_ROWS overrides that
-    bound (0: never), for measuring. Where the GEMV runs a qkv projection, it also applies
-    RoPE and writes K/V (`qkv_rope_store`); KVRAY_GEMV_ROPE_MAX_ROWS=0 leaves that to
-    attention's own kernel, for measuring."""
+    bound (0: never), for measuring. Where either runs a qkv projection, it also applies RoPE
+    and writes K/V (`qkv_rope_store`); KVRAY_FUSED_ROPE=0 leaves that to attention's own
+    kernel, for measuring."""
 
-    gemv_max_rows = 4
-    gemv_rope_max_rows = 4  # cuda_ops.GEMV_ROPE_MAX_ROWS
+    gemv_max_rows = 4  # gemv_rope_store_kv's limit too
     gemv_small_weights = 4 << 20
     skinny_max_rows = 32
 
@@ -141,8 +140,7 @@ class CudaOps(ModelOps):
             kernels = cuda_ops
         self._k = kernels
         self.skinny_max_rows = int(os.environ.get("KVRAY_SKINNY_MAX_ROWS", self.skinny_max_rows))
-        rope_rows = os.environ.get("KVRAY_GEMV_ROPE_MAX_ROWS", self.gemv_rope_max_rows)
-        self.gemv_rope_max_rows = int(rope_rows)
+        self.fused_rope = os.environ.get("KVRAY_FUSED_ROPE") != "0"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -190,15 +188,17 @@ class CudaOps(ModelOps):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         rope: RopeInputs, dest: KVDestination, num_q_heads: int,
     ) -> torch.Tensor | None:  # fmt: skip
-        """Where the GEMV runs the projection (at most 4 tokens): RoPE and the KV write in
+        """Where the GEMV or the skinny GEMM runs the projection: RoPE and the KV write in
         its epilogue, one kernel a layer fewer."""
-        gemv = self._one_pass_kernel(x, weight) is self._k.gemv
-        if not gemv or x.shape[0] > self.gemv_rope_max_rows:
+        kernel = self._one_pass_kernel(x, weight) if self.fused_rope else None
+        if kernel is not None and kernel is self._k.gemv:
+            fused = self._k.gemv_rope_store_kv
+        elif kernel is not None and dest.k_cache.shape[-1] % 16 == 0:  # the skinny GEMM's tiles
+            fused = self._k.skinny_rope_store_kv
+        else:
             return None
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-        self._k.gemv_rope_store_kv(
-            x, weight, bias, out, rope.positions, rope.cos, rope.sin, num_q_heads, *dest
-        )
+        fused(x, weight, bias, out, rope.positions, rope.cos, rope.sin, num_q_heads, *dest)
         return out
 
     def _one_pass_kernel(self, x: torch.Tensor, weight: torch.Tensor) -> Callable[..., None] | None:

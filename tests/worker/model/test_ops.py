@@ -77,30 +77,48 @@ def test_linear_and_gated_linear_hand_the_kernel_its_output():
     assert calls == [("skinny_gemm", (8, 960), False), ("skinny_gemm", (8, 1536), True)]
 
 
-@pytest.mark.parametrize(
-    ("m", "nk", "fused"),
-    [(1, LLAMA_QKV, True), (4, DEMO_QKV, True), (2, LLAMA_QKV, False), (5, DEMO_QKV, False)],
-)
-def test_the_qkv_projection_takes_rope_and_the_kv_write_where_the_gemv_runs(m, nk, fused):
-    calls: list = []
+def _fused_kernels(calls: list) -> types.SimpleNamespace:
     kernels = _kernels(calls)
-    kernels.gemv_rope_store_kv = lambda x, w, b, out, *rope_and_dest: calls.append(
-        ("gemv_rope_store_kv", tuple(out.shape), rope_and_dest[3])
-    )
-    ops = CudaOps(kernels)
+    for name in ("gemv_rope_store_kv", "skinny_rope_store_kv"):
+
+        def run(x, w, b, out, positions, cos, sin, num_q_heads, *dest, name=name) -> None:
+            calls.append((name, tuple(out.shape), num_q_heads))
+
+        setattr(kernels, name, run)
+    return kernels
+
+
+def _qkv_rope_store(ops: CudaOps, m: int, nk: tuple[int, int], head_dim: int = 64):
     x = torch.empty(m, nk[1], dtype=BF16, device="meta")
     rope = RopeInputs(*[torch.empty(1, device="meta")] * 3)
-    dest = KVDestination(*[torch.empty(1, device="meta")] * 3)
-    out = ops.qkv_rope_store(x, torch.empty(nk, dtype=BF16, device="meta"), None, rope, dest, 32)
-    assert (out is not None) == fused
-    assert calls == ([("gemv_rope_store_kv", (m, nk[0]), 32)] if fused else [])
+    cache = torch.empty(8, 3, head_dim, dtype=BF16, device="meta")
+    dest = KVDestination(cache, cache, torch.empty(m, dtype=torch.int64, device="meta"))
+    return ops.qkv_rope_store(x, torch.empty(nk, dtype=BF16, device="meta"), None, rope, dest, 9)
+
+
+@pytest.mark.parametrize(
+    ("m", "nk", "head_dim", "kernel"),
+    [
+        (1, LLAMA_QKV, 128, "gemv_rope_store_kv"),
+        (4, DEMO_QKV, 64, "gemv_rope_store_kv"),
+        (5, DEMO_QKV, 64, "skinny_rope_store_kv"),
+        (32, DEMO_QKV, 64, "skinny_rope_store_kv"),
+        (5, DEMO_QKV, 40, None),  # the skinny GEMM's 8-row tiles need head_dim % 16 == 0
+        (33, DEMO_QKV, 64, None),
+        (2, LLAMA_QKV, 128, None),
+    ],
+)
+def test_the_qkv_projection_takes_rope_and_the_kv_write_where_kvrays_kernel_runs(
+    m, nk, head_dim, kernel
+):
+    calls: list = []
+    out = _qkv_rope_store(CudaOps(_fused_kernels(calls)), m, nk, head_dim)
+    assert (out is not None) == (kernel is not None)
+    assert calls == ([(kernel, (m, nk[0]), 9)] if kernel else [])
 
 
 def test_the_fused_qkv_projection_can_be_turned_off_for_measuring(monkeypatch):
-    monkeypatch.setenv("KVRAY_GEMV_ROPE_MAX_ROWS", "0")
-    ops = CudaOps(_kernels([]))
-    x = torch.empty(1, LLAMA_QKV[1], dtype=BF16, device="meta")
-    rope = RopeInputs(*[torch.empty(1, device="meta")] * 3)
-    dest = KVDestination(*[torch.empty(1, device="meta")] * 3)
-    w = torch.empty(LLAMA_QKV, dtype=BF16, device="meta")
-    assert ops.qkv_rope_store(x, w, None, rope, dest, 32) is None
+    monkeypatch.setenv("KVRAY_FUSED_ROPE", "0")
+    calls: list = []
+    assert _qkv_rope_store(CudaOps(_fused_kernels(calls)), 1, LLAMA_QKV, 128) is None
+    assert calls == []
