@@ -23,6 +23,7 @@ import shutil
 import threading
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -454,26 +455,11 @@ def skinny_gemm(
     load().skinny_gemm(x, w, bias, out, gated, split)
 
 
-def skinny_rope_store_kv(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-    positions: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-    num_q_heads: int,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out_cache_loc: torch.Tensor,
-    split: int = 0,
-) -> None:
-    """`gemv_rope_store_kv` on the skinny GEMM: M <= SKINNY_MAX_ROWS, head_dim a multiple of 16."""
+def skinny_rope_store_kv(x: torch.Tensor, w: torch.Tensor, *args: Any, split: int = 0) -> None:
+    """`gemv_rope_store_kv`'s work (same arguments) on the skinny GEMM: M <= SKINNY_MAX_ROWS,
+    head_dim a multiple of 16."""
     _check_one_pass("skinny_rope_store_kv", x, w, SKINNY_MAX_ROWS)
-    load().skinny_rope_store_kv(
-        x, w, bias, out, positions, cos_cache, sin_cache, num_q_heads, k_cache, v_cache,
-        out_cache_loc, split,
-    )  # fmt: skip
+    load().skinny_rope_store_kv(x, w, *args, split)
 
 
 ARGMAX_MAX_BLOCKS = 32  # csrc/launch.h kArgmaxMaxBlocks: partials a row
