@@ -412,8 +412,9 @@ def _tunableop_us(x: torch.Tensor, ws: list[torch.Tensor], out: torch.Tensor) ->
 
 def bench_gemm(tunableop: bool = False) -> list[dict[str, Any]]:
     """cuBLAS (F.linear) on the linear layers at the batch sizes of an offline run's decode
-    steps (the 8B shape's up to 256 rows, the demo's up to 64), and kvray's skinny GEMM where
-    it runs (up to 64 rows; with K split over 1, 2, 4 or 8 warps too), against each call's
+    steps (the 8B shape's up to 256 rows, the demo's up to 64), and kvray's skinny and tiled
+    GEMMs where they run (up to 64 rows; with K split over 1, 2, 4 or 8 warps, or blocks of
+    a cluster, too), against each call's
     floor: the longer of streaming the weights at the copy ceiling and its FLOPs at the bf16
     peak (the two cross near M=190). `tunableop`: cuBLAS again with the algorithm PyTorch's
     TunableOp picks for each shape (its results go to a temporary file)."""
@@ -444,6 +445,14 @@ def bench_gemm(tunableop: bool = False) -> list[dict[str, Any]]:
                 row["skinny_split_us"] = {
                     str(sp): graph_time_us(
                         [partial(cuda_ops.skinny_gemm, x, w, None, out, split=sp) for w in ws]
+                    )
+                    for sp in SKINNY_SPLITS
+                }
+                tiled = graph_time_us([partial(cuda_ops.tiled_gemm, x, w, None, out) for w in ws])
+                row["tiled_us"], row["tiled_of_floor"] = tiled, floor / tiled
+                row["tiled_split_us"] = {
+                    str(sp): graph_time_us(
+                        [partial(cuda_ops.tiled_gemm, x, w, None, out, split=sp) for w in ws]
                     )
                     for sp in SKINNY_SPLITS
                 }
@@ -523,16 +532,23 @@ def print_gemm_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"\n{'linear':<16} {'M':>3} {'cuBLAS us':>9} {'TFLOP/s':>8} {'of floor':>8} "
         + (f"{'tuned us':>8} " if tuned else "")
-        + f"{'skinny us':>9} {'of floor':>8} {'floor us':>9}  skinny split 1 / 2 / 4 / 8 us"
+        + f"{'skinny us':>9} {'of floor':>8} {'tiled us':>8} {'of floor':>8} {'floor us':>9}"
+        + "  skinny split 1 / 2 / 4 / 8 us | tiled split 1 / 2 / 4 / 8 us"
     )
     for r in rows:
-        skinny = (
-            f"{r['skinny_us']:9.1f} {r['skinny_of_floor']:8.0%}" if "skinny_us" in r else " " * 18
+        ours = "".join(
+            f"{r[f'{op}_us']:{w}.1f} {r[f'{op}_of_floor']:8.0%}"
+            if f"{op}_us" in r
+            else " " * (w + 9)
+            for op, w in (("skinny", 9), ("tiled", 9))
         )
         tuned_us = f"{r['cublas_tunableop_us']:8.1f} " if tuned else ""
-        splits = " / ".join(f"{us:.1f}" for us in r.get("skinny_split_us", {}).values())
+        splits = " | ".join(
+            " / ".join(f"{us:.1f}" for us in r.get(f"{op}_split_us", {}).values())
+            for op in ("skinny", "tiled")
+        )
         print(f"{r['layer']:<16} {r['m']:3d} {r['cublas_us']:9.1f} {r['tflops']:8.1f} "
-              f"{r['of_floor']:8.0%} {tuned_us}{skinny} {r['floor_us']:9.1f}  {splits}")  # fmt: skip
+              f"{r['of_floor']:8.0%} {tuned_us}{ours} {r['floor_us']:9.1f}  {splits}")  # fmt: skip
 
 
 def bench_store_kv() -> list[dict[str, Any]]:

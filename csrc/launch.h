@@ -133,7 +133,7 @@ struct SiluMulParams {
   DType dtype;
 };
 
-// out[m, :] = x[m, :] @ w^T (+ bias) for m < M <= 8 (gemv; skinny_gemm: M <= 64): w [N, K]
+// out[m, :] = x[m, :] @ w^T (+ bias) for m < M <= 8 (gemv; skinny_gemm, tiled_gemm: M <= 64): w [N, K]
 // contiguous, K % 8 == 0, x and out rows contiguous (strides in elements, multiples of 8 for
 // x), 16-byte aligned. Gated (N even): out[m, :N/2] = silu(first half of that) * second
 // half, as silu_and_mul.
@@ -164,7 +164,7 @@ struct GemvParams {
   int m, n, k;
   DType dtype;
   bool gated = false;
-  int split = 0;    // warps sharing a row group over K: 1, 2, 4 (skinny: 8 too); 0: from the shape
+  int split = 0;    // warps sharing a row group over K: 1, 2, 4 (skinny: 8 too; tiled: blocks, 1-8); 0: from the shape
   int num_sms = 0;  // of the device, for that choice
   GemvRope rope;
 };
@@ -234,6 +234,7 @@ cudaError_t launch_rotary(const RotaryParams& p, cudaStream_t stream);
 cudaError_t launch_silu_and_mul(const SiluMulParams& p, cudaStream_t stream);
 cudaError_t launch_gemv(const GemvParams& p, cudaStream_t stream);
 cudaError_t launch_skinny_gemm(const GemvParams& p, cudaStream_t stream);  // M <= 64
+cudaError_t launch_tiled_gemm(const GemvParams& p, cudaStream_t stream);   // M <= 64, split <= 8
 cudaError_t launch_argmax(const ArgmaxParams& p, cudaStream_t stream);
 
 }  // namespace kvray

@@ -684,6 +684,14 @@ void skinny_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
   check_launch(kvray::launch_skinny_gemm(p, c10::cuda::getCurrentCUDAStream()), "skinny_gemm");
 }
 
+void tiled_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                const at::Tensor& out, bool gated, int64_t split) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  KV_CHECK(split >= 0 && split <= 8, "tiled_gemm: split must be 0 to 8");
+  const kvray::GemvParams p = linear_params("tiled_gemm", 64, x, w, bias, out, gated, split);
+  check_launch(kvray::launch_tiled_gemm(p, c10::cuda::getCurrentCUDAStream()), "tiled_gemm");
+}
+
 // out[r] = argmax(x[r]) as torch.argmax(x, -1) gives it; partial and counters are the
 // caller's scratch (the executor's), counters zero.
 void argmax(const at::Tensor& x, const at::Tensor& out, const at::Tensor& partial,
@@ -746,6 +754,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the bits of skinny_gemm then rotary_store_kv, for 1 to 64 rows");
   m.def("skinny_gemm", &skinny_gemm,
         "out = x @ w.T (+ bias) for 1 to 64 rows of x on tensor cores, one pass over w; gated too");
+  m.def("tiled_gemm", &tiled_gemm,
+        "skinny_gemm through shared memory, K split over a cluster: for large matrices");
   m.def("argmax", &argmax, "out = argmax(x, -1) of float32 rows, torch's answer, several blocks a row");
   m.def("alias", &alias, "a tensor over another's memory that does not own it");
   m.def("decode_plan", &decode_plan, "(resolved variant, splits) decode uses for a batch");

@@ -498,7 +498,8 @@ def check_linear_against_float32(linear, dtype, k: int, n: int, m: int, split: i
 @pytest.mark.parametrize(
     ("op", "m"),
     [("gemv", 1), ("gemv", 2), ("gemv", 3), ("gemv", 8), ("skinny_gemm", 5),
-     ("skinny_gemm", 33), ("skinny_gemm", 64)],
+     ("skinny_gemm", 33), ("skinny_gemm", 64), ("tiled_gemm", 5), ("tiled_gemm", 33),
+     ("tiled_gemm", 64)],
 )  # fmt: skip
 @pytest.mark.parametrize("split", [0, 4])
 def test_gated_linear_gives_the_bits_of_the_plain_one_then_silu_and_mul(
@@ -533,23 +534,57 @@ def test_skinny_gemm_matches_a_float32_matmul(dtype, k: int, n: int, m: int, spl
     check_linear_against_float32(cuda_ops.skinny_gemm, dtype, k, n, m, split)
 
 
-def test_skinny_gemm_replays_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("op", ["skinny_gemm", "tiled_gemm"])
+def test_skinny_gemm_replays_in_a_cuda_graph(op: str) -> None:
     """Captured, it reads the x of each replay and gives the eager call's bits."""
+    linear = getattr(cuda_ops, op)
     k, n, m = 4096, 6144, 32
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     w = (torch.randn(n, k, device=DEV) / k**0.5).to(torch.bfloat16)
     out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
-    cuda_ops.skinny_gemm(x, w, None, out)  # the build and first launch outside the capture
+    linear(x, w, None, out)  # the build and first launch outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        cuda_ops.skinny_gemm(x, w, None, out)
+        linear(x, w, None, out)
     for _ in range(2):
         x.copy_(torch.randn_like(x))
         want = torch.empty_like(out)
-        cuda_ops.skinny_gemm(x, w, None, want)
+        linear(x, w, None, want)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+
+
+TILED_SHAPES = [(4096, 6144), (14336, 4096), (576, 960), (264, 40), (4104, 200), (64, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("k", "n"), TILED_SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 40, 64])
+@pytest.mark.parametrize("split", [0, 1, 3, 8])
+def test_tiled_gemm_matches_a_float32_matmul(dtype, k: int, n: int, m: int, split: int) -> None:
+    """The shared-memory tiled GEMM against float32 x @ w.T: every count of 16-row x tiles,
+    N not a multiple of the 128-row tile, K not a multiple of the 64-K stage (4104, 264),
+    fewer stages than splits (264 over 8 blocks leaves most empty), K split over a cluster of
+    1 to 8 blocks, a row-strided x."""
+    check_linear_against_float32(cuda_ops.tiled_gemm, dtype, k, n, m, split)
+
+
+def test_tiled_gemm_adds_the_splits_in_one_order() -> None:
+    """K split over a cluster gives the same bits every call (the ranks add in order, not as
+    they finish), and each split count is as close to float32 as one block's sums."""
+    k, n, m = 14336, 4096, 32
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device=DEV) / k**0.5).to(torch.bfloat16)
+    ref = x.float() @ w.float().T
+    for split in (1, 2, 5, 8):
+        first = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+        cuda_ops.tiled_gemm(x, w, None, first, split=split)
+        check_close(first, ref, torch.bfloat16)
+        for _ in range(3):
+            again = torch.empty_like(first)
+            cuda_ops.tiled_gemm(x, w, None, again, split=split)
+            assert torch.equal(again, first), f"split {split} changed between calls"
 
 
 def test_skinny_gemm_refuses_what_it_cannot_run() -> None:
@@ -560,6 +595,12 @@ def test_skinny_gemm_refuses_what_it_cannot_run() -> None:
     with pytest.raises(RuntimeError, match="split must be"):
         cuda_ops.skinny_gemm(torch.randn(2, 64, device=DEV, dtype=torch.bfloat16), w, None,
                              torch.empty(2, 16, device=DEV, dtype=torch.bfloat16), split=3)  # fmt: skip
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        cuda_ops.tiled_gemm(torch.randn(65, 64, device=DEV, dtype=torch.bfloat16), w, None,
+                            torch.empty(65, 16, device=DEV, dtype=torch.bfloat16))  # fmt: skip
+    with pytest.raises(RuntimeError, match="split must be"):
+        cuda_ops.tiled_gemm(torch.randn(2, 64, device=DEV, dtype=torch.bfloat16), w, None,
+                            torch.empty(2, 16, device=DEV, dtype=torch.bfloat16), split=9)  # fmt: skip
 
 
 def test_gemv_refuses_what_it_cannot_run() -> None:

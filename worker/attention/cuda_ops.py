@@ -37,6 +37,7 @@ _SOURCES = (
     "mla.cu",
     "argmax.cu",
     "skinny.cu",
+    "tiled.cu",
 )
 _HEADERS = ("common.cuh", "launch.h", "rope.cuh")
 
@@ -460,6 +461,21 @@ def skinny_rope_store_kv(x: torch.Tensor, w: torch.Tensor, *args: Any, split: in
     head_dim a multiple of 16."""
     _check_one_pass("skinny_rope_store_kv", x, w, SKINNY_MAX_ROWS)
     load().skinny_rope_store_kv(x, w, *args, split)
+
+
+def tiled_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    gated: bool = False,
+    split: int = 0,
+) -> None:
+    """As `skinny_gemm`, with w and x staged through shared memory by blocks of 128 rows of
+    w, for matrices too large for the skinny GEMM's register stream. `split`: blocks sharing
+    a tile over K, 1 to 8, run as one cluster (0: as many as fill one wave of blocks)."""
+    _check_one_pass("tiled_gemm", x, w, SKINNY_MAX_ROWS)
+    load().tiled_gemm(x, w, bias, out, gated, split)
 
 
 ARGMAX_MAX_BLOCKS = 32  # csrc/launch.h kArgmaxMaxBlocks: partials a row

@@ -122,14 +122,17 @@ class CudaOps(ModelOps):
     four tokens on matrices of at most 4 Mi weights (the demo's). On those small matrices,
     batches up to `skinny_max_rows` tokens run the skinny GEMM (tensor cores, still one pass
     over the weights), which beat cuBLAS there on an H100 (`--only gemm`; on the 8B shape's
-    matrices it lost); everything else stays on cuBLAS. KVRAY_SKINNY_MAX_ROWS overrides that
-    bound (0: never), for measuring. Where either runs a qkv projection, it also applies RoPE
-    and writes K/V (`qkv_rope_store`); KVRAY_FUSED_ROPE=0 leaves that to attention's own
-    kernel, for measuring."""
+    matrices it lost); everything else stays on cuBLAS. The tiled GEMM (shared memory, K
+    split over a cluster) may take the larger matrices up to `tiled_max_rows` tokens: off
+    until measured faster. KVRAY_SKINNY_MAX_ROWS and KVRAY_TILED_MAX_ROWS override those
+    bounds (0: never), for measuring. Where the GEMV or skinny GEMM runs a qkv projection, it
+    also applies RoPE and writes K/V (`qkv_rope_store`); KVRAY_FUSED_ROPE=0 leaves that to
+    attention's own kernel, for measuring."""
 
     gemv_max_rows = 4  # gemv_rope_store_kv's limit too
     gemv_small_weights = 4 << 20
     skinny_max_rows = 32
+    tiled_max_rows = 0
 
     def __init__(self, kernels: ModuleType | None = None) -> None:
         """`kernels`: worker.attention.cuda_ops, or a stand-in of it (tests on CPU)."""
@@ -141,6 +144,7 @@ class CudaOps(ModelOps):
         self._k = kernels
         self.skinny_max_rows = int(os.environ.get("KVRAY_SKINNY_MAX_ROWS", self.skinny_max_rows))
         self.fused_rope = os.environ.get("KVRAY_FUSED_ROPE") != "0"
+        self.tiled_max_rows = int(os.environ.get("KVRAY_TILED_MAX_ROWS", self.tiled_max_rows))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -193,7 +197,7 @@ class CudaOps(ModelOps):
         kernel = self._one_pass_kernel(x, weight) if self.fused_rope else None
         if kernel is not None and kernel is self._k.gemv:
             fused = self._k.gemv_rope_store_kv
-        elif kernel is not None and dest.k_cache.shape[-1] % 16 == 0:  # the skinny GEMM's tiles
+        elif kernel is self._k.skinny_gemm and dest.k_cache.shape[-1] % 16 == 0:  # its tiles
             fused = self._k.skinny_rope_store_kv
         else:
             return None
@@ -216,7 +220,9 @@ class CudaOps(ModelOps):
         small = weight.numel() <= self.gemv_small_weights
         if m == 1 or (m <= self.gemv_max_rows and small):
             return self._k.gemv
-        return self._k.skinny_gemm if small and m <= self.skinny_max_rows else None
+        if small:
+            return self._k.skinny_gemm if m <= self.skinny_max_rows else None
+        return self._k.tiled_gemm if m <= self.tiled_max_rows else None
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = torch.empty(

@@ -1,5 +1,5 @@
-"""Which linear layers CudaOps hands to csrc's one-pass kernels (GEMV, skinny GEMM) and which
-stay on cuBLAS: the routing alone, with a stand-in for the kernels and meta tensors."""
+"""Which linear layers CudaOps hands to csrc's one-pass kernels (GEMV, skinny and tiled GEMMs)
+and which stay on cuBLAS: the routing alone, with a stand-in for the kernels and meta tensors."""
 
 from __future__ import annotations
 
@@ -23,13 +23,19 @@ def _kernels(calls: list[tuple[str, tuple[int, ...], bool]]) -> types.SimpleName
 
         return run
 
-    return types.SimpleNamespace(gemv=kernel("gemv"), skinny_gemm=kernel("skinny_gemm"))
+    return types.SimpleNamespace(
+        gemv=kernel("gemv"), skinny_gemm=kernel("skinny_gemm"), tiled_gemm=kernel("tiled_gemm")
+    )
 
 
 def _route(ops: CudaOps, m: int, nk: tuple[int, int], dtype=BF16) -> str:
     x = torch.empty(m, nk[1], dtype=dtype, device="meta")
     kernel = ops._one_pass_kernel(x, torch.empty(nk, dtype=dtype, device="meta"))
-    names = {id(ops._k.gemv): "gemv", id(ops._k.skinny_gemm): "skinny"}
+    names = {
+        id(ops._k.gemv): "gemv",
+        id(ops._k.skinny_gemm): "skinny",
+        id(ops._k.tiled_gemm): "tiled",
+    }
     return "cublas" if kernel is None else names[id(kernel)]
 
 
@@ -65,6 +71,19 @@ def test_what_the_kernels_cannot_read_stays_on_cublas():
 def test_the_skinny_bound_can_be_lowered_for_measuring(monkeypatch):
     monkeypatch.setenv("KVRAY_SKINNY_MAX_ROWS", "0")
     assert _route(CudaOps(_kernels([])), 8, DEMO_QKV) == "cublas"
+
+
+def test_the_tiled_gemm_takes_the_large_matrices_when_asked(monkeypatch):
+    monkeypatch.setenv("KVRAY_TILED_MAX_ROWS", "64")
+    ops = CudaOps(_kernels([]))
+    assert [_route(ops, m, LLAMA_QKV) for m in (1, 2, 64, 65)] == [
+        "gemv",
+        "tiled",
+        "tiled",
+        "cublas",
+    ]
+    assert _route(ops, 32, LLAMA_DOWN) == "tiled"
+    assert _route(ops, 8, DEMO_QKV) == "skinny"  # the small ones keep the skinny GEMM
 
 
 def test_linear_and_gated_linear_hand_the_kernel_its_output():
