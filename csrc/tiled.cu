@@ -11,9 +11,10 @@
 // kernel before (they are never its output), so they stream while it finishes.
 //
 // A matrix with too few tiles to fill the SMs splits K over up to 8 blocks, run as one
-// thread-block cluster: each leaves its float32 partial sums in its shared memory and the
-// cluster adds them in rank order through distributed shared memory, so the result does not
-// depend on which block finishes first and no workspace or counters are needed.
+// thread-block cluster: each leaves its float32 partial sums in its shared memory, then each
+// finishes a share of the tile's outputs, adding every block's partials of them in rank order
+// through distributed shared memory: the result does not depend on which block finishes
+// first, and no workspace or counters are needed.
 //
 // Gated (w = [gate; up], N = 2 * inter): a tile is 64 gate rows and the 64 up rows that go
 // with them, placed so that the lane holding gate(m, j) also holds up(m, j), and writes
@@ -99,6 +100,36 @@ __device__ __forceinline__ void load_stage(const GemvParams& p, int tile, int it
   }
 }
 
+// Writes one unit of a lane's sums (see the kernel's end): v0 of n tile nt, v1 of n tile
+// nt + 2, for row m = mt * 16 + g (+ 8 when e >= 2) of x. Plain: the two outputs plus bias,
+// rounded once; gated: silu(gate) * up from the two rounded outputs, as silu_and_mul.
+template <typename T, bool GATED>
+__device__ __forceinline__ void finish(const GemvParams& p, int tile, int warp, int lane, int mt,
+                                       int nt, int e, float v0, float v1) {
+  const int g = lane / 4, t = lane % 4;
+  const int m = mt * 16 + g + (e >= 2 ? 8 : 0);
+  if (m >= p.m) return;
+  const int r = 16 * warp + 8 * nt + 2 * t + (e & 1);  // the tile row of v0; v1's is r + 64
+  T* out = static_cast<T*>(p.out) + static_cast<int64_t>(m) * p.out_stride;
+  const T* bias = static_cast<const T*>(p.bias);
+  bool ok;
+  if constexpr (GATED) {
+    const int j = w_row(p, tile, r, true, ok), inter = p.n / 2;
+    if (!ok) return;
+    const float bg = bias != nullptr ? Num<T>::to_f(bias[j]) : 0.f;
+    const float bu = bias != nullptr ? Num<T>::to_f(bias[inter + j]) : 0.f;
+    const float a = Num<T>::to_f(Num<T>::from_f(v0 + bg));
+    const float up = Num<T>::to_f(Num<T>::from_f(v1 + bu));
+    const float act = Num<T>::to_f(Num<T>::from_f(a / (1.0f + expf(-a))));  // torch's silu
+    out[j] = Num<T>::from_f(__fmul_rn(act, up));
+  } else {
+    const int row0 = w_row(p, tile, r, false, ok);
+    if (ok) out[row0] = Num<T>::from_f(v0 + (bias != nullptr ? Num<T>::to_f(bias[row0]) : 0.f));
+    const int row1 = w_row(p, tile, r + kTileN / 2, false, ok);
+    if (ok) out[row1] = Num<T>::from_f(v1 + (bias != nullptr ? Num<T>::to_f(bias[row1]) : 0.f));
+  }
+}
+
 // One block: tile blockIdx.x / split of w over the split-th K range (blockIdx.x % split, the
 // block's rank in its cluster). A warp's four 8-row n tiles: tiles 0 and 1 are the tile's rows
 // 16 * warp .. + 15; tiles 2 and 3 are rows 64 + 16 * warp .. + 15 (gated: the up rows of
@@ -166,7 +197,11 @@ __global__ void __launch_bounds__(kThreads, 2) tiled_kernel(const GemvParams p, 
     }
   }
 
-  if (split > 1) {  // the cluster adds its blocks' partials in rank order
+  // acc[mt][nt] holds C(m, col) for m = mt * 16 + g (+ 8 in [2], [3]), col = 2t, 2t + 1 of
+  // n tile nt's 8 rows. A unit (mt, nt < 2, e) is one value of n tile nt and one of nt + 2:
+  // two outputs, or (gated) the gate and up values of one.
+  constexpr int kUnits = MT * 2 * 4;
+  if (split > 1) {  // rank r of the cluster adds every rank's partials of units r, r + split, ..
     namespace cg = cooperative_groups;
     cg::cluster_group cluster = cg::this_cluster();
     cp_async_wait<0>();
@@ -176,55 +211,27 @@ __global__ void __launch_bounds__(kThreads, 2) tiled_kernel(const GemvParams p, 
 #pragma unroll
     for (int e = 0; e < Smem<MT>::kAcc; ++e) mine[e * kThreads + threadIdx.x] = flat[e];
     cluster.sync();
-    if (part == 0) {
-      float* sum = &acc[0][0][0];
-#pragma unroll
-      for (int e = 0; e < Smem<MT>::kAcc; ++e) sum[e] = 0.f;
-      for (int r = 0; r < split; ++r) {
+    for (int u = part; u < kUnits; u += split) {
+      const int mt = u / 8, nt = u / 4 % 2, e = u % 4;
+      const int i0 = ((mt * 4 + nt) * 4 + e) * kThreads + threadIdx.x;
+      const int i1 = i0 + 8 * kThreads;  // acc[mt][nt + 2][e]
+      float v0 = 0.f, v1 = 0.f;
+      for (int r = 0; r < split; ++r) {  // in rank order: the same bits whoever finished first
         const float* theirs = cluster.map_shared_rank(mine, r);
-#pragma unroll
-        for (int e = 0; e < Smem<MT>::kAcc; ++e) sum[e] += theirs[e * kThreads + threadIdx.x];
+        v0 += theirs[i0], v1 += theirs[i1];
       }
+      finish<T, GATED>(p, tile, warp, lane, mt, nt, e, v0, v1);
     }
-    cluster.sync();  // every block's partials stay until rank 0 has read them
-    if (part != 0) return;
+    cluster.sync();  // every block's partials stay until the others have read them
+    return;
   }
-
-  // acc[mt][nt] holds C(m, col) for m = mt * 16 + g (+ 8 in [2], [3]), col = 2t, 2t + 1 of
-  // n tile nt's 8 rows
-  const int g = lane / 4, t = lane % 4;
-  T* out = static_cast<T*>(p.out);
-  const T* bias = static_cast<const T*>(p.bias);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int m = mt * 16 + g + (e >= 2 ? 8 : 0);
-      if (m >= p.m) continue;
+    for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int r = 16 * warp + 8 * nt + 2 * t + (e & 1);  // tile row of n tile nt's value
-        bool ok;
-        if constexpr (GATED) {
-          const int j = w_row(p, tile, r, true, ok), inter = p.n / 2;
-          if (!ok) continue;
-          const float bg = bias != nullptr ? Num<T>::to_f(bias[j]) : 0.f;
-          const float bu = bias != nullptr ? Num<T>::to_f(bias[inter + j]) : 0.f;
-          const float a = Num<T>::to_f(Num<T>::from_f(acc[mt][nt][e] + bg));
-          const float up = Num<T>::to_f(Num<T>::from_f(acc[mt][nt + 2][e] + bu));
-          const float act = Num<T>::to_f(Num<T>::from_f(a / (1.0f + expf(-a))));  // torch's silu
-          out[m * p.out_stride + j] = Num<T>::from_f(__fmul_rn(act, up));
-        } else {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {  // n tiles nt and nt + 2
-            const int row = w_row(p, tile, r + half * (kTileN / 2), false, ok);
-            if (!ok) continue;
-            const float b = bias != nullptr ? Num<T>::to_f(bias[row]) : 0.f;
-            out[m * p.out_stride + row] = Num<T>::from_f(acc[mt][nt + 2 * half][e] + b);
-          }
-        }
-      }
-    }
+      for (int e = 0; e < 4; ++e)
+        finish<T, GATED>(p, tile, warp, lane, mt, nt, e, acc[mt][nt][e], acc[mt][nt + 2][e]);
 }
 
 template <typename T, int MT, bool GATED>
