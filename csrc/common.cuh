@@ -136,11 +136,6 @@ struct Num<__half> {
   static __device__ __forceinline__ __half from_f(float v) { return __float2half_rn(v); }
 };
 
-// What a decode projection's epilogue writes (gemv.cu, skinny.cu): its rows; silu(gate) * up
-// of a gate_up projection; or a qkv projection's q and k rotated and its k and v also to the
-// cache (rope.cuh).
-enum class Epilogue { kPlain, kGated, kRope };
-
 // fp32 value of x after a round trip through T: the rounding torch applies after each op.
 template <typename T>
 __device__ __forceinline__ float round_to(float x) {

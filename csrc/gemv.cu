@@ -9,13 +9,8 @@
 // Gated (the MLP's gate_up projection, w = [gate; up], N = 2 * inter): warp j takes gate
 // row j and up row inter + j and writes silu(gate) * up as silu_and_mul would from the two
 // rounded outputs, bit for bit, so a decode step needs no activation kernel.
-//
-// Rope (the qkv projection): a warp takes rows i and i + D/2 of one head, rotates the two
-// rounded outputs of a q or k head as the rotary kernel does, bit for bit, and writes k and
-// v rows to the KV cache too, so a decode step needs no RoPE / KV-write kernel.
 #include "common.cuh"
 #include "launch.h"
-#include "rope.cuh"
 
 namespace kvray {
 namespace {
@@ -34,9 +29,8 @@ int gemv_split(const GemvParams& p) {
   }();
   if (p.split != 0) return p.split;
   if (forced != 0) return forced;
-  const bool paired = p.gated || p.rope.positions != nullptr;
-  const int out_rows = paired ? p.n / 2 : p.n;
-  const int rows_per_block = paired ? kWarps : kWarps * kRows;  // at split 1
+  const int out_rows = p.gated ? p.n / 2 : p.n;
+  const int rows_per_block = p.gated ? kWarps : kWarps * kRows;  // at split 1
   const int blocks = (out_rows + rows_per_block - 1) / rows_per_block;
   const int chunks = p.k / 8;
   int split = 1;
@@ -80,49 +74,24 @@ __device__ __forceinline__ void load_w(const uint4* w, int chunks, int64_t row_g
 // the group's first warp adds their sums in a fixed order. More, shorter blocks: a small
 // matrix (qkv, o, and down with its long rows) then fills the SMs evenly and its last
 // blocks finish sooner.
-//
-// Rope: lanes m < M of a group's first warp also read token m's cos / sin values and slot
-// into shared memory before the wait (step metadata and constant tables).
-template <typename T, int M, Epilogue E, int SPLIT>
+template <typename T, int M, bool GATED, int SPLIT>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   constexpr int kGroups = kWarps / SPLIT;
-  constexpr bool kPaired = E != Epilogue::kPlain;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int group = warp / SPLIT, part = warp % SPLIT;
-  const int gi = blockIdx.x * kGroups + group;
-  // this group's rows: row0 and row0 + gap
-  const int half = p.rope.head_dim / 2;
-  int row0, gap;
-  if constexpr (E == Epilogue::kPlain) {
-    row0 = gi * kRows, gap = 1;
-  } else if constexpr (E == Epilogue::kGated) {
-    row0 = gi, gap = p.n / 2;  // gate row, up row
-  } else {
-    row0 = gi / half * p.rope.head_dim + gi % half, gap = half;  // a head's two halves
-  }
-  const bool has_rows = kPaired ? gi < p.n / 2 : row0 < p.n;
+  const int inter = p.n / 2;
+  // this group's rows: row0 and row0 + 1, or (gated) gate row0 and up row inter + row0
+  const int row0 = (blockIdx.x * kGroups + group) * (GATED ? 1 : kRows);
+  const bool has_rows = row0 < (GATED ? inter : p.n);
   const int chunks = p.k / 8;
   const int per_part = (chunks + SPLIT - 1) / SPLIT;
   const int c_begin = part * per_part, c_end = min(chunks, c_begin + per_part);
-  const int64_t row_gap = static_cast<int64_t>(gap) * chunks;
+  const int64_t row_gap = static_cast<int64_t>(GATED ? inter : 1) * chunks;
   const uint4* w = reinterpret_cast<const uint4*>(static_cast<const T*>(p.w)) +
                    static_cast<int64_t>(row0) * chunks;
-  const bool second_row = kPaired || row0 + 1 < p.n;
+  const bool second_row = GATED || row0 + 1 < p.n;
   uint4 wv[kUnroll][kRows];
   if (has_rows) load_w<T>(w, c_end, row_gap, second_row, c_begin + lane, wv);
-  constexpr int kRopeGroups = E == Epilogue::kRope ? kGroups : 1;
-  __shared__ float rope_cs[kRopeGroups][M][4];  // cos row0, cos row0 + half, sin, sin
-  __shared__ int64_t rope_slot[kRopeGroups][M];
-  if constexpr (E == Epilogue::kRope) {
-    if (part == 0 && has_rows && lane < M) {
-      const int64_t at = p.rope.positions[lane] * p.rope.head_dim + gi % half;
-      rope_cs[group][lane][0] = p.rope.cos[at];
-      rope_cs[group][lane][1] = p.rope.cos[at + half];
-      rope_cs[group][lane][2] = p.rope.sin[at];
-      rope_cs[group][lane][3] = p.rope.sin[at + half];
-      rope_slot[group][lane] = p.rope.loc[lane];
-    }
-  }
   grid_dependency_wait();
   if (SPLIT == 1 && !has_rows) return;  // with SPLIT > 1 every warp reaches the barrier below
   const uint4* x = reinterpret_cast<const uint4*>(p.x);
@@ -176,16 +145,10 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
         acc[m][r] = sum;
       }
   }
-  if constexpr (E == Epilogue::kRope) __syncwarp();  // lane 0 reads the other lanes' rope_cs
   if (lane != 0) return;
   T* out = static_cast<T*>(p.out);
   const T* bias = static_cast<const T*>(p.bias);
-  if constexpr (E == Epilogue::kRope) {
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-      rope_epilogue_pair<T>(p, m, row0, acc[m][0], acc[m][1], rope_cs[group][m], rope_slot[group][m]);
-  } else if constexpr (E == Epilogue::kGated) {
-    const int inter = p.n / 2;
+  if constexpr (GATED) {
     const float bg = bias != nullptr ? Num<T>::to_f(bias[row0]) : 0.f;
     const float bu = bias != nullptr ? Num<T>::to_f(bias[inter + row0]) : 0.f;
 #pragma unroll
@@ -195,43 +158,40 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
       const float act = Num<T>::to_f(Num<T>::from_f(a / (1.0f + expf(-a))));  // torch's silu
       out[m * p.out_stride + row0] = Num<T>::from_f(__fmul_rn(act, up));
     }
-  } else {
+    return;
+  }
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int row = row0 + r;
-      if (row >= p.n) break;
-      const float b = bias != nullptr ? Num<T>::to_f(bias[row]) : 0.f;  // added before the rounding
+  for (int r = 0; r < kRows; ++r) {
+    const int row = row0 + r;
+    if (row >= p.n) break;
+    const float b = bias != nullptr ? Num<T>::to_f(bias[row]) : 0.f;  // added before the rounding
 #pragma unroll
-      for (int m = 0; m < M; ++m) out[m * p.out_stride + row] = Num<T>::from_f(acc[m][r] + b);
-    }
+    for (int m = 0; m < M; ++m) out[m * p.out_stride + row] = Num<T>::from_f(acc[m][r] + b);
   }
 }
 
 template <typename T, int M, int SPLIT>
-cudaError_t launch_split(const GemvParams& p, cudaStream_t stream) {
-  const bool rope = p.rope.positions != nullptr, paired = p.gated || rope;
+void launch_split(const GemvParams& p, cudaStream_t stream) {
   const int groups = kWarps / SPLIT;
-  const int rows_per_block = paired ? groups : groups * kRows;
-  const int out_rows = paired ? p.n / 2 : p.n;
+  const int rows_per_block = p.gated ? groups : groups * kRows;
+  const int out_rows = p.gated ? p.n / 2 : p.n;
   const unsigned blocks = static_cast<unsigned>((out_rows + rows_per_block - 1) / rows_per_block);
-  if (rope) {
-    if constexpr (M > kGemvRopeMaxRows) return cudaErrorInvalidValue;
-    else return launch(gemv_kernel<T, M, Epilogue::kRope, SPLIT>, blocks, kThreads, 0, stream, p);
+  if (p.gated) {
+    launch(gemv_kernel<T, M, true, SPLIT>, blocks, kThreads, 0, stream, p);
+  } else {
+    launch(gemv_kernel<T, M, false, SPLIT>, blocks, kThreads, 0, stream, p);
   }
-  if (p.gated) return launch(gemv_kernel<T, M, Epilogue::kGated, SPLIT>, blocks, kThreads, 0, stream, p);
-  return launch(gemv_kernel<T, M, Epilogue::kPlain, SPLIT>, blocks, kThreads, 0, stream, p);
 }
 
 template <typename T, int M>
 cudaError_t launch_rows(const GemvParams& p, cudaStream_t stream) {
-  cudaError_t err;
   switch (gemv_split(p)) {
-    case 1: err = launch_split<T, M, 1>(p, stream); break;
-    case 2: err = launch_split<T, M, 2>(p, stream); break;
-    case 4: err = launch_split<T, M, 4>(p, stream); break;
+    case 1: launch_split<T, M, 1>(p, stream); break;
+    case 2: launch_split<T, M, 2>(p, stream); break;
+    case 4: launch_split<T, M, 4>(p, stream); break;
     default: return cudaErrorInvalidValue;
   }
-  return err != cudaSuccess ? err : cudaGetLastError();
+  return cudaGetLastError();
 }
 
 template <typename T>

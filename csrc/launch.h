@@ -138,12 +138,11 @@ struct SiluMulParams {
 // x), 16-byte aligned. Gated (N even): out[m, :N/2] = silu(first half of that) * second
 // half, as silu_and_mul.
 //
-// With rope.positions set (gemv: M <= kGemvRopeMaxRows; skinny_gemm: D % 16 == 0): w is a
+// With rope.positions set (skinny_gemm only, D % 16 == 0): w is a
 // qkv projection whose N = (Hq + 2 Hk) * D rows are q's heads, k's, then v's; out gets q and
 // k rotated as `rotary` rotates them and v as is, and rotated k and v also go to slot loc[m]
 // of the caches [n_slots, Hk, D] (a negative slot is skipped): the bits of the plain
 // projection then rotary_store_kv, in one launch.
-constexpr int kGemvRopeMaxRows = 4;
 struct GemvRope {
   const int64_t* positions = nullptr;  // [M]
   const float* cos = nullptr;          // [max_len, D] float32, as RotaryParams'

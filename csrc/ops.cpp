@@ -643,21 +643,6 @@ kvray::GemvRope rope_params(const at::Tensor& x, const at::Tensor& w, const at::
                          static_cast<int>(d), static_cast<int>(num_q_heads), static_cast<int>(hk)};
 }
 
-void gemv_rope_store_kv(const at::Tensor& x, const at::Tensor& w,
-                        const c10::optional<at::Tensor>& bias, const at::Tensor& out,
-                        const at::Tensor& positions, const at::Tensor& cos_cache,
-                        const at::Tensor& sin_cache, int64_t num_q_heads, const at::Tensor& k_cache,
-                        const at::Tensor& v_cache, const at::Tensor& out_cache_loc, int64_t split) {
-  const c10::cuda::CUDAGuard guard(x.device());
-  KV_CHECK(split == 0 || split == 1 || split == 2 || split == 4,
-           "gemv_rope_store_kv: split must be 0, 1, 2 or 4");
-  kvray::GemvParams p = linear_params("gemv_rope_store_kv", kvray::kGemvRopeMaxRows, x, w, bias,
-                                      out, false, split);
-  p.rope = rope_params(x, w, positions, cos_cache, sin_cache, num_q_heads, k_cache, v_cache,
-                       out_cache_loc);
-  check_launch(kvray::launch_gemv(p, c10::cuda::getCurrentCUDAStream()), "gemv_rope_store_kv");
-}
-
 void skinny_rope_store_kv(const at::Tensor& x, const at::Tensor& w,
                           const c10::optional<at::Tensor>& bias, const at::Tensor& out,
                           const at::Tensor& positions, const at::Tensor& cos_cache,
@@ -746,9 +731,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up for gate_up = [gate | up]");
   m.def("gemv", &gemv,
         "out = x @ w.T (+ bias) for 1 to 8 rows of x (decode batches); gated: silu(gate) * up");
-  m.def("gemv_rope_store_kv", &gemv_rope_store_kv,
-        "gemv over a qkv projection, q and k rotated and k, v written to the paged cache: the "
-        "bits of gemv then rotary_store_kv, for 1 to 4 rows");
   m.def("skinny_rope_store_kv", &skinny_rope_store_kv,
         "skinny_gemm over a qkv projection, q and k rotated and k, v written to the paged cache: "
         "the bits of skinny_gemm then rotary_store_kv, for 1 to 64 rows");

@@ -1,5 +1,5 @@
 // RoPE's rotate-half as HF applies it in the activation dtype, shared by the rotary kernel
-// (fused.cu) and the qkv projections that rotate their own outputs (gemv.cu, skinny.cu).
+// (fused.cu) and the skinny GEMM's qkv projection, which rotates its own outputs (skinny.cu).
 #pragma once
 
 #include "common.cuh"

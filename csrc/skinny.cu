@@ -18,13 +18,17 @@
 //
 // Rope (a qkv projection, head_dim a multiple of 16): the two tiles are rows i..i+7 and
 // i + D/2.. of one head, so the lane holding x[i] of a token also holds x[i + D/2]; it
-// rotates q and k and writes k and v to the cache as gemv.cu's rope epilogue does.
+// rotates q and k and writes k and v to the cache as rotary_store_kv would (rope.cuh).
 #include "common.cuh"
 #include "launch.h"
 #include "rope.cuh"
 
 namespace kvray {
 namespace {
+
+// What the epilogue writes: the rows; silu(gate) * up of a gate_up projection; or a qkv
+// projection's q and k rotated and its k and v also to the cache (rope.cuh).
+enum class Epilogue { kPlain, kGated, kRope };
 
 constexpr int kThreads = 256, kWarps = kThreads / kWarp;
 constexpr int kStepChunks = 4;  // 16-byte chunks of a row per 32-K step, one per lane of a quad

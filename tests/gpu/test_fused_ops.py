@@ -214,20 +214,15 @@ def test_rotary_store_kv_refuses_an_fp8_cache_and_mismatched_v():
         cuda_ops.rotary_store_kv(q, k, v[:, :1], positions, c_tab, s_tab, cache, cache.clone(), loc)
 
 
-ROPE_PROJECTIONS = [("gemv", (1, 2, 3, 4), (0, 1, 2, 4)), ("skinny_gemm", (5, 16, 17, 64), (0, 8))]
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("d", "hq", "hk", "k"), [(64, 9, 3, 576), (128, 32, 8, 4096)])
-@pytest.mark.parametrize(("op", "tokens", "splits"), ROPE_PROJECTIONS, ids=["gemv", "skinny"])
-def test_qkv_projection_with_rope_gives_the_bits_of_it_then_rotary_store_kv(
-    dtype, d, hq, hk, k, op, tokens, splits
-):
-    """The decode step's qkv projection (gemv, skinny_gemm) doing RoPE and the KV write in
-    its epilogue: the projection, the caches and the skipped slot exactly as the plain
-    projection then rotary_store_kv leave them, with and without bias, on a row-strided x."""
+def test_qkv_projection_with_rope_gives_the_bits_of_it_then_rotary_store_kv(dtype, d, hq, hk, k):
+    """The decode step's qkv projection on the skinny GEMM doing RoPE and the KV write in its
+    epilogue: the projection, the caches and the skipped slot exactly as the plain projection
+    then rotary_store_kv leave them, with and without bias, on a row-strided x."""
     torch.manual_seed(11)
-    plain, fused = getattr(cuda_ops, op), getattr(cuda_ops, op.split("_")[0] + "_rope_store_kv")
+    plain, fused = cuda_ops.skinny_gemm, cuda_ops.skinny_rope_store_kv
+    tokens, splits = (5, 16, 17, 64), (0, 8)
     n = (hq + 2 * hk) * d
     w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)
     c_tab, s_tab = _rope_tables(4096, d)
@@ -254,15 +249,16 @@ def test_qkv_projection_with_rope_gives_the_bits_of_it_then_rotary_store_kv(
 
 def test_qkv_projection_with_rope_refuses_what_it_cannot_run():
     c_tab, s_tab = _rope_tables(64, 64)
-    x = _rand(5, 64, dtype=torch.bfloat16)
+    x = _rand(65, 64, dtype=torch.bfloat16)
     w = _rand((4 + 2 * 2) * 64, 64, dtype=torch.bfloat16)
     caches = [_rand(16, 2, 64, dtype=torch.bfloat16) for _ in range(2)]
-    positions, loc = torch.arange(5, device=DEV), torch.arange(5, device=DEV)
-    out = torch.empty(5, w.shape[0], device=DEV, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="1 to 4 rows"):
-        cuda_ops.gemv_rope_store_kv(x, w, None, out, positions, c_tab, s_tab, 4, *caches, loc)
+    positions, loc = torch.arange(65, device=DEV), torch.arange(65, device=DEV)
+    out = torch.empty(65, w.shape[0], device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        cuda_ops.skinny_rope_store_kv(x, w, None, out, positions, c_tab, s_tab, 4, *caches, loc)
+    x, out, positions, loc = x[:5], out[:5], positions[:5], loc[:5]
     with pytest.raises(RuntimeError, match="Hq"):  # 3 q heads do not fill w's rows
-        cuda_ops.gemv_rope_store_kv(
+        cuda_ops.skinny_rope_store_kv(
             x[:2], w, None, out[:2], positions[:2], c_tab, s_tab, 3, *caches, loc[:2]
         )
     with pytest.raises(RuntimeError, match="multiple of 16"):
@@ -273,7 +269,7 @@ def test_qkv_projection_with_rope_refuses_what_it_cannot_run():
         cuda_ops.skinny_rope_store_kv(x, w40, None, out40, positions, c40, s40, 4, *odd, loc)
     fp8 = [c.to(torch.float8_e4m3fn) for c in caches]
     with pytest.raises(RuntimeError, match="dtype"):
-        cuda_ops.gemv_rope_store_kv(
+        cuda_ops.skinny_rope_store_kv(
             x[:2], w, None, out[:2], positions[:2], c_tab, s_tab, 4, *fp8, loc[:2]
         )
 

@@ -23,7 +23,6 @@ import shutil
 import threading
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import torch
 
@@ -403,33 +402,6 @@ def gemv(
     load().gemv(x, w, bias, out, gated, split)
 
 
-GEMV_ROPE_MAX_ROWS = 4  # csrc/launch.h kGemvRopeMaxRows
-
-
-def gemv_rope_store_kv(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-    positions: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-    num_q_heads: int,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out_cache_loc: torch.Tensor,
-    split: int = 0,
-) -> None:
-    """The qkv projection's `gemv` with `rotary_store_kv`'s work in its epilogue, the same
-    bits in one launch: out [M, (Hq + 2 Hk) * D] holds q and k rotated and v, and k and v
-    go to slot out_cache_loc[m] of the caches [n_slots, Hk, D] (bf16 / fp16), M <= 4."""
-    _check_one_pass("gemv_rope_store_kv", x, w, GEMV_ROPE_MAX_ROWS)
-    load().gemv_rope_store_kv(
-        x, w, bias, out, positions, cos_cache, sin_cache, num_q_heads, k_cache, v_cache,
-        out_cache_loc, split,
-    )  # fmt: skip
-
-
 def _check_one_pass(op: str, x: torch.Tensor, w: torch.Tensor, max_rows: int) -> None:
     # Checked here too: refusals whose message held a number crashed the process on the lent
     # GPUs until 07c17b0 (KV_CHECK in csrc/ops.cpp).
@@ -456,11 +428,29 @@ def skinny_gemm(
     load().skinny_gemm(x, w, bias, out, gated, split)
 
 
-def skinny_rope_store_kv(x: torch.Tensor, w: torch.Tensor, *args: Any, split: int = 0) -> None:
-    """`gemv_rope_store_kv`'s work (same arguments) on the skinny GEMM: M <= SKINNY_MAX_ROWS,
-    head_dim a multiple of 16."""
+def skinny_rope_store_kv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    num_q_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    split: int = 0,
+) -> None:
+    """The qkv projection's `skinny_gemm` with `rotary_store_kv`'s work in its epilogue, the
+    same bits in one launch: out [M, (Hq + 2 Hk) * D] holds q and k rotated and v, and k and v
+    go to slot out_cache_loc[m] of the caches [n_slots, Hk, D] (bf16 / fp16); M <=
+    SKINNY_MAX_ROWS, D a multiple of 16."""
     _check_one_pass("skinny_rope_store_kv", x, w, SKINNY_MAX_ROWS)
-    load().skinny_rope_store_kv(x, w, *args, split)
+    load().skinny_rope_store_kv(
+        x, w, bias, out, positions, cos_cache, sin_cache, num_q_heads, k_cache, v_cache,
+        out_cache_loc, split,
+    )  # fmt: skip
 
 
 def tiled_gemm(

@@ -67,7 +67,7 @@ class Attention(nn.Module):
         ops: ModelOps,
     ) -> torch.Tensor | None:  # fmt: skip
         """Attention after a projection kernel that rotates q and k and writes K/V itself
-        (CudaOps' GEMV), where the backend and the ops offer one; else None. Not with q/k
+        (CudaOps' skinny GEMM), where the backend and the ops offer one; else None. Not with q/k
         norms, which come between the projection and the rotation."""
         dest = backend.kv_destination(self.layer_id, view) if self.q_norm is None else None
         if dest is None:

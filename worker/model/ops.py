@@ -125,11 +125,11 @@ class CudaOps(ModelOps):
     matrices it lost); everything else stays on cuBLAS. The tiled GEMM (shared memory, K
     split over a cluster) may take the larger matrices up to `tiled_max_rows` tokens: off
     until measured faster. KVRAY_SKINNY_MAX_ROWS and KVRAY_TILED_MAX_ROWS override those
-    bounds (0: never), for measuring. Where the GEMV or skinny GEMM runs a qkv projection, it
-    also applies RoPE and writes K/V (`qkv_rope_store`); KVRAY_FUSED_ROPE=0 leaves that to
+    bounds (0: never), for measuring. Where the skinny GEMM runs a qkv projection, it also
+    applies RoPE and writes K/V (`qkv_rope_store`); KVRAY_FUSED_ROPE=0 leaves that to
     attention's own kernel, for measuring."""
 
-    gemv_max_rows = 4  # gemv_rope_store_kv's limit too
+    gemv_max_rows = 4
     gemv_small_weights = 4 << 20
     skinny_max_rows = 32
     tiled_max_rows = 0
@@ -192,17 +192,17 @@ class CudaOps(ModelOps):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         rope: RopeInputs, dest: KVDestination, num_q_heads: int,
     ) -> torch.Tensor | None:  # fmt: skip
-        """Where the GEMV or the skinny GEMM runs the projection: RoPE and the KV write in
-        its epilogue, one kernel a layer fewer."""
+        """Where the skinny GEMM runs the projection: RoPE and the KV write in its epilogue,
+        one kernel a layer fewer (its 8-row tiles need a head_dim that is a multiple of 16).
+        Not on the GEMV: there it measured slower than the GEMV then the rotary kernel
+        (docs/performance.md)."""
         kernel = self._one_pass_kernel(x, weight) if self.fused_rope else None
-        if kernel is not None and kernel is self._k.gemv:
-            fused = self._k.gemv_rope_store_kv
-        elif kernel is self._k.skinny_gemm and dest.k_cache.shape[-1] % 16 == 0:  # its tiles
-            fused = self._k.skinny_rope_store_kv
-        else:
+        if kernel is not self._k.skinny_gemm or dest.k_cache.shape[-1] % 16:
             return None
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-        fused(x, weight, bias, out, rope.positions, rope.cos, rope.sin, num_q_heads, *dest)
+        self._k.skinny_rope_store_kv(
+            x, weight, bias, out, rope.positions, rope.cos, rope.sin, num_q_heads, *dest
+        )
         return out
 
     def _one_pass_kernel(self, x: torch.Tensor, weight: torch.Tensor) -> Callable[..., None] | None:

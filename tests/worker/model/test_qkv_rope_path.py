@@ -1,5 +1,5 @@
 """The Llama attention's path for a projection kernel that rotates q and k and writes K/V
-itself (CudaOps' GEMV and skinny GEMM on a GPU): on CPU, with that kernel played by torch
+itself (CudaOps' skinny GEMM on a GPU): on CPU, with that kernel played by torch
 ops, an engine must give the tokens and logprobs of the usual path, prompts and decodes."""
 
 from __future__ import annotations
