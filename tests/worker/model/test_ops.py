@@ -49,7 +49,9 @@ def _route(ops: CudaOps, m: int, nk: tuple[int, int], dtype=BF16) -> str:
         (5, DEMO_QKV, "skinny"),
         (32, DEMO_GATE_UP, "skinny"),
         (33, DEMO_QKV, "cublas"),
-        (2, LLAMA_QKV, "cublas"),  # the 8B matrices stay on cuBLAS past one row
+        (2, LLAMA_QKV, "tiled"),  # the 8B matrices: the tiled GEMM up to 16 rows
+        (16, LLAMA_DOWN, "tiled"),
+        (17, LLAMA_QKV, "cublas"),  # then cuBLAS
         (32, LLAMA_DOWN, "cublas"),
     ],
 )
@@ -73,7 +75,7 @@ def test_the_skinny_bound_can_be_lowered_for_measuring(monkeypatch):
     assert _route(CudaOps(_kernels([])), 8, DEMO_QKV) == "cublas"
 
 
-def test_the_tiled_gemm_takes_the_large_matrices_when_asked(monkeypatch):
+def test_the_tiled_bound_can_be_moved_for_measuring(monkeypatch):
     monkeypatch.setenv("KVRAY_TILED_MAX_ROWS", "64")
     ops = CudaOps(_kernels([]))
     assert [_route(ops, m, LLAMA_QKV) for m in (1, 2, 64, 65)] == [
