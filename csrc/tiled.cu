@@ -45,8 +45,11 @@ struct Smem {
 };
 
 // Splits of K: p.split when set, else as many as fit one wave of resident blocks (two an SM)
-// beside the tiles, at most kMaxSplit and so that each split keeps two stages of K.
+// beside the tiles, at most kMaxSplit and so that each split keeps two stages of K. Always 1
+// before Hopper (no clusters) or with KVRAY_TILED_CLUSTER=0.
 int tiled_split(const GemvParams& p) {
+  static const bool clusters = hopper_feature_on("KVRAY_TILED_CLUSTER");
+  if (!clusters) return 1;
   if (p.split != 0) return p.split;
   const int out_rows = p.gated ? p.n / 2 : p.n;
   const int tiles = (out_rows + (p.gated ? kTileN / 2 : kTileN) - 1) / (p.gated ? kTileN / 2 : kTileN);
@@ -200,6 +203,7 @@ __global__ void __launch_bounds__(kThreads, 2) tiled_kernel(const GemvParams p, 
   // acc[mt][nt] holds C(m, col) for m = mt * 16 + g (+ 8 in [2], [3]), col = 2t, 2t + 1 of
   // n tile nt's 8 rows. A unit (mt, nt < 2, e) is one value of n tile nt and one of nt + 2:
   // two outputs, or (gated) the gate and up values of one.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters: Hopper on (tiled_split)
   constexpr int kUnits = MT * 2 * 4;
   if (split > 1) {  // rank r of the cluster adds every rank's partials of units r, r + split, ..
     namespace cg = cooperative_groups;
@@ -225,6 +229,7 @@ __global__ void __launch_bounds__(kThreads, 2) tiled_kernel(const GemvParams p, 
     cluster.sync();  // every block's partials stay until the others have read them
     return;
   }
+#endif
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
