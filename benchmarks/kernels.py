@@ -439,21 +439,12 @@ def bench_gemm(tunableop: bool = False) -> list[dict[str, Any]]:
                                    "of_floor": floor / us}  # fmt: skip
             if tunableop:
                 row["cublas_tunableop_us"] = _tunableop_us(x, ws, out)
-            if m <= cuda_ops.SKINNY_MAX_ROWS:
-                skinny = graph_time_us([partial(cuda_ops.skinny_gemm, x, w, None, out) for w in ws])
-                row["skinny_us"], row["skinny_of_floor"] = skinny, floor / skinny
-                row["skinny_split_us"] = {
-                    str(sp): graph_time_us(
-                        [partial(cuda_ops.skinny_gemm, x, w, None, out, split=sp) for w in ws]
-                    )
-                    for sp in SKINNY_SPLITS
-                }
-                tiled = graph_time_us([partial(cuda_ops.tiled_gemm, x, w, None, out) for w in ws])
-                row["tiled_us"], row["tiled_of_floor"] = tiled, floor / tiled
-                row["tiled_split_us"] = {
-                    str(sp): graph_time_us(
-                        [partial(cuda_ops.tiled_gemm, x, w, None, out, split=sp) for w in ws]
-                    )
+            for op in ("skinny", "tiled") if m <= cuda_ops.SKINNY_MAX_ROWS else ():
+                kernel = getattr(cuda_ops, f"{op}_gemm")
+                ours = graph_time_us([partial(kernel, x, w, None, out) for w in ws])
+                row[f"{op}_us"], row[f"{op}_of_floor"] = ours, floor / ours
+                row[f"{op}_split_us"] = {
+                    str(sp): graph_time_us([partial(kernel, x, w, None, out, split=sp) for w in ws])
                     for sp in SKINNY_SPLITS
                 }
             rows.append(row)
@@ -532,7 +523,7 @@ def print_gemm_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"\n{'linear':<16} {'M':>3} {'cuBLAS us':>9} {'TFLOP/s':>8} {'of floor':>8} "
         + (f"{'tuned us':>8} " if tuned else "")
-        + f"{'skinny us':>9} {'of floor':>8} {'tiled us':>8} {'of floor':>8} {'floor us':>9}"
+        + f"{'skinny us':>9} {'of floor':>8} {'tiled us':>9} {'of floor':>8} {'floor us':>9}"
         + "  skinny split 1 / 2 / 4 / 8 us | tiled split 1 / 2 / 4 / 8 us"
     )
     for r in rows:
@@ -544,8 +535,9 @@ def print_gemm_table(rows: list[dict[str, Any]]) -> None:
         )
         tuned_us = f"{r['cublas_tunableop_us']:8.1f} " if tuned else ""
         splits = " | ".join(
-            " / ".join(f"{us:.1f}" for us in r.get(f"{op}_split_us", {}).values())
+            " / ".join(f"{us:.1f}" for us in r[f"{op}_split_us"].values())
             for op in ("skinny", "tiled")
+            if f"{op}_split_us" in r
         )
         print(f"{r['layer']:<16} {r['m']:3d} {r['cublas_us']:9.1f} {r['tflops']:8.1f} "
               f"{r['of_floor']:8.0%} {tuned_us}{ours} {r['floor_us']:9.1f}  {splits}")  # fmt: skip
