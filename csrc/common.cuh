@@ -9,6 +9,9 @@
 #include <cuda_runtime.h>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
+
+#include "launch.h"
 
 namespace kvray {
 
@@ -140,6 +143,26 @@ struct Num<__half> {
 template <typename T>
 __device__ __forceinline__ float round_to(float x) {
   return Num<T>::to_f(Num<T>::from_f(x));
+}
+
+// The tensor-core decode GEMMs' dispatch (skinny.cu, tiled.cu): f(T{}, integral_constant<MT>)
+// for x's dtype T (a value as its tag) and MT, its count of 16-row tiles (1-4); nothing to do
+// for an empty x or w.
+template <typename F>
+cudaError_t dispatch_gemm(const GemvParams& p, F&& f) {
+  if (p.m == 0 || p.n == 0) return cudaSuccess;
+  const auto by_tiles = [&](auto dtype) -> cudaError_t {
+    switch ((p.m + 15) / 16) {
+      case 1: return f(dtype, std::integral_constant<int, 1>{});
+      case 2: return f(dtype, std::integral_constant<int, 2>{});
+      case 3: return f(dtype, std::integral_constant<int, 3>{});
+      case 4: return f(dtype, std::integral_constant<int, 4>{});
+      default: return cudaErrorInvalidValue;
+    }
+  };
+  if (p.dtype == DType::kBF16) return by_tiles(__nv_bfloat16{});
+  if (p.dtype == DType::kFP16) return by_tiles(__half{});
+  return cudaErrorInvalidValue;
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {

@@ -260,24 +260,12 @@ cudaError_t launch_tiles(const GemvParams& p, cudaStream_t stream) {
   return p.gated ? launch_gated<T, MT, true>(p, stream) : launch_gated<T, MT, false>(p, stream);
 }
 
-template <typename T>
-cudaError_t launch_typed(const GemvParams& p, cudaStream_t stream) {
-  switch ((p.m + 15) / 16) {
-    case 1: return launch_tiles<T, 1>(p, stream);
-    case 2: return launch_tiles<T, 2>(p, stream);
-    case 3: return launch_tiles<T, 3>(p, stream);
-    case 4: return launch_tiles<T, 4>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
 }  // namespace
 
 cudaError_t launch_tiled_gemm(const GemvParams& p, cudaStream_t stream) {
-  if (p.m == 0 || p.n == 0) return cudaSuccess;
-  if (p.dtype == DType::kBF16) return launch_typed<__nv_bfloat16>(p, stream);
-  if (p.dtype == DType::kFP16) return launch_typed<__half>(p, stream);
-  return cudaErrorInvalidValue;
+  return dispatch_gemm(p, [&](auto dtype, auto mt) {
+    return launch_tiles<decltype(dtype), decltype(mt)::value>(p, stream);
+  });
 }
 
 }  // namespace kvray
