@@ -19,6 +19,8 @@
 // Gated (w = [gate; up], N = 2 * inter): a tile is 64 gate rows and the 64 up rows that go
 // with them, placed so that the lane holding gate(m, j) also holds up(m, j), and writes
 // silu(gate) * up as silu_and_mul would from the two rounded outputs (as the GEMV does).
+// Where the engine runs it (the large matrices at a few tokens) is CudaOps' choice,
+// worker/model/ops.py.
 #include <cooperative_groups.h>
 
 #include "common.cuh"
