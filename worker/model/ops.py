@@ -125,10 +125,10 @@ class CudaOps(ModelOps):
     matrices it lost). The larger matrices run the tiled GEMM (shared memory, K split over a
     cluster) from 2 to `tiled_max_rows` tokens, where it made the 8B shape's decode step 3-4 %
     faster on an H100 (and 5 % slower at 32); everything else stays on cuBLAS.
-    KVRAY_SKINNY_MAX_ROWS and KVRAY_TILED_MAX_ROWS override those
-    bounds (0: never), for measuring. Where the skinny GEMM runs a qkv projection, it also
-    applies RoPE and writes K/V (`qkv_rope_store`); KVRAY_FUSED_ROPE=0 leaves that to
-    attention's own kernel, for measuring."""
+    KVRAY_SKINNY_MAX_ROWS and KVRAY_TILED_MAX_ROWS override those bounds (0: never), for
+    measuring. Where the skinny GEMM runs a qkv projection, it also applies RoPE and writes
+    K/V (`qkv_rope_store`); KVRAY_FUSED_ROPE=0 leaves that to attention's own kernel, for
+    measuring."""
 
     gemv_max_rows = 4
     gemv_small_weights = 4 << 20
