@@ -31,6 +31,15 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
+// Device code using thread-block clusters compiles only for Hopper and later (KVRAY_CLUSTERS);
+// the launchers form clusters only on such a device (hopper_feature_on), so before Hopper
+// that code is never reached.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KVRAY_CLUSTERS 1
+#else
+#define KVRAY_CLUSTERS 0
+#endif
+
 // A Hopper feature: on for compute capability 9 and later unless the variable `env` is 0.
 inline bool hopper_feature_on(const char* env) {
   const char* value = std::getenv(env);

@@ -494,6 +494,7 @@ template <typename T, int D, int NW, int kItems>
 __device__ void cluster_merge(const DecodeParams& p, int b, int head0, int n_rows, int split,
                               int n_act, const float4 (&kept_o)[kItems],
                               const float2 (&kept_ml)[kItems], uint8_t* smem_raw) {
+#if KVRAY_CLUSTERS
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   float* mine = reinterpret_cast<float*>(smem_raw);  // [kRows][D] o, then [kRows] m, [kRows] l
@@ -527,6 +528,7 @@ __device__ void cluster_merge(const DecodeParams& p, int b, int head0, int n_row
     }
   }
   cluster.sync();
+#endif
 }
 
 // Token-split layout: one block per (split, kv head, request); its NW warps take
@@ -555,10 +557,12 @@ __global__ void __launch_bounds__(NW * 32) decode_split_kernel(const DecodeParam
     grid_dependency_wait();
     if (p.num_splits == 1 || (p.counters != nullptr && split == 0))
       write_zeros<T, D>(p, b, head0, n_rows, threadIdx.x, NW * 32);
+#if KVRAY_CLUSTERS
     if (clustered) {
       cooperative_groups::this_cluster().sync();
       cooperative_groups::this_cluster().sync();
     }
+#endif
     return;
   }
   uint32_t qa[D / 16][4];

@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(kThreads, 2) tiled_kernel(const GemvParams p, 
   // acc[mt][nt] holds C(m, col) for m = mt * 16 + g (+ 8 in [2], [3]), col = 2t, 2t + 1 of
   // n tile nt's 8 rows. A unit (mt, nt < 2, e) is one value of n tile nt and one of nt + 2:
   // two outputs, or (gated) the gate and up values of one.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters: Hopper on (tiled_split)
+#if KVRAY_CLUSTERS  // tiled_split gives 1 before Hopper
   constexpr int kUnits = MT * 2 * 4;
   if (split > 1) {  // rank r of the cluster adds every rank's partials of units r, r + split, ..
     namespace cg = cooperative_groups;
