@@ -197,8 +197,15 @@ class CudaOps(ModelOps):
         one kernel a layer fewer (its 8-row tiles need a head_dim that is a multiple of 16).
         Not on the GEMV: there it measured slower than the GEMV then the rotary kernel
         (docs/performance.md)."""
-        kernel = self._one_pass_kernel(x, weight) if self.fused_rope else None
-        if kernel is not self._k.skinny_gemm or dest.k_cache.shape[-1] % 16:
+        m, small = x.shape[0], weight.numel() <= self.gemv_small_weights
+        # the shape alone first: every layer of an eager prompt step asks, and then its
+        # projection's `linear` runs the full check again
+        if not (self.fused_rope and small and self.gemv_max_rows < m <= self.skinny_max_rows):
+            return None
+        if (
+            self._one_pass_kernel(x, weight) is not self._k.skinny_gemm
+            or dest.k_cache.shape[-1] % 16
+        ):
             return None
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
         self._k.skinny_rope_store_kv(
