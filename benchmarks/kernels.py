@@ -20,11 +20,9 @@ import argparse
 import json
 import math
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +31,7 @@ import torch.nn.functional as F
 from benchmarks.common import BF16_TFLOPS, COPY_TBPS, write_result
 from worker.attention import cuda_ops, fa3, flash
 from worker.attention.kv_quant import dequantize, quantize_rows
+from worker.model import gemm_tuning
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -393,36 +392,35 @@ GEMM_BATCHES = (1, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 SKINNY_SPLITS = (1, 2, 4, 8)
 
 
-def _tunableop_us(x: torch.Tensor, ws: list[torch.Tensor], out: torch.Tensor) -> float:
-    """The matmul timed as `graph_time_us` does, after PyTorch's TunableOp has tried the BLAS
-    library's algorithms for its shape (every copy of w shares it) and kept the fastest."""
-    from torch.cuda import tunable
-
-    tunable.enable(True)
-    tunable.tuning_enable(True)
-    try:
-        torch.matmul(x, ws[0].T, out=out)  # tuned here, outside any capture
-        torch.cuda.synchronize()
-        tunable.tuning_enable(False)
-        return graph_time_us([partial(torch.matmul, x, w.T, out=out) for w in ws])
-    finally:
-        tunable.tuning_enable(False)
-        tunable.enable(False)
+LT_FROM_ROWS = 17  # cuBLAS's rows in the engine (CudaOps): where its algorithm is tuned
 
 
-def bench_gemm(tunableop: bool = False) -> list[dict[str, Any]]:
+def _lt_us(x: torch.Tensor, ws: list[torch.Tensor], out: torch.Tensor) -> dict[str, Any]:
+    """cuBLASLt with each of its heuristic's first candidates (gemm_tuning.MAX_CANDIDATES), as
+    the engine's GEMM tuner times them: the heuristic's first and the fastest."""
+    workspace = torch.empty(gemm_tuning.WORKSPACE_BYTES, dtype=torch.uint8, device=DEV)
+    count = cuda_ops.lt_gemm_algos(x, ws[0], None, out, workspace, gemm_tuning.MAX_CANDIDATES)
+    times = [
+        graph_time_us(
+            [partial(cuda_ops.lt_gemm, x, w, None, out, workspace, i) for w in ws], replays=7
+        )
+        for i in range(count)
+    ]
+    if not times:
+        return {"lt_candidates": 0}
+    best = min(range(count), key=times.__getitem__)
+    return {"lt_candidates": count, "lt_first_us": times[0], "lt_best_us": times[best],
+            "lt_best_algo": best}  # fmt: skip
+
+
+def bench_gemm() -> list[dict[str, Any]]:
     """cuBLAS (F.linear) on the linear layers at the batch sizes of an offline run's decode
     steps (the 8B shape's up to 256 rows, the demo's up to 64), and kvray's skinny and tiled
     GEMMs where they run (up to 64 rows; with K split over 1, 2, 4 or 8 warps, or blocks of
     a cluster, too), against each call's
     floor: the longer of streaming the weights at the copy ceiling and its FLOPs at the bf16
-    peak (the two cross near M=190). `tunableop`: cuBLAS again with the algorithm PyTorch's
-    TunableOp picks for each shape (its results go to a temporary file)."""
-    if tunableop:
-        from torch.cuda import tunable
-
-        tunable.set_filename(str(Path(tempfile.mkdtemp(prefix="kvray-tunableop-")) / "r.csv"))
-        tunable.set_max_tuning_duration(50)  # ms a GEMM shape
+    peak (the two cross near M=190). From LT_FROM_ROWS rows, cuBLASLt's heuristic candidates
+    too: its first and the fastest, what the engine's GEMM tuner would run."""
     rows = []
     for name, (k, n) in GEMV_SHAPES.items():
         nbytes, ws = k * n * 2, _weight_copies(k, n)
@@ -437,8 +435,8 @@ def bench_gemm(tunableop: bool = False) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"layer": name, "m": m, "k": k, "n": n, "cublas_us": us,
                                    "tflops": flops / us / 1e6, "floor_us": floor,
                                    "of_floor": floor / us}  # fmt: skip
-            if tunableop:
-                row["cublas_tunableop_us"] = _tunableop_us(x, ws, out)
+            if m >= LT_FROM_ROWS:
+                row.update(_lt_us(x, ws, out))
             for op in ("skinny", "tiled") if m <= cuda_ops.SKINNY_MAX_ROWS else ():
                 kernel = getattr(cuda_ops, f"{op}_gemm")
                 ours = graph_time_us([partial(kernel, x, w, None, out) for w in ws])
@@ -519,10 +517,9 @@ def print_gemv_table(rows: list[dict[str, Any]]) -> None:
 
 
 def print_gemm_table(rows: list[dict[str, Any]]) -> None:
-    tuned = any("cublas_tunableop_us" in r for r in rows)
     print(
         f"\n{'linear':<16} {'M':>3} {'cuBLAS us':>9} {'TFLOP/s':>8} {'of floor':>8} "
-        + (f"{'tuned us':>8} " if tuned else "")
+        + f"{'Lt 1st us':>9} {'Lt best':>7} {'(algo)':>6} "
         + f"{'skinny us':>9} {'of floor':>8} {'tiled us':>9} {'of floor':>8} {'floor us':>9}"
         + "  skinny split 1 / 2 / 4 / 8 us | tiled split 1 / 2 / 4 / 8 us"
     )
@@ -533,14 +530,18 @@ def print_gemm_table(rows: list[dict[str, Any]]) -> None:
             else " " * (w + 9)
             for op, w in (("skinny", 9), ("tiled", 9))
         )
-        tuned_us = f"{r['cublas_tunableop_us']:8.1f} " if tuned else ""
+        lt = (
+            f"{r['lt_first_us']:9.1f} {r['lt_best_us']:7.1f} {r['lt_best_algo']:6d} "
+            if r.get("lt_candidates")
+            else " " * 25
+        )
         splits = " | ".join(
             " / ".join(f"{us:.1f}" for us in r[f"{op}_split_us"].values())
             for op in ("skinny", "tiled")
             if f"{op}_split_us" in r
         )
         print(f"{r['layer']:<16} {r['m']:3d} {r['cublas_us']:9.1f} {r['tflops']:8.1f} "
-              f"{r['of_floor']:8.0%} {tuned_us}{ours} {r['floor_us']:9.1f}  {splits}")  # fmt: skip
+              f"{r['of_floor']:8.0%} {lt}{ours} {r['floor_us']:9.1f}  {splits}")  # fmt: skip
 
 
 def bench_store_kv() -> list[dict[str, Any]]:
@@ -788,11 +789,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="three decode cases only")
     parser.add_argument(
-        "--tunableop",
-        action="store_true",
-        help="gemm: cuBLAS also with the algorithm PyTorch's TunableOp picks for each shape",
-    )
-    parser.add_argument(
         "--only",
         choices=("decode", "store_kv", "prefill", "gemv", "gemm", "mla"),
         help="run one of the benchmarks",
@@ -843,7 +839,7 @@ def run(args: argparse.Namespace) -> int:
         ("store_kv", bench_store_kv),
         ("prefill", lambda: bench_prefill(with_fa3=fi is not None)),
         ("gemv", bench_gemv),
-        ("gemm", lambda: bench_gemm(args.tunableop)),
+        ("gemm", bench_gemm),
         ("mla", bench_mla),
     ):
         if args.only not in (None, name):
