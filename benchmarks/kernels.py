@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from benchmarks.common import BF16_TFLOPS, COPY_TBPS, write_result
 from worker.attention import cuda_ops, fa3, flash
 from worker.attention.kv_quant import dequantize, quantize_rows
-from worker.model import gemm_tuning
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -392,35 +391,13 @@ GEMM_BATCHES = (1, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 SKINNY_SPLITS = (1, 2, 4, 8)
 
 
-LT_FROM_ROWS = 17  # cuBLAS's rows in the engine (CudaOps): where its algorithm is tuned
-
-
-def _lt_us(x: torch.Tensor, ws: list[torch.Tensor], out: torch.Tensor) -> dict[str, Any]:
-    """cuBLASLt with each of its heuristic's first candidates (gemm_tuning.MAX_CANDIDATES), as
-    the engine's GEMM tuner times them: the heuristic's first and the fastest."""
-    workspace = torch.empty(gemm_tuning.WORKSPACE_BYTES, dtype=torch.uint8, device=DEV)
-    count = cuda_ops.lt_gemm_algos(x, ws[0], None, out, workspace, gemm_tuning.MAX_CANDIDATES)
-    times = [
-        graph_time_us(
-            [partial(cuda_ops.lt_gemm, x, w, None, out, workspace, i) for w in ws], replays=7
-        )
-        for i in range(count)
-    ]
-    if not times:
-        return {"lt_candidates": 0}
-    best = min(range(count), key=times.__getitem__)
-    return {"lt_candidates": count, "lt_first_us": times[0], "lt_best_us": times[best],
-            "lt_best_algo": best}  # fmt: skip
-
-
 def bench_gemm() -> list[dict[str, Any]]:
     """cuBLAS (F.linear) on the linear layers at the batch sizes of an offline run's decode
     steps (the 8B shape's up to 256 rows, the demo's up to 64), and kvray's skinny and tiled
     GEMMs where they run (up to 64 rows; with K split over 1, 2, 4 or 8 warps, or blocks of
     a cluster, too), against each call's
     floor: the longer of streaming the weights at the copy ceiling and its FLOPs at the bf16
-    peak (the two cross near M=190). From LT_FROM_ROWS rows, cuBLASLt's heuristic candidates
-    too: its first and the fastest, what the engine's GEMM tuner would run."""
+    peak (the two cross near M=190)."""
     rows = []
     for name, (k, n) in GEMV_SHAPES.items():
         nbytes, ws = k * n * 2, _weight_copies(k, n)
@@ -435,8 +412,6 @@ def bench_gemm() -> list[dict[str, Any]]:
             row: dict[str, Any] = {"layer": name, "m": m, "k": k, "n": n, "cublas_us": us,
                                    "tflops": flops / us / 1e6, "floor_us": floor,
                                    "of_floor": floor / us}  # fmt: skip
-            if m >= LT_FROM_ROWS:
-                row.update(_lt_us(x, ws, out))
             for op in ("skinny", "tiled") if m <= cuda_ops.SKINNY_MAX_ROWS else ():
                 kernel = getattr(cuda_ops, f"{op}_gemm")
                 ours = graph_time_us([partial(kernel, x, w, None, out) for w in ws])
@@ -519,7 +494,6 @@ def print_gemv_table(rows: list[dict[str, Any]]) -> None:
 def print_gemm_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"\n{'linear':<16} {'M':>3} {'cuBLAS us':>9} {'TFLOP/s':>8} {'of floor':>8} "
-        + f"{'Lt 1st us':>9} {'Lt best':>7} {'(algo)':>6} "
         + f"{'skinny us':>9} {'of floor':>8} {'tiled us':>9} {'of floor':>8} {'floor us':>9}"
         + "  skinny split 1 / 2 / 4 / 8 us | tiled split 1 / 2 / 4 / 8 us"
     )
@@ -530,18 +504,13 @@ def print_gemm_table(rows: list[dict[str, Any]]) -> None:
             else " " * (w + 9)
             for op, w in (("skinny", 9), ("tiled", 9))
         )
-        lt = (
-            f"{r['lt_first_us']:9.1f} {r['lt_best_us']:7.1f} {r['lt_best_algo']:6d} "
-            if r.get("lt_candidates")
-            else " " * 25
-        )
         splits = " | ".join(
             " / ".join(f"{us:.1f}" for us in r[f"{op}_split_us"].values())
             for op in ("skinny", "tiled")
             if f"{op}_split_us" in r
         )
         print(f"{r['layer']:<16} {r['m']:3d} {r['cublas_us']:9.1f} {r['tflops']:8.1f} "
-              f"{r['of_floor']:8.0%} {lt}{ours} {r['floor_us']:9.1f}  {splits}")  # fmt: skip
+              f"{r['of_floor']:8.0%} {ours} {r['floor_us']:9.1f}  {splits}")  # fmt: skip
 
 
 def bench_store_kv() -> list[dict[str, Any]]:

@@ -11,7 +11,6 @@
 #include <utility>
 
 #include "launch.h"
-#include "lt_gemm.h"
 
 namespace {
 
@@ -739,9 +738,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out = x @ w.T (+ bias) for 1 to 64 rows of x on tensor cores, one pass over w; gated too");
   m.def("tiled_gemm", &tiled_gemm,
         "skinny_gemm through shared memory, K split over a cluster: for large matrices");
-  m.def("lt_gemm_algos", &kvray::lt_gemm_algos,
-        "how many algorithms cuBLASLt's heuristic offers for out = x @ w.T (+ bias), at most max_algos");
-  m.def("lt_gemm", &kvray::lt_gemm, "out = x @ w.T (+ bias) through cuBLASLt with the heuristic's algorithm `algo`");
   m.def("argmax", &argmax, "out = argmax(x, -1) of float32 rows, torch's answer, several blocks a row");
   m.def("alias", &alias, "a tensor over another's memory that does not own it");
   m.def("decode_plan", &decode_plan, "(resolved variant, splits) decode uses for a batch");

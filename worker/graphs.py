@@ -4,8 +4,7 @@ Decode graphs replay every pure-decode step whole. Batch buckets 1, 2, 4, 8, the
 8 up to max_running, captured largest first into one shared memory pool, each after a live
 forward. Every input and output address comes from the InferenceWorkspace. Replay pads the
 batch to its bucket with dummy requests whose KV reads and writes land on the scratch page
-(page 0, through the pool's scratch row). Before the first capture, the GEMMs cuBLAS runs at
-each bucket get their algorithm timed (worker/model/gemm_tuning.py).
+(page 0, through the pool's scratch row).
 
 Prompt graphs serve the steps that carry prompt tokens, piecewise: attention's launch
 depends on the batch's shape, so it runs eagerly, and the graphs hold everything between
@@ -69,7 +68,6 @@ class DecodeGraphRunner:
 
     def _capture(self) -> None:
         start = time.perf_counter()
-        self._tune_gemms()
         pool = None
         for bs in tqdm(
             sorted(self.buckets, reverse=True), desc="capturing decode graphs", leave=False
@@ -90,21 +88,6 @@ class DecodeGraphRunner:
             self.buckets,
             time.perf_counter() - start,
         )
-
-    def _tune_gemms(self) -> None:
-        """One forward at every bucket notes the GEMMs cuBLAS runs there; the tuner then
-        picks their algorithms (worker/model/gemm_tuning.py), before any graph holds one."""
-        tuner = getattr(self.model.ops, "tuner", None)
-        if tuner is None:
-            return
-        recorded = []
-        for bs in self.buckets:
-            self._pad(0, bs)
-            with tuner.recording() as shapes:
-                self._forward(self._dummy_batch(bs))
-            recorded.append(shapes)
-        torch.cuda.synchronize()
-        tuner.tune(recorded)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[B, vocab]` of a pure-decode batch, by replaying its bucket's graph."""

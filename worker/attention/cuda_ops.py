@@ -37,9 +37,8 @@ _SOURCES = (
     "argmax.cu",
     "skinny.cu",
     "tiled.cu",
-    "lt_gemm.cpp",
 )
-_HEADERS = ("common.cuh", "launch.h", "rope.cuh", "lt_gemm.h")
+_HEADERS = ("common.cuh", "launch.h", "rope.cuh")
 
 
 def find_csrc(package_dir: Path = Path(__file__).resolve().parents[1]) -> Path:
@@ -138,21 +137,11 @@ def _build(*, verbose: bool, cache_dir: Path) -> ModuleType:
             extra_cflags=["-O3"],
             extra_cuda_cflags=flags,
             extra_include_paths=[str(csrc)],
-            extra_ldflags=_cublaslt_ldflags(cpp_extension.CUDA_HOME),
             build_directory=str(build_dir),
             verbose=verbose,
         )
     except (RuntimeError, OSError) as exc:
         raise KernelBuildError(f"building the kvray kernels in {build_dir} failed: {exc}") from exc
-
-
-def _cublaslt_ldflags(cuda_home: str | None) -> list[str]:
-    """Link cuBLASLt (lt_gemm.cpp) where the toolkit has it; elsewhere its symbols resolve
-    against the copy torch's CUDA library already loads."""
-    for lib in (Path(cuda_home) / d for d in ("lib64", "lib")) if cuda_home else ():
-        if (lib / "libcublasLt.so").exists():
-            return [f"-L{lib}", "-lcublasLt"]
-    return []
 
 
 def recommended_max_splits(max_seq_len: int) -> int:
@@ -477,33 +466,6 @@ def tiled_gemm(
     a tile over K, 1 to 8, run as one cluster (0: as many as fill one wave of blocks)."""
     _check_one_pass("tiled_gemm", x, w, SKINNY_MAX_ROWS)
     load().tiled_gemm(x, w, bias, out, gated, split)
-
-
-def lt_gemm_algos(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-    workspace: torch.Tensor,
-    max_algos: int,
-) -> int:
-    """How many algorithms cuBLASLt's heuristic offers for out = x @ w.T (+ bias) with these
-    shapes, strides and pointer alignments (at most `max_algos`; 0: none)."""
-    return int(load().lt_gemm_algos(x, w, bias, out, workspace, max_algos))
-
-
-def lt_gemm(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-    workspace: torch.Tensor,
-    algo: int,
-) -> None:
-    """out = x @ w.T (+ bias) through cuBLASLt with its heuristic's candidate `algo` (0: the
-    heuristic's first choice); `workspace`: uint8 scratch the algorithm may use, kept alive
-    by the caller (a captured graph holds its address)."""
-    load().lt_gemm(x, w, bias, out, workspace, algo)
 
 
 ARGMAX_MAX_BLOCKS = 32  # csrc/launch.h kArgmaxMaxBlocks: partials a row

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from worker.model import gemm_tuning
 from worker.model.layers import RotaryEmbedding, apply_rope, rms_norm
 
 if TYPE_CHECKING:
@@ -125,8 +124,7 @@ class CudaOps(ModelOps):
     over the weights), which beat cuBLAS there on an H100 (`--only gemm`; on the 8B shape's
     matrices it lost). The larger matrices run the tiled GEMM (shared memory, K split over a
     cluster) from 2 to `tiled_max_rows` tokens, where it made the 8B shape's decode step 3-4 %
-    faster on an H100 (and 5 % slower at 32); everything else stays on cuBLAS, with the
-    algorithm `tuner` (gemm_tuning.py) timed fastest for the decode batches' shapes.
+    faster on an H100 (and 5 % slower at 32); everything else stays on cuBLAS.
     KVRAY_SKINNY_MAX_ROWS and KVRAY_TILED_MAX_ROWS override those bounds (0: never), for
     measuring. Where the skinny GEMM runs a qkv projection, it also applies RoPE and writes
     K/V (`qkv_rope_store`); KVRAY_FUSED_ROPE=0 leaves that to attention's own kernel, for
@@ -137,12 +135,8 @@ class CudaOps(ModelOps):
     skinny_max_rows = 32
     tiled_max_rows = 16
 
-    def __init__(self, kernels: ModuleType | None = None, tuner: bool | None = None) -> None:
-        """`kernels`: worker.attention.cuda_ops, or a stand-in of it (tests on CPU), whose
-        GEMM choices then stay this instance's. `tuner`: GEMM tuning (gemm_tuning.py; default
-        on unless KVRAY_GEMM_TUNING=0)."""
-        shared_tuner = kernels is None
-        tuner = gemm_tuning.enabled() if tuner is None else tuner
+    def __init__(self, kernels: ModuleType | None = None) -> None:
+        """`kernels`: worker.attention.cuda_ops, or a stand-in of it (tests on CPU)."""
         if kernels is None:
             from worker.attention import cuda_ops
 
@@ -152,11 +146,6 @@ class CudaOps(ModelOps):
         self.skinny_max_rows = int(os.environ.get("KVRAY_SKINNY_MAX_ROWS", self.skinny_max_rows))
         self.fused_rope = os.environ.get("KVRAY_FUSED_ROPE") != "0"
         self.tiled_max_rows = int(os.environ.get("KVRAY_TILED_MAX_ROWS", self.tiled_max_rows))
-        self.tuner: gemm_tuning.GemmTuner | None = None
-        if tuner:
-            self.tuner = (
-                gemm_tuning.shared(kernels) if shared_tuner else gemm_tuning.GemmTuner(kernels)
-            )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -185,7 +174,7 @@ class CudaOps(ModelOps):
     ) -> torch.Tensor:
         kernel = self._one_pass_kernel(x, weight)
         if kernel is None:
-            return self._cublas(x, weight, bias)
+            return F.linear(x, weight, bias)
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
         kernel(x, weight, bias, out)
         return out
@@ -195,7 +184,7 @@ class CudaOps(ModelOps):
     ) -> torch.Tensor:
         kernel = self._one_pass_kernel(x, weight)
         if kernel is None:
-            return self.silu_and_mul(self._cublas(x, weight, bias))
+            return self.silu_and_mul(F.linear(x, weight, bias))
         out = torch.empty((x.shape[0], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
         kernel(x, weight, bias, out, gated=True)  # no activation kernel
         return out
@@ -223,16 +212,6 @@ class CudaOps(ModelOps):
             x, weight, bias, out, rope.positions, rope.cos, rope.sin, num_q_heads, *dest
         )
         return out
-
-    def _cublas(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """cuBLAS with its own pick of algorithm, or the one the tuner timed faster."""
-        algo = gemm_tuning.DEFAULT if self.tuner is None else self.tuner.algo(x, weight, bias)
-        if algo == gemm_tuning.DEFAULT:
-            return F.linear(x, weight, bias)
-        assert self.tuner is not None
-        return self.tuner.run(x, weight, bias, algo)
 
     def _one_pass_kernel(self, x: torch.Tensor, weight: torch.Tensor) -> Callable[..., None] | None:
         """csrc's GEMV or skinny GEMM where it runs and beats cuBLAS, else None."""
