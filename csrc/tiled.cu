@@ -23,6 +23,8 @@
 // worker/model/ops.py.
 #include <cooperative_groups.h>
 
+#include <algorithm>
+
 #include "common.cuh"
 #include "launch.h"
 
@@ -46,12 +48,14 @@ struct Smem {
   static_assert(kAcc * kThreads * 4 <= kBytes, "the partials fit in the ring");
 };
 
-// Splits of K: p.split when set, else the count that minimises waves of resident blocks (two
-// an SM) times the K iterations of the longest split, at most kMaxSplit and so that each
-// split keeps two stages of K; the smaller count on a tie. Filling only the first wave, as
-// before, left the 8B gate_up unsplit at 8-16 rows (97 us on an H100 against 82-83 split over
-// 8), and counting filled slots alone picked 7 (88 us: splits of 10 iterations and one of 4).
-// Always 1 before Hopper (no clusters) or with KVRAY_TILED_CLUSTER=0.
+// Splits of K: p.split when set. Else, where the tiles fill at most half a wave of resident
+// blocks (two an SM), as many splits as fit that wave beside them, each keeping two stages
+// of K; where they fill more, one split per 8 stages of K (512), at most kMaxSplit. On an H100
+// (`kvray bench kernels --only gemm`, docs/performance.md) this picks the fastest measured
+// split for the 8B qkv (5), o, gate_up and lm_head (8) and the demo's lm_head (1), and 8 for
+// the 8B down (4 is 1.6 us faster). Filling the wave alone had left the 8B gate_up and
+// lm_head unsplit (gate_up at 8-16 rows 97 us against 82-83 split over 8). Always 1 before
+// Hopper (no clusters) or with KVRAY_TILED_CLUSTER=0.
 int tiled_split(const GemvParams& p) {
   static const bool clusters = hopper_feature_on("KVRAY_TILED_CLUSTER");
   if (!clusters) return 1;
@@ -60,14 +64,10 @@ int tiled_split(const GemvParams& p) {
   const int tiles = ((p.gated ? p.n / 2 : p.n) + rows_per_tile - 1) / rows_per_tile;
   const int iters = (p.k + kTileK - 1) / kTileK;
   const int slots = 2 * p.num_sms;
-  int best = 1;
-  int64_t best_cost = INT64_MAX;
-  for (int split = 1; split <= kMaxSplit && iters >= 2 * split; ++split) {
-    const int64_t waves = (static_cast<int64_t>(tiles) * split + slots - 1) / slots;
-    const int64_t cost = waves * ((iters + split - 1) / split);
-    if (cost < best_cost) best = split, best_cost = cost;
-  }
-  return best;
+  if (2 * tiles > slots) return std::max(1, std::min(kMaxSplit, iters / 8));
+  int split = 1;
+  while (split < kMaxSplit && tiles * (split + 1) <= slots && iters >= 2 * (split + 1)) ++split;
+  return split;
 }
 
 // Row of w behind row r (0..127) of a block's tile: plain, rows n0 + r; gated, gate rows
