@@ -463,8 +463,8 @@ def tiled_gemm(
 ) -> None:
     """As `skinny_gemm`, with w and x staged through shared memory by blocks of 128 rows of
     w, for matrices too large for the skinny GEMM's register stream. `split`: blocks sharing
-    a tile over K, 1 to 8, run as one cluster (0: tiled.cu's pick from the waves of blocks
-    and the longest split's length)."""
+    a tile over K, 1 to 8, run as one cluster (0: tiled.cu's pick from the tile count, the
+    SMs and K)."""
     _check_one_pass("tiled_gemm", x, w, SKINNY_MAX_ROWS)
     load().tiled_gemm(x, w, bias, out, gated, split)
 
