@@ -50,12 +50,9 @@ struct Smem {
 
 // Splits of K: p.split when set. Else, where the tiles fill at most half a wave of resident
 // blocks (two an SM), as many splits as fit that wave beside them, each keeping two stages
-// of K; where they fill more, one split per 8 stages of K (512), at most kMaxSplit. On an H100
-// (`kvray bench kernels --only gemm`, docs/performance.md) this picks the fastest measured
-// split for the 8B qkv (5), o, gate_up and lm_head (8) and the demo's lm_head (1), and 8 for
-// the 8B down (4 is 1.6 us faster). Filling the wave alone had left the 8B gate_up and
-// lm_head unsplit (gate_up at 8-16 rows 97 us against 82-83 split over 8). Always 1 before
-// Hopper (no clusters) or with KVRAY_TILED_CLUSTER=0.
+// of K; where they fill more, one split per 8 stages of K (512), at most kMaxSplit: the
+// fastest split measured on every 8B and demo matrix but one (docs/performance.md, fifteenth
+// session). Always 1 before Hopper (no clusters) or with KVRAY_TILED_CLUSTER=0.
 int tiled_split(const GemvParams& p) {
   static const bool clusters = hopper_feature_on("KVRAY_TILED_CLUSTER");
   if (!clusters) return 1;
