@@ -587,20 +587,16 @@ def test_tiled_gemm_adds_the_splits_in_one_order() -> None:
             assert torch.equal(again, first), f"split {split} changed between calls"
 
 
-def test_skinny_gemm_refuses_what_it_cannot_run() -> None:
+@pytest.mark.parametrize(("op", "bad_split"), [("skinny_gemm", 3), ("tiled_gemm", 9)])
+def test_skinny_gemm_refuses_what_it_cannot_run(op: str, bad_split: int) -> None:
+    linear = getattr(cuda_ops, op)
     w = torch.randn(16, 64, device=DEV, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="1 to 64 rows"):
-        cuda_ops.skinny_gemm(torch.randn(65, 64, device=DEV, dtype=torch.bfloat16), w, None,
-                             torch.empty(65, 16, device=DEV, dtype=torch.bfloat16))  # fmt: skip
+        linear(torch.randn(65, 64, device=DEV, dtype=torch.bfloat16), w, None,
+               torch.empty(65, 16, device=DEV, dtype=torch.bfloat16))  # fmt: skip
     with pytest.raises(RuntimeError, match="split must be"):
-        cuda_ops.skinny_gemm(torch.randn(2, 64, device=DEV, dtype=torch.bfloat16), w, None,
-                             torch.empty(2, 16, device=DEV, dtype=torch.bfloat16), split=3)  # fmt: skip
-    with pytest.raises(ValueError, match="1 to 64 rows"):
-        cuda_ops.tiled_gemm(torch.randn(65, 64, device=DEV, dtype=torch.bfloat16), w, None,
-                            torch.empty(65, 16, device=DEV, dtype=torch.bfloat16))  # fmt: skip
-    with pytest.raises(RuntimeError, match="split must be"):
-        cuda_ops.tiled_gemm(torch.randn(2, 64, device=DEV, dtype=torch.bfloat16), w, None,
-                            torch.empty(2, 16, device=DEV, dtype=torch.bfloat16), split=9)  # fmt: skip
+        linear(torch.randn(2, 64, device=DEV, dtype=torch.bfloat16), w, None,
+               torch.empty(2, 16, device=DEV, dtype=torch.bfloat16), split=bad_split)  # fmt: skip
 
 
 def test_gemv_refuses_what_it_cannot_run() -> None:
