@@ -213,13 +213,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     num_pages = llm.engine.executor.cache.num_total_pages
     _warm_up(llm, args, vocab)
-    kvray = _bench_engine(llm, workload, args.temperature, args.constrained_fraction)
+    costs = None
     if cfg.device.startswith("cuda"):
         model = llm.engine.executor.model
-        per_token = kv_bytes_per_token(llm.engine.model_config, cfg.kv_torch_dtype)
-        kvray["floor"] = floor = workload_floor(
-            workload, lambda b: decode_weight_bytes(model, b), per_token, active_params(model)
+        costs = FloorCosts(
+            lambda b: decode_weight_bytes(model, b),
+            kv_bytes_per_token(llm.engine.model_config, cfg.kv_torch_dtype),
+            active_params(model),
         )
+    kvray = _bench_engine(llm, workload, args.temperature, args.constrained_fraction, costs)
+    if costs is not None:
+        kvray["floor"] = floor = workload_floor(workload, costs)
         floor["of_floor"] = kvray["output_tok_s"] / floor["output_tok_s"]
     outputs = kvray.pop("token_ids")
     del llm
@@ -268,33 +272,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def workload_floor(
-    workload: Workload,
-    weight_bytes: Callable[[int], float],
-    kv_bytes_per_token: int,
-    params_per_token: int,
-) -> dict[str, float]:
+@dataclass(frozen=True)
+class FloorCosts:
+    """What the floors below charge, from the model's shape: the weight bytes a step of
+    `tokens` rows reads (`weight_bytes(tokens)`; MoE reads only the experts it routes to),
+    the KV bytes of one token of context, and the parameters one token's forward uses."""
+
+    weight_bytes: Callable[[int], float]
+    kv_bytes_per_token: int
+    params_per_token: int
+
+    def step_seconds(self, step: StepRecord) -> float:
+        """The fastest an H200 could run one recorded step, in the cost model of
+        `workload_floor`: its linear layers the longer of reading the weights at the copy
+        bandwidth and their FLOPs for every row (decodes and prompt tokens) at the bf16 peak,
+        then its decodes' KV at the copy bandwidth (the prompts' attention left out)."""
+        rows = step.num_decodes + step.num_prompt_tokens
+        linear = max(self.weight_bytes(rows) / (COPY_TBPS * 1e12), self.token_seconds * rows)
+        return linear + step.decode_context_tokens * self.kv_bytes_per_token / (COPY_TBPS * 1e12)
+
+    @property
+    def token_seconds(self) -> float:
+        """One token's linear-layer FLOPs at the bf16 peak."""
+        return 2 * self.params_per_token / (BF16_TFLOPS * 1e12)
+
+
+def workload_floor(workload: Workload, costs: FloorCosts) -> dict[str, float]:
     """The fastest an H200 could run `workload` one step at a time, as the engine does, all
     requests starting together, as here: a request's prompt step gives its first token, then
     decode step k (k >= 1) carries every request with more than k output tokens; its linear
-    layers take the longer of reading the weights (`weight_bytes(batch)`) at the copy
-    bandwidth and their 2 x params FLOPs a token at the bf16 peak (at the 8B shape the
-    latter past ~190 requests), then it reads each request's KV (prompt + k tokens); the
-    prompts take 2 x params FLOPs a token at the peak. Prompt tokens sharing steps with
-    decodes could go below it; this is the floor of steps in series.
+    layers take the longer of reading the weights at the copy bandwidth and their 2 x params
+    FLOPs a token at the bf16 peak (at the 8B shape the latter past ~190 requests), then it
+    reads each request's KV (prompt + k tokens); the prompts take 2 x params FLOPs a token at
+    the peak. Prompt tokens sharing steps with decodes could go below it; this is the floor
+    of steps in series.
 
     `overlapped_*`: the same steps if each one's memory traffic (weights and KV) and its
     FLOPs ran concurrently, a step taking the longer of the two (attention's KV reads under
     the linear layers' tensor-core time, as splitting a batch across streams could do)."""
     ins = torch.tensor([len(p) for p in workload.prompts], dtype=torch.float64)
     outs = torch.tensor(workload.output_lens)
-    flop_s = 2 * params_per_token / (BF16_TFLOPS * 1e12)  # one token's FLOPs at the peak
+    flop_s = costs.token_seconds
     decode_s = overlapped_s = 0.0
     for k in range(1, int(outs.max()) if len(outs) else 0):
         live = outs > k
         batch = int(live.sum())
-        weights_s = weight_bytes(batch) / (COPY_TBPS * 1e12)
-        kv_s = float((ins[live] + k).sum()) * kv_bytes_per_token / (COPY_TBPS * 1e12)
+        weights_s = costs.weight_bytes(batch) / (COPY_TBPS * 1e12)
+        kv_s = float((ins[live] + k).sum()) * costs.kv_bytes_per_token / (COPY_TBPS * 1e12)
         decode_s += max(weights_s, flop_s * batch) + kv_s
         overlapped_s += max(weights_s + kv_s, flop_s * batch)
     prefill_s = flop_s * workload.input_tokens
@@ -403,7 +427,11 @@ def _params(workload: Workload, temperature: float, constrained: float) -> list[
 
 
 def _bench_engine(
-    llm: LLM, workload: Workload, temperature: float, constrained: float = 0.0
+    llm: LLM,
+    workload: Workload,
+    temperature: float,
+    constrained: float = 0.0,
+    costs: FloorCosts | None = None,
 ) -> dict[str, Any]:
     params = _params(workload, temperature, constrained)
     before = llm.engine.stats()
@@ -436,7 +464,7 @@ def _bench_engine(
         "preemptions": after.num_preemptions - before.num_preemptions,
         "prefix_hit_tokens": after.prefix_hits - before.prefix_hits,
         "others_cpu_cores": watch.others_cores,
-        "step_profile": step_profile(steps),
+        "step_profile": step_profile(steps, costs),
         "token_ids": [o.token_ids for o in outputs],
     }
 
@@ -444,9 +472,10 @@ def _bench_engine(
 BATCH_BANDS = (8, 32, 64, 128, 256)
 
 
-def step_profile(steps: list[StepRecord]) -> list[dict[str, Any]]:
+def step_profile(steps: list[StepRecord], costs: FloorCosts | None = None) -> list[dict[str, Any]]:
     """Where the run's time went: steps grouped by kind (carrying prompt tokens, or decode
-    only, queued early or not) and, for decode, by batch size."""
+    only, queued early or not) and, for decode, by batch size; with `costs` (GPU runs) each
+    group's floor too (`FloorCosts.step_seconds`), so the groups furthest from it show."""
     groups: dict[tuple[str, int], list[StepRecord]] = {}
     for s in steps:
         if s.num_prompt_tokens:
@@ -458,18 +487,23 @@ def step_profile(steps: list[StepRecord]) -> list[dict[str, Any]]:
     rows = []
     for (kind, band), group in sorted(groups.items()):
         seconds = sum(s.seconds for s in group)
-        # fmt: skip
-        rows.append(
-            {
-                "kind": kind,
-                "batch_up_to": band or None,
-                "steps": len(group),
-                "seconds": seconds,
-                "mean_ms": 1e3 * seconds / len(group),
-                "mean_decodes": sum(s.num_decodes for s in group) / len(group),
-                "mean_prompt_tokens": sum(s.num_prompt_tokens for s in group) / len(group),
-            }
-        )
+        n = len(group)
+        row = {
+            "kind": kind,
+            "batch_up_to": band or None,
+            "steps": n,
+            "seconds": seconds,
+            "mean_ms": 1e3 * seconds / n,
+            "mean_host_ms": 1e3 * sum(s.launch_seconds + s.schedule_seconds for s in group) / n,
+            "mean_decodes": sum(s.num_decodes for s in group) / n,
+            "mean_prompt_tokens": sum(s.num_prompt_tokens for s in group) / n,
+            "mean_decode_context": sum(s.decode_context_tokens for s in group) / n,
+        }
+        if costs is not None:
+            floor = sum(costs.step_seconds(s) for s in group)
+            row["floor_ms"] = 1e3 * floor / n
+            row["of_floor"] = floor / seconds if seconds else 0.0
+        rows.append(row)
     return rows
 
 
@@ -607,13 +641,19 @@ def _print_summary(r: dict[str, Any]) -> None:
             f"  with each decode step's memory traffic under its FLOPs: decode "
             f"{floor['overlapped_decode_s']:.2f} s, {floor['overlapped_output_tok_s']:.0f} output tok/s"
         )
+    floors = "  floor ms  of floor" if floor is not None else ""
     print(
-        "  where the time went:  kind                    batch<=  steps  seconds  ms/step  decodes  prompt tok"
+        "  where the time went:  kind                    batch<=  steps  seconds  ms/step  host ms"
+        f"  decodes  prompt tok{floors}"
     )
     for row in k["step_profile"]:
+        floor_cols = (
+            f"{row['floor_ms']:10.2f}{100 * row['of_floor']:9.1f}%" if "floor_ms" in row else ""
+        )
         print(
             f"  {'':20}{row['kind']:24}{row['batch_up_to'] or '':>7}{row['steps']:7d}{row['seconds']:9.2f}"
-            f"{row['mean_ms']:9.2f}{row['mean_decodes']:9.1f}{row['mean_prompt_tokens']:11.1f}"
+            f"{row['mean_ms']:9.2f}{row['mean_host_ms']:9.2f}{row['mean_decodes']:9.1f}"
+            f"{row['mean_prompt_tokens']:12.1f}{floor_cols}"
         )
     u = r["unquantized_kv"]
     if u is not None:

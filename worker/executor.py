@@ -93,6 +93,7 @@ class PendingStep:
     mask_wait_seconds: float = 0.0
     num_decodes: int = 0  # set at launch when the engine times its steps (worker/stats.py)
     num_prompt_tokens: int = 0
+    decode_context_tokens: int = 0
     # the sampling still to queue, behind its grammars' masks (`Executor.finish_sampling`)
     unsampled: Callable[[], None] | None = None
     error: BaseException | None = None  # queueing that sampling failed: the step has no ids

@@ -24,6 +24,7 @@ class StepRecord:
     schedule_seconds: float = 0.0  # host time that chose its tasks (and drained inputs)
     device_wait_seconds: float = 0.0  # host time blocked on the device for its tokens
     mask_wait_seconds: float = 0.0  # host time blocked on its grammars' masks
+    decode_context_tokens: int = 0  # KV tokens its decodes' attention reads (whole contexts)
 
 
 @dataclass(slots=True)
@@ -69,6 +70,9 @@ class StepObserver:
             step.num_prompt_tokens = sum(
                 t.num_new for t, d in zip(step.tasks, decodes, strict=True) if not d
             )
+            step.decode_context_tokens = sum(
+                t.request.num_computed + 1 for t, d in zip(step.tasks, decodes, strict=True) if d
+            )
 
     def resolved(self, step: PendingStep, started: float) -> None:
         """After `step`'s results are applied, in the `Engine.step` call begun at `started`."""
@@ -93,6 +97,7 @@ class StepObserver:
                     step.schedule_seconds,
                     step.device_wait_seconds,
                     step.mask_wait_seconds,
+                    step.decode_context_tokens,
                 )
             )
 

@@ -296,7 +296,7 @@ def test_the_workload_floor_reads_weights_and_live_kv_each_step_and_counts_promp
     """A 3-token request decodes twice after its prompt step (KV of 11, then 12 tokens); a
     1-token one only has its prompt step; the prompts' 30 tokens cost 2 x params FLOPs each."""
     from benchmarks.common import BF16_TFLOPS, COPY_TBPS
-    from benchmarks.offline import Workload, workload_floor
+    from benchmarks.offline import FloorCosts, Workload, workload_floor
 
     workload = Workload(prompts=[[7] * 10, [7] * 20], output_lens=[3, 1])
     batches: list[int] = []
@@ -305,7 +305,9 @@ def test_the_workload_floor_reads_weights_and_live_kv_each_step_and_counts_promp
         batches.append(batch)
         return 1e6 * batch
 
-    floor = workload_floor(workload, weights, kv_bytes_per_token=100, params_per_token=5)
+    floor = workload_floor(
+        workload, FloorCosts(weights, kv_bytes_per_token=100, params_per_token=5)
+    )
     assert batches == [1, 1]
     assert floor["decode_s"] == pytest.approx((1e6 + 1100 + 1e6 + 1200) / (COPY_TBPS * 1e12))
     assert floor["prefill_s"] == pytest.approx(2 * 5 * 30 / (BF16_TFLOPS * 1e12))
@@ -317,10 +319,11 @@ def test_the_workload_floor_reads_weights_and_live_kv_each_step_and_counts_promp
 def test_a_decode_step_of_the_floor_is_compute_bound_where_its_flops_outlast_the_weights():
     """Weights of 1 byte: the step's linear layers take their FLOPs' time instead."""
     from benchmarks.common import BF16_TFLOPS, COPY_TBPS
-    from benchmarks.offline import Workload, workload_floor
+    from benchmarks.offline import FloorCosts, Workload, workload_floor
 
     workload = Workload(prompts=[[7] * 10, [7] * 20], output_lens=[2, 2])
-    floor = workload_floor(workload, lambda b: 1.0, kv_bytes_per_token=100, params_per_token=5e9)
+    costs = FloorCosts(lambda b: 1.0, kv_bytes_per_token=100, params_per_token=5e9)
+    floor = workload_floor(workload, costs)
     flops_s = 2 * 5e9 * 2 / (BF16_TFLOPS * 1e12)
     kv_s = (11 + 21) * 100 / (COPY_TBPS * 1e12)
     assert floor["decode_s"] == pytest.approx(flops_s + kv_s)
@@ -332,3 +335,29 @@ def test_a_decode_step_of_the_floor_is_compute_bound_where_its_flops_outlast_the
     assert floor["overlapped_output_tok_s"] == pytest.approx(
         4 / (floor["overlapped_decode_s"] + prefill_s)
     )
+
+
+def test_each_profile_group_has_its_steps_floor_beside_its_time():
+    """A decode band's floor is its weights (or FLOPs) and its decodes' KV, step by step; a
+    prompt step's linear layers count every row, decodes and prompt tokens alike."""
+    from benchmarks.common import BF16_TFLOPS, COPY_TBPS
+    from benchmarks.offline import FloorCosts, step_profile
+    from worker.engine import StepRecord
+
+    costs = FloorCosts(lambda rows: 1e9, kv_bytes_per_token=1000, params_per_token=5e9)
+    steps = [
+        StepRecord(0.004, 2, 0, True, 0.001, 0.0005, decode_context_tokens=3000),
+        StepRecord(0.006, 4, 0, True, 0.001, 0.0005, decode_context_tokens=5000),
+        StepRecord(0.050, 2, 1000, False, 0.002, 0.001, decode_context_tokens=700),
+    ]
+    decode, prompt = step_profile(steps, costs)
+    bandwidth, token_s = COPY_TBPS * 1e12, 2 * 5e9 / (BF16_TFLOPS * 1e12)
+    floors = [1e9 / bandwidth + 3e6 / bandwidth, 1e9 / bandwidth + 5e6 / bandwidth]
+    assert decode["kind"] == "decode, overlapped" and decode["batch_up_to"] == 8
+    assert decode["floor_ms"] == pytest.approx(1e3 * sum(floors) / 2)
+    assert decode["of_floor"] == pytest.approx(sum(floors) / 0.010)
+    assert decode["mean_decode_context"] == 4000 and decode["mean_host_ms"] == pytest.approx(1.5)
+    # 1,002 rows of FLOPs outlast the weights
+    assert prompt["floor_ms"] == pytest.approx(1e3 * (1002 * token_s + 7e5 / bandwidth))
+    # no costs (a CPU run): no floor columns
+    assert "floor_ms" not in step_profile(steps)[0]

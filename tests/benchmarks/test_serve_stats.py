@@ -65,6 +65,9 @@ def test_engine_step_log_records_each_steps_launch_time(tiny_model):
         engine.step()
     wall = time.perf_counter() - start
     assert len(engine.step_log) == 6 and engine.step_log[0].num_prompt_tokens == 23
+    # decode step k (from 1) reads each request's prompt and k tokens of output
+    contexts = [s.decode_context_tokens for s in engine.step_log]
+    assert contexts == [0] + [23 + 2 * k for k in range(1, 6)]
     stats = engine.stats()  # the counters /metrics exports (kvray:engine_steps, _step_seconds)
     assert stats.num_steps == 6
     assert sum(s.seconds for s in engine.step_log) <= stats.step_seconds_total <= wall
