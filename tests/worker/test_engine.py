@@ -92,6 +92,22 @@ def test_the_prefix_summary_is_current_once_the_engine_is_idle(engine_factory):
     assert current and engine.prefix_summary() == current
 
 
+def test_a_steps_tokens_go_out_before_the_prefix_summary_is_refreshed(engine_factory):
+    """The summary copies every cached key (~1-2 ms with a full H200 cache): no token waits
+    for it. At the refresh of the last step, the request's final delta is already out."""
+    engine = engine_factory()
+    stream = engine.submit(_reqs("t", 1, max_tokens=3))
+    summary, finished_at_refresh = engine.executor.cache.prefix_summary, []
+
+    def refresh() -> list[int]:
+        finished_at_refresh.append(stream.finished)
+        return summary()
+
+    engine.executor.cache.prefix_summary = refresh
+    _run(engine, [stream])
+    assert finished_at_refresh and finished_at_refresh[-1]
+
+
 def test_queue_time_ends_when_the_first_step_is_queued_not_when_it_ends(engine_factory):
     """One running request at a time, each step held for 40 ms: the second request queues
     behind the first (its queue time covers the first's steps); neither counts its own first
