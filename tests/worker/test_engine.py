@@ -93,7 +93,7 @@ def test_the_prefix_summary_is_current_once_the_engine_is_idle(engine_factory):
 
 
 def test_a_steps_tokens_go_out_before_the_prefix_summary_is_refreshed(engine_factory):
-    """The summary copies every cached key (~1-2 ms with a full H200 cache): no token waits
+    """The summary copies every cached key (milliseconds with a full H200 cache): no token waits
     for it. At the refresh of the last step, the request's final delta is already out."""
     engine = engine_factory()
     stream = engine.submit(_reqs("t", 1, max_tokens=3))
