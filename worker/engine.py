@@ -212,8 +212,8 @@ class Engine:
             stepped = self._normal_step(deltas, started)
         if stepped:
             self.observer.step_seconds += time.perf_counter() - started
-        # the tokens go out before the snapshot: its prefix summary copies every cached
-        # key, 2.3 ms for a full H200 cache on a 2-core CPU, which no token should wait for
+        # the tokens go out first: the snapshot's prefix summary copies every cached key,
+        # milliseconds with a full cache (docs/performance.md), which no token should wait for
         self._publish(deltas)
         self._snapshot()
         return deltas

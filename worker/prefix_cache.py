@@ -74,6 +74,5 @@ class PrefixCache:
     def summary(self, max_pages: int | None = None) -> list[int]:
         """Keys now cached, most recently used first (what the router matches prompts against).
         The engine thread takes it after a step's tokens went out; the keys are walked in C
-        rather than a Python loop (still 2.3 ms for a full H200 cache's 54k pages on the 2-core
-        development CPU)."""
+        rather than a Python loop (still milliseconds for a full cache: docs/performance.md)."""
         return list(islice(reversed(self._recent), max_pages))
