@@ -288,13 +288,21 @@ class FloorCosts:
         bandwidth and their FLOPs for every row (decodes and prompt tokens) at the bf16 peak,
         then its decodes' KV at the copy bandwidth (the prompts' attention left out)."""
         rows = step.num_decodes + step.num_prompt_tokens
-        linear = max(self.weight_bytes(rows) / (COPY_TBPS * 1e12), self.token_seconds * rows)
-        return linear + step.decode_context_tokens * self.kv_bytes_per_token / (COPY_TBPS * 1e12)
+        linear = max(self.weight_seconds(rows), self.token_seconds * rows)
+        return linear + self.kv_seconds(step.decode_context_tokens)
 
     @property
     def token_seconds(self) -> float:
         """One token's linear-layer FLOPs at the bf16 peak."""
         return 2 * self.params_per_token / (BF16_TFLOPS * 1e12)
+
+    def weight_seconds(self, rows: int) -> float:
+        """A step of `rows` rows reading its weights at the copy bandwidth."""
+        return self.weight_bytes(rows) / (COPY_TBPS * 1e12)
+
+    def kv_seconds(self, tokens: float) -> float:
+        """`tokens` tokens of KV read at the copy bandwidth."""
+        return tokens * self.kv_bytes_per_token / (COPY_TBPS * 1e12)
 
 
 def workload_floor(workload: Workload, costs: FloorCosts) -> dict[str, float]:
@@ -317,8 +325,8 @@ def workload_floor(workload: Workload, costs: FloorCosts) -> dict[str, float]:
     for k in range(1, int(outs.max()) if len(outs) else 0):
         live = outs > k
         batch = int(live.sum())
-        weights_s = costs.weight_bytes(batch) / (COPY_TBPS * 1e12)
-        kv_s = float((ins[live] + k).sum()) * costs.kv_bytes_per_token / (COPY_TBPS * 1e12)
+        weights_s = costs.weight_seconds(batch)
+        kv_s = costs.kv_seconds(float((ins[live] + k).sum()))
         decode_s += max(weights_s, flop_s * batch) + kv_s
         overlapped_s += max(weights_s + kv_s, flop_s * batch)
     prefill_s = flop_s * workload.input_tokens

@@ -65,14 +65,15 @@ class StepObserver:
         if step.overlapped:
             self.num_overlapped_steps += 1
         if self.pacer is not None or self.step_log is not None:
-            decodes = [t.num_new == 1 and bool(t.request.output_ids) for t in step.tasks]
-            step.num_decodes = sum(decodes)
-            step.num_prompt_tokens = sum(
-                t.num_new for t, d in zip(step.tasks, decodes, strict=True) if not d
-            )
-            step.decode_context_tokens = sum(
-                t.request.num_computed + 1 for t, d in zip(step.tasks, decodes, strict=True) if d
-            )
+            decodes = prompt = context = 0
+            for t in step.tasks:
+                if t.num_new == 1 and t.request.output_ids:
+                    decodes += 1
+                    context += t.request.num_computed + 1
+                else:
+                    prompt += t.num_new
+            step.num_decodes, step.num_prompt_tokens = decodes, prompt
+            step.decode_context_tokens = context
 
     def resolved(self, step: PendingStep, started: float) -> None:
         """After `step`'s results are applied, in the `Engine.step` call begun at `started`."""
