@@ -465,6 +465,39 @@ def test_fa3_prefill_matches_reference(dtype, d, hq, hkv, page, seqs) -> None:
         check_close(out, ref_prefill(q, kv, qo, d**-0.5), dtype)
 
 
+@pytest.mark.parametrize(("dtype", "d", "hq", "hkv", "page", "seqs"), prefill_cases())
+def test_fa3_ragged_prefill_matches_reference(dtype, d, hq, hkv, page, seqs) -> None:
+    """Prompts with no cached context: FA3's ragged kernel over the new K/V, strided rows of a
+    fused projection holding the tokens the cache holds, planned in turn with paged plans (the
+    two wrapper sets and their plan buffers)."""
+    from worker.attention import fa3, flash
+
+    if not fa3.available(dtype, d):
+        pytest.skip("FlashInfer's FA3 prefill does not run here")
+    fresh = [(n, n) for n, _ in seqs]
+    kv, q, qo = _ragged_prompts(dtype, d, hq, hkv, page, fresh)
+    lens = [n for n, _ in fresh]
+    new_slots = torch.cat(kv.slots).to(DEV)
+    fused = torch.empty(qo[-1], hq + 2 * hkv, d, device=DEV, dtype=dtype)
+    fused[:, hq : hq + hkv] = kv.k_cache[new_slots]
+    fused[:, hq + hkv :] = kv.v_cache[new_slots]
+    k, v = fused[:, hq : hq + hkv], fused[:, hq + hkv :]
+    table, rows = kv.req_to_token.cpu().numpy(), kv.req_pool_indices.tolist()
+    paged = flash.context_slots(table, rows, lens, q.device)
+    ref = ref_prefill(q, kv, qo, d**-0.5)
+    runner = fa3.Fa3Prefill(q.device)
+    for slots in (None, paged, None, None):
+        out = torch.full((qo[-1], hq, d), float("nan"), device=DEV, dtype=dtype)
+        runner.plan(slots, lens, lens, hq, hkv, d, dtype, d**-0.5)
+        assert runner.ragged == (slots is None)
+        if runner.ragged:
+            runner.run(q, k, v, out)
+        else:
+            runner.run(q, kv.k_cache, kv.v_cache, out)
+        torch.cuda.synchronize()
+        check_close(out, ref, dtype)
+
+
 GEMV_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (4096, 6144), (14336, 4096),
                (264, 40), (4096, 1)]  # fmt: skip
 

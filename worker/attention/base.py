@@ -58,8 +58,15 @@ class AttentionBackend(ABC):
         rotated as `forward` would store them, before `attend`; None: `forward` stores them."""
         return None
 
-    def attend(self, layer: int, q: torch.Tensor, view: CacheView) -> torch.Tensor:
-        """Attention over the cache, which already holds this step's K/V."""
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        view: CacheView,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Attention over the cache, which already holds this step's K/V. `new_kv`: those
+        rows (rotated) where the caller has them, which a backend may read instead."""
         if self._decode:
             return self.fwd_decode(layer, q, view)
         return self.fwd_prefill(layer, q, view)

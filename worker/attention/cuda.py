@@ -104,12 +104,16 @@ class CudaBackend(AttentionBackend):
 
     def _plan_fa3(self, batch: ForwardBatch, view: CacheView, d: int) -> None:
         assert self._fa3 is not None
-        kv_lens = batch.seq_lens_host[d:]
-        device = view.k_cache.device
-        slots = flash.context_slots(view.req_to_token_host, batch.rows_host[d:], kv_lens, device)
+        q_lens, kv_lens = batch.q_lens[d:], batch.seq_lens_host[d:]
+        slots = None  # no cached context: FA3 reads the new K/V, not the cache
+        if q_lens != kv_lens:
+            device = view.k_cache.device
+            slots = flash.context_slots(
+                view.req_to_token_host, batch.rows_host[d:], kv_lens, device
+            )
         k_cache = view.k_cache[0]
         self._fa3.plan(
-            slots, batch.q_lens[d:], kv_lens, self.num_heads, k_cache.shape[1], k_cache.shape[2],
+            slots, q_lens, kv_lens, self.num_heads, k_cache.shape[1], k_cache.shape[2],
             k_cache.dtype, self.scale,
         )  # fmt: skip
         self._fa3_planned = True
@@ -140,7 +144,18 @@ class CudaBackend(AttentionBackend):
             cuda_ops.store_kv(k, v, k_cache, v_cache, loc, k_scale, v_scale)
         if self._decode:
             return self.fwd_decode(layer, q, view, out)
-        return self.fwd_prefill(layer, q, view, out)
+        return self.fwd_prefill(layer, q, view, out, new_kv=(k, v))
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        view: CacheView,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        if self._decode:
+            return self.fwd_decode(layer, q, view)
+        return self.fwd_prefill(layer, q, view, new_kv=new_kv)
 
     def kv_destination(self, layer: int, view: CacheView) -> KVDestination | None:
         """The layer's caches when they hold bf16 / fp16 (an FP8 cache quantizes whole rows
@@ -184,13 +199,19 @@ class CudaBackend(AttentionBackend):
         )
 
     def fwd_prefill(
-        self, layer: int, q: torch.Tensor, view: CacheView, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self, layer: int, q: torch.Tensor, view: CacheView, out: torch.Tensor | None = None,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """`new_kv`: the step's own K and V rows (after RoPE), which a ragged FA3 plan reads."""
         b, d, plan = self._batch, self._num_leading_decodes, self._plan
         assert b is not None
         if self._fa3_planned:
             assert self._fa3 is not None
-            k, v = view.k_cache[layer], view.v_cache[layer]
+            if self._fa3.ragged:
+                assert new_kv is not None, "a ragged FA3 plan reads the step's new K/V"
+                k, v = new_kv[0][d:], new_kv[1][d:]
+            else:
+                k, v = view.k_cache[layer], view.v_cache[layer]
             if d == 0:
                 return self._fa3.run(q, k, v, out)
             if out is None:

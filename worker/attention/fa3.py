@@ -1,10 +1,12 @@
 """Prefill attention through FlashInfer's FlashAttention-3 kernels (Hopper: wgmma, TMA,
-warp-specialised pipelining), reading K/V in place in the paged cache.
+warp-specialised pipelining).
 
 FlashInfer is optional (`pip install flashinfer-python`); where it runs, `prefill_kernel: auto`
 takes this path (`resolve`). Without it, or off sm_90, the CUDA backend keeps its own kernels
-and torch's FlashAttention-2. The cache is handed over as
-pages of one token (`[n_slots, 1, Hkv, D]`) and each sequence's slots as its page list, so
+and torch's FlashAttention-2. A step whose prompt rows have no cached context runs the ragged
+kernel on the new K/V where the projection left them (TMA loads; the same tokens are in the
+cache too). Otherwise the kernel reads K/V in place in the paged cache, handed over as
+pages of one token (`[n_slots, 1, Hkv, D]`) with each sequence's slots as its page list, so
 nothing is gathered: FlashInfer's FA3 path reads a page-size-1 cache token by token
 ("vector-sparse") in any case. The first use JIT-compiles the kernels for this dtype and
 head size (minutes; cached on disk by FlashInfer afterwards).
@@ -48,11 +50,12 @@ def available(dtype: torch.dtype, head_dim: int) -> bool:
     try:
         device = torch.device("cuda")
         fa3 = Fa3Prefill(device)
-        cache_kv = torch.randn(8, 1, head_dim, dtype=dtype, device=device)
+        kv = torch.randn(8, 1, head_dim, dtype=dtype, device=device)
         slots = torch.arange(8, dtype=torch.int32, device=device)
-        fa3.plan(slots, [4, 4], [4, 4], 2, 1, head_dim, dtype, head_dim**-0.5)
         q = torch.randn(8, 2, head_dim, dtype=dtype, device=device)
-        fa3.run(q, cache_kv, cache_kv)
+        for s in (slots, None):  # the paged kernel, then the ragged one
+            fa3.plan(s, [4, 4], [4, 4], 2, 1, head_dim, dtype, head_dim**-0.5)
+            fa3.run(q, kv, kv)
         torch.cuda.synchronize()
     except Exception as exc:  # a failed JIT build or launch: the other kernels serve
         log.warning("FlashInfer's FA3 prefill does not run here: %s", exc)
@@ -73,23 +76,28 @@ class Fa3Prefill:
     FlashInfer copies a plan to the device from host tensors with `non_blocking`, which from
     pageable memory waits for the device (the overlapped launch then stalls), so the lengths
     go in pinned. Its own pinned plan buffer is rewritten by the next plan of the same wrapper:
-    two wrappers are used in turn, and a wrapper is planned again only once the copy of its
-    last plan has run (an event; with at most two steps in flight it always has)."""
+    two sets of wrappers are used in turn, and a set is planned again only once the copy of
+    its last plan has run (an event; with at most two steps in flight it always has)."""
 
     def __init__(self, device: torch.device):
         import flashinfer
 
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._wrappers: list[Any] = [
+        self._paged: list[Any] = [
             flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa3")
+            for _ in range(2)
+        ]
+        self._ragged: list[Any] = [
+            flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="fa3")
             for _ in range(2)
         ]
         self._copied = [torch.cuda.Event(), torch.cuda.Event()]
         self._turn = 0
+        self.ragged = False  # the last plan reads the new rows' K/V, not the cache
 
     def plan(
         self,
-        slots: torch.Tensor,
+        slots: torch.Tensor | None,
         q_lens: list[int],
         kv_lens: list[int],
         num_heads: int,
@@ -99,37 +107,50 @@ class Fa3Prefill:
         scale: float,
     ) -> None:
         """The step's layout: sequence i has q_lens[i] new tokens, the last of its kv_lens[i]
-        tokens, whose cache slots are `slots` (int32 on the device, sequences in order)."""
+        tokens, whose cache slots are `slots` (int32 on the device, sequences in order).
+        `slots` None: no sequence has cached context (q_lens == kv_lens), and `run` takes the
+        new rows' K/V instead of the cache."""
         self._turn ^= 1
         self._copied[self._turn].synchronize()  # an event never recorded returns at once
-        self._wrappers[self._turn].plan(
-            _pinned_offsets(q_lens),
-            _pinned_offsets(kv_lens),
-            torch.nn.functional.pad(slots, (0, INDEX_PAD)),
-            _pinned([1] * len(kv_lens)),  # every page holds one token
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            1,  # page size
-            causal=True,  # bottom-right aligned: query i sees keys up to kv_len - q_len + i
-            sm_scale=scale,
-            q_data_type=dtype,
-            kv_data_type=dtype,
-            seq_lens=_pinned(kv_lens),  # else FlashInfer derives them into pageable memory
-        )
+        self.ragged = slots is None
+        # causal is bottom-right aligned: query i sees keys up to kv_len - q_len + i
+        shape = dict(causal=True, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype)
+        if self.ragged:
+            assert q_lens == kv_lens, "a ragged plan has no cached context"
+            offsets = _pinned_offsets(q_lens)
+            self._ragged[self._turn].plan(
+                offsets, offsets, num_heads, num_kv_heads, head_dim, **shape
+            )
+        else:
+            assert slots is not None
+            self._paged[self._turn].plan(
+                _pinned_offsets(q_lens),
+                _pinned_offsets(kv_lens),
+                torch.nn.functional.pad(slots, (0, INDEX_PAD)),
+                _pinned([1] * len(kv_lens)),  # every page holds one token
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                1,  # page size
+                seq_lens=_pinned(kv_lens),  # else FlashInfer derives them into pageable memory
+                **shape,
+            )
         self._copied[self._turn].record()
 
     def run(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of the planned rows' q `[T, Hq, D]` over one layer's cache `[n_slots,
-        Hkv, D]`, into `out` when given."""
-        cache_kv = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))
-        return self._wrappers[self._turn].run(q, cache_kv, out=out)
+        """Attention of the planned rows' q `[T, Hq, D]`, into `out` when given, over one
+        layer's cache `[n_slots, Hkv, D]`, or when `ragged` over the new rows' `[T, Hkv, D]`
+        (rows may be strided, as views of a fused projection)."""
+        if self.ragged:
+            return self._ragged[self._turn].run(q, k, v, out=out)
+        cache_kv = (k.unsqueeze(1), v.unsqueeze(1))
+        return self._paged[self._turn].run(q, cache_kv, out=out)
 
 
 def _pinned(values: list[int]) -> torch.Tensor:

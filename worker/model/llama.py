@@ -76,8 +76,13 @@ class Attention(nn.Module):
         qkv = ops.qkv_rope_store(x, w, b, rope, dest, self.num_heads)
         if qkv is None:
             return None
-        q = qkv[:, : self.q_size].view(x.shape[0], self.num_heads, self.head_dim)
-        return backend.attend(self.layer_id, q, view)
+        n = x.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        new_kv = (
+            k.view(n, self.num_kv_heads, self.head_dim),
+            v.view(n, self.num_kv_heads, self.head_dim),
+        )
+        return backend.attend(self.layer_id, q.view(n, self.num_heads, self.head_dim), view, new_kv)
 
 
 class MLP(nn.Module):

@@ -1,7 +1,8 @@
 """The FA3 prefill path's glue to FlashInfer (CPU, a recording stand-in for flashinfer): the
 layout it plans (indptrs on the host, pinned, one token a page, causal), the wrappers used
-in turn (each planned again only after its last plan's copy), and the cache handed over in
-place. The kernels themselves are checked in tests/gpu."""
+in turn (each planned again only after its last plan's copy), the cache handed over in
+place, and fresh prompts' new K/V to the ragged kernel. The kernels themselves are checked
+in tests/gpu."""
 
 import sys
 import types
@@ -21,9 +22,27 @@ class _Wrapper:
     def plan(self, *args, **kwargs):
         self.plans.append((args, kwargs))
 
-    def run(self, q, cache_kv, out=None):
-        self.runs.append((q, cache_kv, out))
+    def run(self, q, *kv, out=None):
+        self.runs.append((q, *kv, out))
         return out
+
+
+class _Ragged(_Wrapper):
+    pass
+
+
+def _runner(monkeypatch, pinned: list[torch.Tensor]) -> fa3.Fa3Prefill:
+    """A `Fa3Prefill` over the stand-ins; the tensors it pins go to `pinned`."""
+    fake = types.SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=_Wrapper,
+        BatchPrefillWithRaggedKVCacheWrapper=_Ragged,
+    )
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(t) or t)
+    _Wrapper.made.clear()
+    _Event.log.clear()
+    return fa3.Fa3Prefill(torch.device("cpu"))
 
 
 class _Event:
@@ -39,15 +58,10 @@ class _Event:
 
 
 def test_plans_each_sequences_slots_as_one_token_pages(monkeypatch):
-    fake = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_Wrapper)
-    monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
     pinned: list[torch.Tensor] = []
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(t) or t)
-    _Wrapper.made.clear()
-    _Event.log.clear()
-    runner = fa3.Fa3Prefill(torch.device("cpu"))
-    first, second = _Wrapper.made
+    runner = _runner(monkeypatch, pinned)
+    first, second, *ragged = _Wrapper.made
+    assert not any(isinstance(w, _Ragged) for w in (first, second))
     assert (first.layout, first.backend) == ("NHD", "fa3") and first is not second
     slots = torch.arange(12, dtype=torch.int32)
     runner.plan(slots, [3, 5], [4, 8], 8, 2, 64, torch.bfloat16, 0.125)
@@ -71,6 +85,7 @@ def test_plans_each_sequences_slots_as_one_token_pages(monkeypatch):
 
     q, out = torch.zeros(8, 8, 64), torch.zeros(8, 8, 64)
     k_cache, v_cache = torch.zeros(12, 2, 64), torch.zeros(12, 2, 64)
+    assert not runner.ragged
     assert runner.run(q, k_cache, v_cache, out) is out
     (_, (k, v), _), = second.runs  # fmt: skip
     assert k.shape == (12, 1, 2, 64) and k.data_ptr() == k_cache.data_ptr()  # in place
@@ -80,6 +95,40 @@ def test_plans_each_sequences_slots_as_one_token_pages(monkeypatch):
     runner.run(q, k_cache, v_cache, out)
     assert len(first.plans) == len(first.runs) == 1  # the next step: the other wrapper
     assert _Event.log[2][1] is not event  # ... and the other wrapper's event
+    assert not any(w.plans for w in ragged)
+
+
+def test_fresh_prompts_go_to_the_ragged_kernel_on_their_new_rows(monkeypatch):
+    """No cached context (no slots): the ragged wrapper of the turn's set, planned with the
+    query offsets as the key offsets (pinned, causal), runs on the new K/V as given."""
+    pinned: list[torch.Tensor] = []
+    runner = _runner(monkeypatch, pinned)
+    paged = [w for w in _Wrapper.made if not isinstance(w, _Ragged)]
+    first, second = [w for w in _Wrapper.made if isinstance(w, _Ragged)]
+    assert (first.layout, first.backend) == ("NHD", "fa3")
+    runner.plan(None, [3, 5], [3, 5], 8, 2, 64, torch.bfloat16, 0.125)
+    assert runner.ragged
+    (args, kwargs), = second.plans  # fmt: skip
+    qo, kv, heads, kv_heads, head_dim = args
+    assert qo.tolist() == kv.tolist() == [0, 3, 8]
+    assert all(any(t is p for p in pinned) for t in (qo, kv))
+    assert (heads, kv_heads, head_dim) == (8, 2, 64)
+    assert kwargs["causal"] and kwargs["sm_scale"] == 0.125
+    assert kwargs["q_data_type"] == kwargs["kv_data_type"] == torch.bfloat16
+
+    fused = torch.zeros(8, 12, 64)  # q, k, v rows of one projection: strided views
+    q, k, v, out = fused[:, :8], fused[:, 8:10], fused[:, 10:], torch.zeros(8, 8, 64)
+    assert runner.run(q, k, v, out) is out
+    (_, k_in, v_in, _), = second.runs  # fmt: skip
+    assert k_in is k and v_in is v  # as given: no copy, no cache
+    # the next step has cached context: the paged wrapper of the other set
+    runner.plan(torch.arange(12, dtype=torch.int32), [3, 5], [4, 8], 8, 2, 64, torch.bfloat16, 1.0)
+    assert not runner.ragged and len(paged[0].plans) == 1 and not first.plans
+    runner.plan(None, [3, 5], [3, 5], 8, 2, 64, torch.bfloat16, 0.125)
+    assert len(second.plans) == 2  # ... and the ragged one of this set after it
+    # each plan waited for its set's last copy: the event recorded two plans before
+    assert [kind for kind, _ in _Event.log] == ["synchronize", "record"] * 3
+    assert _Event.log[4][1] is _Event.log[1][1]
 
 
 def test_unavailable_without_a_hopper_gpu():
