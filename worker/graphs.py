@@ -274,9 +274,13 @@ class PromptGraphRunner:
         n = batch.num_tokens
         pieces = self.pieces[bucket]
         out = self.attn_out[:n]
+        # the first piece (embedding to the first q/k/v) reads no attention metadata: the
+        # device runs it while the host plans attention
+        pieces.graphs[0].replay()
         self.backend.prepare(batch, self.cache)
         for layer, (q, k, v) in enumerate(pieces.inputs):
-            pieces.graphs[layer].replay()
+            if layer:
+                pieces.graphs[layer].replay()
             self.backend.forward(layer, q[:n], k[:n], v[:n], self.cache, out=out)
         pieces.graphs[-1].replay()
         return pieces.hidden[:n]
