@@ -582,15 +582,12 @@ def _prefill_case(name: str, seqs: list[tuple[int, int]], with_fa3: bool) -> dic
         flash_us = graph_time_us(
             [partial(flash.prefill, q, k_cache, v_cache, plan, D**-0.5)], min_calls=8
         )
-    fa3_us, fa3_diff, fa3_error = None, None, None
-    if with_fa3 and fa3.available(DTYPE, D):  # over the cache in place, as `prefill_kernel: fa3`
+    fa3_us, fa3_paged_us, fa3_diff, fa3_error = None, None, None, None
+    if with_fa3 and fa3.available(DTYPE, D):  # as `prefill_kernel: fa3` runs it
         try:
-            runner, fa3_out = fa3.Fa3Prefill(q.device), torch.empty_like(q)
-            slots = flash.context_slots(table, rows, kv_lens, q.device)
-            runner.plan(slots, q_lens, kv_lens, HQ, HKV, D, DTYPE, D**-0.5)
-            fa3_us = graph_time_us([partial(runner.run, q, k_cache, v_cache, fa3_out)], min_calls=8)
+            fa3_us, fa3_paged_us, outs = _fa3_case(q, k_cache, v_cache, table, rows, seqs)
             kvray_call(0)()  # the reference: kvray's own kernel into `out`
-            fa3_diff = float((fa3_out.float() - out.float()).abs().max())
+            fa3_diff = max(float((o.float() - out.float()).abs().max()) for o in outs)
         except Exception as exc:  # a FlashInfer failure must not lose the other figures
             fa3_error = f"{type(exc).__name__}: {exc}"[:500]
     sdpa_calls: list[Callable[[], Any]] = []
@@ -624,8 +621,35 @@ def _prefill_case(name: str, seqs: list[tuple[int, int]], with_fa3: bool) -> dic
             "sdpa_tflops": flops / sdpa / 1e6, "floor_us_at_790_tflops": flops / 790e12 * 1e6,
             "flash_us": flash_us, "flash_tflops": flops / flash_us / 1e6 if flash_us else None,
             "fa3_us": fa3_us, "fa3_tflops": flops / fa3_us / 1e6 if fa3_us else None,
+            "fa3_paged_us": fa3_paged_us,
+            "fa3_paged_tflops": flops / fa3_paged_us / 1e6 if fa3_paged_us else None,
             "fa3_max_abs_diff_vs_kvray": fa3_diff, "fa3_error": fa3_error,
             "engine_picks": _engine_picks(seqs, flash_us, fa3_us)}  # fmt: skip
+
+
+def _fa3_case(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: Any, rows: list[int],
+    seqs: list[tuple[int, int]],
+) -> tuple[float, float, list[torch.Tensor]]:  # fmt: skip
+    """FlashInfer's FA3 as the engine runs it (fresh prompts: the ragged kernel on the new K/V,
+    strided rows of a fused projection as the engine's are; else over the cache in place), and
+    over the cache in place whatever the batch: (µs, paged µs, their outputs)."""
+    q_lens, kv_lens = [n for n, _ in seqs], [kv for _, kv in seqs]
+    runner = fa3.Fa3Prefill(q.device)
+    slots = flash.context_slots(table, rows, kv_lens, q.device)
+    paged_out = torch.empty_like(q)
+    runner.plan(slots, q_lens, kv_lens, HQ, HKV, D, DTYPE, D**-0.5)
+    paged_us = graph_time_us([partial(runner.run, q, k_cache, v_cache, paged_out)], min_calls=8)
+    if q_lens != kv_lens:
+        return paged_us, paged_us, [paged_out]
+    fused = torch.empty(q.shape[0], HQ + 2 * HKV, D, device=q.device, dtype=q.dtype)
+    fused[:, HQ : HQ + HKV] = k_cache[slots.long()]
+    fused[:, HQ + HKV :] = v_cache[slots.long()]
+    k, v = fused[:, HQ : HQ + HKV], fused[:, HQ + HKV :]
+    ragged_out = torch.empty_like(q)
+    runner.plan(None, q_lens, kv_lens, HQ, HKV, D, DTYPE, D**-0.5)
+    ragged_us = graph_time_us([partial(runner.run, q, k, v, ragged_out)], min_calls=8)
+    return ragged_us, paged_us, [paged_out, ragged_out]
 
 
 def _engine_picks(seqs: list[tuple[int, int]], flash_us: float | None, fa3_us: float | None) -> str:
@@ -738,15 +762,16 @@ def print_prefill_table(rows: list[dict[str, Any]]) -> None:
     variants = sorted(rows[0]["variant_tflops"], key=int) if rows else []
     head = " ".join(f"{'v' + v:>6}" for v in variants)
     print(
-        f"\n{'prefill case (TFLOP/s)':<34} {'kvray':>6} {head} {'FA2':>6} {'FA3':>6} {'SDPA':>6}  engine picks"
+        f"\n{'prefill case (TFLOP/s)':<34} {'kvray':>6} {head} {'FA2':>6} {'FA3':>6} {'paged':>6} {'SDPA':>6}  engine picks"
     )
     for r in rows:
         cols = " ".join(f"{r['variant_tflops'][v]:6.1f}" for v in variants)
-        fa2, fa3_ = (
-            f"{r[k]:6.1f}" if r.get(k) else f"{'-':>6}" for k in ("flash_tflops", "fa3_tflops")
+        fa2, fa3_, paged = (
+            f"{r[k]:6.1f}" if r.get(k) else f"{'-':>6}"
+            for k in ("flash_tflops", "fa3_tflops", "fa3_paged_tflops")
         )
         print(
-            f"{r['case']:<34} {r['kvray_tflops']:6.1f} {cols} {fa2} {fa3_} {r['sdpa_tflops']:6.1f}  {r['engine_picks']}"
+            f"{r['case']:<34} {r['kvray_tflops']:6.1f} {cols} {fa2} {fa3_} {paged} {r['sdpa_tflops']:6.1f}  {r['engine_picks']}"
         )
 
 
