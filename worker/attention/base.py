@@ -13,6 +13,10 @@ if TYPE_CHECKING:
     from worker.model.ops import RopeInputs
 
 
+# a step's own K and V rows `[T, Hkv, D]` (after RoPE), as the projection left them
+NewKV = tuple[torch.Tensor, torch.Tensor]
+
+
 class KVDestination(NamedTuple):
     """Where one layer's new K/V rows go: its caches `[n_slots, Hkv, D]` and a slot per token."""
 
@@ -59,11 +63,7 @@ class AttentionBackend(ABC):
         return None
 
     def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        view: CacheView,
-        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self, layer: int, q: torch.Tensor, view: CacheView, new_kv: NewKV | None = None
     ) -> torch.Tensor:
         """Attention over the cache, which already holds this step's K/V. `new_kv`: those
         rows (rotated) where the caller has them, which a backend may read instead."""

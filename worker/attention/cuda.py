@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.attention import cuda_ops, fa3, flash
-from worker.attention.base import AttentionBackend, KVDestination
+from worker.attention.base import AttentionBackend, KVDestination, NewKV
 from worker.attention.kv_quant import dequantize_gather
 from worker.batch import ForwardBatch
 from worker.cache_view import CacheView
@@ -147,12 +147,9 @@ class CudaBackend(AttentionBackend):
         return self.fwd_prefill(layer, q, view, out, new_kv=(k, v))
 
     def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        view: CacheView,
-        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self, layer: int, q: torch.Tensor, view: CacheView, new_kv: NewKV | None = None
     ) -> torch.Tensor:
+        """As the protocol's, `new_kv` handed on to the prompt kernels (FA3's ragged plan)."""
         if self._decode:
             return self.fwd_decode(layer, q, view)
         return self.fwd_prefill(layer, q, view, new_kv=new_kv)
@@ -200,9 +197,9 @@ class CudaBackend(AttentionBackend):
 
     def fwd_prefill(
         self, layer: int, q: torch.Tensor, view: CacheView, out: torch.Tensor | None = None,
-        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        new_kv: NewKV | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """`new_kv`: the step's own K and V rows (after RoPE), which a ragged FA3 plan reads."""
+        """`new_kv`: the rows a ragged FA3 plan reads instead of the cache."""
         b, d, plan = self._batch, self._num_leading_decodes, self._plan
         assert b is not None
         if self._fa3_planned:
