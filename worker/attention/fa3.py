@@ -114,15 +114,14 @@ class Fa3Prefill:
         self._copied[self._turn].synchronize()  # an event never recorded returns at once
         self.ragged = slots is None
         # causal is bottom-right aligned: query i sees keys up to kv_len - q_len + i
-        shape = dict(causal=True, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype)
-        if self.ragged:
+        options = dict(causal=True, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype)
+        if slots is None:
             assert q_lens == kv_lens, "a ragged plan has no cached context"
             offsets = _pinned_offsets(q_lens)
             self._ragged[self._turn].plan(
-                offsets, offsets, num_heads, num_kv_heads, head_dim, **shape
+                offsets, offsets, num_heads, num_kv_heads, head_dim, **options
             )
         else:
-            assert slots is not None
             self._paged[self._turn].plan(
                 _pinned_offsets(q_lens),
                 _pinned_offsets(kv_lens),
@@ -133,7 +132,7 @@ class Fa3Prefill:
                 head_dim,
                 1,  # page size
                 seq_lens=_pinned(kv_lens),  # else FlashInfer derives them into pageable memory
-                **shape,
+                **options,
             )
         self._copied[self._turn].record()
 
