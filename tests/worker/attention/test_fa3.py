@@ -72,7 +72,7 @@ def test_plans_each_sequences_slots_as_one_token_pages(monkeypatch):
     host = (qo, kv, last, kwargs["seq_lens"])
     assert all(t.device.type == "cpu" and t.dtype == torch.int32 for t in host)
     # pinned, or FlashInfer's non_blocking copies of them would wait for the device
-    assert all(any(t is p for p in pinned) for t in host)
+    assert all(_pinned_by(t, pinned) for t in host)
     # the wrapper's last plan was copied before its pinned buffer is planned into again
     (waited, event), (recorded, same) = _Event.log  # fmt: skip
     assert (waited, recorded) == ("synchronize", "record") and event is same
@@ -95,6 +95,9 @@ def test_plans_each_sequences_slots_as_one_token_pages(monkeypatch):
     runner.run(q, k_cache, v_cache, out)
     assert len(first.plans) == len(first.runs) == 1  # the next step: the other wrapper
     assert _Event.log[2][1] is not event  # ... and the other wrapper's event
+    # ... and the other set's pinned buffer: the first set's may still be in flight
+    other_qo = first.plans[0][0][0]
+    assert _pinned_by(other_qo, pinned) and not _shares(other_qo, qo)
     assert not any(w.plans for w in ragged)
 
 
@@ -111,7 +114,7 @@ def test_fresh_prompts_go_to_the_ragged_kernel_on_their_new_rows(monkeypatch):
     (args, kwargs), = second.plans  # fmt: skip
     qo, kv, heads, kv_heads, head_dim = args
     assert qo.tolist() == kv.tolist() == [0, 3, 8]
-    assert all(any(t is p for p in pinned) for t in (qo, kv))
+    assert all(_pinned_by(t, pinned) for t in (qo, kv))
     assert (heads, kv_heads, head_dim) == (8, 2, 64)
     assert kwargs["causal"] and kwargs["sm_scale"] == 0.125
     assert kwargs["q_data_type"] == kwargs["kv_data_type"] == torch.bfloat16
@@ -129,6 +132,28 @@ def test_fresh_prompts_go_to_the_ragged_kernel_on_their_new_rows(monkeypatch):
     # each plan waited for its set's last copy: the event recorded two plans before
     assert [kind for kind, _ in _Event.log] == ["synchronize", "record"] * 3
     assert _Event.log[4][1] is _Event.log[1][1]
+
+
+def test_a_batch_past_the_pinned_buffer_gets_a_larger_one(monkeypatch):
+    pinned: list[torch.Tensor] = []
+    runner = _runner(monkeypatch, pinned)
+    n = fa3.HOST_INTS  # four rows of lengths and offsets: four times the buffer
+    runner.plan(torch.arange(2 * n, dtype=torch.int32), [1] * n, [2] * n, 8, 2, 64,
+                torch.bfloat16, 0.125)  # fmt: skip
+    (args, kwargs), = _Wrapper.made[1].plans  # fmt: skip
+    qo, kv, _, last = args[:4]
+    assert qo.tolist() == list(range(n + 1)) and kv.tolist() == list(range(0, 2 * n + 1, 2))
+    assert last.tolist() == [1] * n and kwargs["seq_lens"].tolist() == [2] * n
+    assert all(_pinned_by(t, pinned[2:]) for t in (qo, kv, last, kwargs["seq_lens"]))
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _pinned_by(t: torch.Tensor, pinned: list[torch.Tensor]) -> bool:
+    """`t` lies in one of the tensors handed to `pin_memory`."""
+    return any(_shares(t, p) for p in pinned)
 
 
 def test_unavailable_without_a_hopper_gpu():
