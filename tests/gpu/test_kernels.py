@@ -477,7 +477,7 @@ def test_fa3_ragged_prefill_matches_reference(dtype, d, hq, hkv, page, seqs) -> 
     fresh = [(n, n) for n, _ in seqs]
     kv, q, qo = _ragged_prompts(dtype, d, hq, hkv, page, fresh)
     lens = [n for n, _ in fresh]
-    new_slots = torch.cat([s[:n] for s, n in zip(kv.slots, lens, strict=True)])  # whole pages
+    new_slots = torch.cat([s[:n] for s, n in zip(kv.slots, lens, strict=True)])  # of whole pages
     fused = torch.empty(qo[-1], hq + 2 * hkv, d, device=DEV, dtype=dtype)
     fused[:, hq : hq + hkv] = kv.k_cache[new_slots]
     fused[:, hq + hkv :] = kv.v_cache[new_slots]
