@@ -167,9 +167,10 @@ class Fa3Prefill:
         if self._host[self._turn].numel() < total:
             self._host[self._turn] = torch.zeros(2 * total, dtype=torch.int32).pin_memory()
         buf = self._host[self._turn]
+        flat = buf.numpy()
         views, at = [], 0
         for r in rows:
-            buf.numpy()[at : at + len(r)] = r
+            flat[at : at + len(r)] = r
             views.append(buf[at : at + len(r)])
             at += len(r)
         return views
