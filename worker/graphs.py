@@ -149,12 +149,16 @@ class _PieceBoundary(AttentionBackend):
     """Stands in for attention while a forward is captured piece by piece: each layer's call
     ends the current graph and begins the next one, and hands back the fixed buffer that the
     real attention will fill at replay. With `pool` None it only hands back the buffer (the
-    live forward before a capture)."""
+    live forward before a capture). It takes q and k unrotated, as the CUDA backend does:
+    at replay RoPE and the KV write are one kernel beside attention."""
+
+    applies_rope = True
 
     def __init__(self, out: torch.Tensor, pool: _POOL_HANDLE | None):
         self.out, self.pool = out, pool
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.rope: RopeInputs | None = None  # every layer's: the workspace's positions
 
     def begin(self) -> None:
         if self.pool is not None:
@@ -182,6 +186,7 @@ class _PieceBoundary(AttentionBackend):
             # Non-owning: the pool may reuse this memory later in the capture, as an eager
             # forward would once attention has read it; replay keeps that order.
             self.inputs.append((cuda_ops.alias(q), cuda_ops.alias(k), cuda_ops.alias(v)))
+            self.rope = rope
             self.begin()
         return self.out[: q.shape[0]]
 
@@ -194,10 +199,12 @@ class _PieceBoundary(AttentionBackend):
 @dataclass(frozen=True, slots=True)
 class _Pieces:
     """One token bucket's graphs (before layer 0's attention, between each pair of layers,
-    after the last one), each attention call's q, k, v, and the final hidden states."""
+    after the last one), each attention call's q, k, v (unrotated), their RoPE inputs, and
+    the final hidden states."""
 
     graphs: list[torch.cuda.CUDAGraph]
     inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    rope: RopeInputs
     hidden: torch.Tensor
 
 
@@ -254,7 +261,10 @@ class PromptGraphRunner:
                     boundary.begin()
                     hidden = self.model(ids, positions, self.cache, boundary)
                     boundary.end()
-                self.pieces[t] = _Pieces(boundary.graphs, boundary.inputs, cuda_ops.alias(hidden))
+                assert boundary.rope is not None, "a Llama-family forward hands RoPE on"
+                self.pieces[t] = _Pieces(
+                    boundary.graphs, boundary.inputs, boundary.rope, cuda_ops.alias(hidden)
+                )
                 del hidden
             torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -274,6 +284,7 @@ class PromptGraphRunner:
         n = batch.num_tokens
         pieces = self.pieces[bucket]
         out = self.attn_out[:n]
+        rope = RopeInputs(pieces.rope.positions[:n], pieces.rope.cos, pieces.rope.sin)
         # the first piece (embedding to the first q/k/v) reads no attention metadata: the
         # device runs it while the host plans attention
         pieces.graphs[0].replay()
@@ -281,7 +292,7 @@ class PromptGraphRunner:
         for layer, (q, k, v) in enumerate(pieces.inputs):
             if layer:
                 pieces.graphs[layer].replay()
-            self.backend.forward(layer, q[:n], k[:n], v[:n], self.cache, out=out)
+            self.backend.forward(layer, q[:n], k[:n], v[:n], self.cache, rope, out=out)
         pieces.graphs[-1].replay()
         return pieces.hidden[:n]
 
