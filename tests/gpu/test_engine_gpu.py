@@ -445,6 +445,36 @@ def test_each_prefill_kernel_matches_the_torch_backend(kernel, shape_dir):
         assert (ours - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
 
 
+def test_a_lone_fresh_prompt_plans_fa3_behind_its_first_layer(shape_dir, monkeypatch):
+    """FA3's plan is host work the device waits for on an idle engine: a lone fresh prompt
+    takes its first layer on FlashAttention-2 and plans FA3 at the second; a batch of prompts
+    plans first. The logits match the torch backend either way."""
+    from worker.attention import fa3, flash
+
+    if not (fa3.available(torch.bfloat16, 64) and flash.available(torch.bfloat16, 64)):
+        pytest.skip("needs FlashInfer's FA3 and torch's FlashAttention-2")
+    engine = _engine(shape_dir, cuda_graphs=False, max_running=8, prefill_kernel="fa3")
+    torch_engine = _engine(shape_dir, backend="torch", cuda_graphs=False, max_running=8)
+    runner, calls = engine.executor.backend._fa3, []
+
+    def recorded(name, fn):
+        return lambda *args, **kwargs: calls.append(name) or fn(*args, **kwargs)
+
+    monkeypatch.setattr(flash, "fresh", recorded("fa2", flash.fresh))
+    monkeypatch.setattr(runner, "plan", recorded("plan", runner.plan))
+    monkeypatch.setattr(runner, "run", recorded("fa3", runner.run))
+    layers = engine.executor.model_config.num_layers
+    for lengths, seed, expected in (
+        ([45], 19, ["fa2", "plan"] + ["fa3"] * (layers - 1)),
+        ([45, 30], 23, ["plan"] + ["fa3"] * layers),
+    ):
+        calls.clear()
+        prompts = random_prompts(lengths, vocab=49152, seed=seed)
+        (ours, _), (ref, _) = _step_logits(engine, prompts), _step_logits(torch_engine, prompts)
+        assert calls == expected, lengths
+        assert (ours - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+
+
 def _steady(engine: Engine, batch: int, tokens: int):
     """Run `batch` requests into steady decode; return the stream."""
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)

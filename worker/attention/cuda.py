@@ -1,7 +1,8 @@
 """CudaBackend: kvray's csrc kernels — fused KV store, split-KV paged decode, ragged prefill —
 and for prompts FlashInfer's FlashAttention-3 over the cache in place where it runs (fa3.py),
 else, for prompt chunks where it is faster, torch's FlashAttention-2 over gathered K/V
-(flash.py).
+(flash.py). A lone fresh prompt's first layer runs FlashAttention-2 on its new K/V, so that
+FA3's plan is made while the device computes.
 
 Decode writes into the workspace's `decode_out` / `decode_o_part` / `decode_ml_part` and its
 launch grid depends on shapes only, so a decode step can be captured in a CUDA graph.
@@ -55,6 +56,12 @@ class CudaBackend(AttentionBackend):
                 "(it needs flashinfer-python and an sm_90 GPU)"
             )
         self._fa3 = fa3.Fa3Prefill(workspace.decode_out.device) if prefill_kernel == "fa3" else None
+        # A lone fresh prompt (an idle engine's: the device waits for the host's first layer)
+        # takes its first layer on FlashAttention-2, which needs no plan, and plans FA3 at the
+        # second, while the device runs the first layer's MLP (docs/performance.md).
+        self._defer_fa3 = self._fa3 is not None and flash.available(dtype, head_dim)
+        self._fa3_deferred: tuple[ForwardBatch, CacheView] | None = None
+        self._first_layer_pending = False
         self._batch: ForwardBatch | None = None
         self._plan: flash.GatherPlan | None = None  # the prompt rows' K/V, when gathered
         self._flash = False
@@ -69,7 +76,7 @@ class CudaBackend(AttentionBackend):
         # give each a 64-query tile per head that is almost all idle.
         self._num_leading_decodes = 0
         self._plan, self._flash, self._packed = None, False, None
-        self._fa3_planned = False
+        self._fa3_planned, self._fa3_deferred = False, None
         if self._decode:
             return
         d = 0
@@ -82,7 +89,11 @@ class CudaBackend(AttentionBackend):
         # FA3 beats kvray's kernel on short chunks too (97 against 54 TFLOP/s on 64 chunks of
         # 32), where FlashAttention-2 does not
         if self._fa3 is not None and view.k_scale is None:
-            self._plan_fa3(batch, view, d)
+            lone_fresh = len(batch.q_lens) == 1 and batch.q_lens == batch.seq_lens_host
+            if self._defer_fa3 and lone_fresh:
+                self._fa3_deferred, self._first_layer_pending = (batch, view), True
+            else:
+                self._plan_fa3(batch, view, d)
             return
         self._flash = self._wants_flash(batch.q_lens[d:], view)
         if self._flash or view.k_scale is not None:
@@ -202,6 +213,15 @@ class CudaBackend(AttentionBackend):
         """`new_kv`: the rows a ragged FA3 plan reads instead of the cache."""
         b, d, plan = self._batch, self._num_leading_decodes, self._plan
         assert b is not None
+        if self._fa3_deferred is not None:
+            if self._first_layer_pending:
+                self._first_layer_pending = False
+                assert new_kv is not None, "a lone fresh prompt attends over its new K/V"
+                n = q.shape[0]
+                result = flash.fresh(q, *new_kv, b.qo_indptr, n, self.scale)
+                return result if out is None else out.copy_(result)
+            self._plan_fa3(*self._fa3_deferred, 0)
+            self._fa3_deferred = None
         if self._fa3_planned:
             assert self._fa3 is not None
             if self._fa3.ragged:

@@ -100,6 +100,14 @@ def attend(
     return _forward(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale)
 
 
+def fresh(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of prompts with no cached context over their own new K/V rows `[T,
+    Hkv, D]` (strided views of a fused projection are fine), `cu` their offsets (int32)."""
+    return _forward(q, k, v, cu, cu, max_len, max_len, scale)
+
+
 def prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: GatherPlan, scale: float
 ) -> torch.Tensor:

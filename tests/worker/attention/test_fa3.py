@@ -4,12 +4,16 @@ in turn (each planned again only after its last plan's copy), the cache handed o
 place, and fresh prompts' new K/V to the ragged kernel. The kernels themselves are checked
 in tests/gpu."""
 
+import functools
+import itertools
 import sys
 import types
 
+import numpy as np
 import torch
 
 from worker.attention import fa3
+from worker.batch import ForwardBatch
 
 
 class _Wrapper:
@@ -170,3 +174,64 @@ def test_auto_takes_fa3_only_where_it_runs(monkeypatch):
     assert fa3.resolve("flash", torch.bfloat16, 128) == "flash"  # asked for: kept
     monkeypatch.setattr(fa3, "available", lambda dtype, head_dim: False)
     assert fa3.resolve("auto", torch.bfloat16, 128) == "auto"
+
+
+def test_a_lone_fresh_prompt_plans_fa3_behind_its_first_layer(monkeypatch):
+    """The CUDA backend's order of work (its kernels stood in for): a lone fresh prompt runs
+    its first layer on FlashAttention-2, which needs no plan, and plans FA3 at the second, when
+    the device has that layer's MLP to run; prompts beside others, or with cached context,
+    plan FA3 before the first layer. (The kernels' numbers: tests/gpu/test_engine_gpu.py.)"""
+    from worker.attention import cuda as cuda_backend
+    from worker.attention import flash
+
+    _runner(monkeypatch, [])  # the stand-in flashinfer, events and pinning
+    monkeypatch.setattr(cuda_backend.cuda_ops, "load", lambda: None)
+    monkeypatch.setattr(fa3, "available", lambda dtype, head_dim: True)
+    monkeypatch.setattr(flash, "available", lambda dtype, head_dim: True)
+    calls: list[str] = []
+
+    def fresh(q, k, v, cu, max_len, scale):
+        calls.append(f"fa2 {cu.tolist()} {max_len}")
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(flash, "fresh", fresh)
+    ws = types.SimpleNamespace(decode_out=torch.zeros(1, 8, 64, dtype=torch.bfloat16))
+    backend = cuda_backend.CudaBackend(8, 64, ws, "fa3")
+    runner = backend._fa3
+    assert runner is not None
+    plan, run = runner.plan, runner.run
+    monkeypatch.setattr(
+        runner, "plan", lambda slots, *a: calls.append(f"plan {slots}") or plan(slots, *a)
+    )
+    monkeypatch.setattr(runner, "run", lambda *a: calls.append("fa3") or run(*a))
+    cache = torch.zeros(3, 64, 2, 64, dtype=torch.bfloat16)
+    view = types.SimpleNamespace(
+        k_cache=cache,
+        v_cache=cache,
+        k_scale=None,
+        req_to_token_host=np.arange(128, dtype=np.int32).reshape(2, 64),
+    )
+
+    def prompt_step(q_lens: list[int], kv_lens: list[int]) -> list[str]:
+        calls.clear()
+        n, cu = sum(q_lens), [0, *itertools.accumulate(q_lens)]
+        i32 = functools.partial(torch.tensor, dtype=torch.int32)
+        batch = ForwardBatch(
+            input_ids=torch.zeros(n, dtype=torch.int64), positions=torch.zeros(n), out_cache_loc=torch.zeros(n),
+            req_pool_indices=i32(range(len(q_lens))), seq_lens=i32(kv_lens), qo_indptr=i32(cu),
+            kv_indptr=i32([0, *itertools.accumulate(kv_lens)]), logits_indices=torch.zeros(len(q_lens)),
+            q_lens=q_lens, seq_lens_host=kv_lens, rows_host=list(range(len(q_lens))),
+        )  # fmt: skip
+        backend.prepare(batch, view)
+        fused = torch.zeros(n, 12, 64, dtype=torch.bfloat16)  # q, k, v as views of one projection
+        q, k, v = fused[:, :8], fused[:, 8:10], fused[:, 10:]
+        for layer in range(3):
+            backend.fwd_prefill(layer, q, view, new_kv=(k, v))
+        return list(calls)
+
+    assert prompt_step([5], [5]) == ["fa2 [0, 5] 5", "plan None", "fa3", "fa3"]
+    assert prompt_step([5, 3], [5, 3]) == ["plan None", "fa3", "fa3", "fa3"]
+    with_context = prompt_step([5], [9])
+    assert with_context[0].startswith("plan tensor") and with_context[1:] == ["fa3"] * 3
+    # the deferred plan is FA3's ragged one of the prompt as a whole
+    assert prompt_step([7], [7])[:2] == ["fa2 [0, 7] 7", "plan None"] and runner.ragged
