@@ -399,11 +399,7 @@ struct LaunchNorm {
     constexpr int kVec = 16 / sizeof(T);
     const size_t row_bytes = static_cast<size_t>(p.n) * sizeof(T);
     if ((p.n >= kRowKernelMinN || p.rows <= kRowKernelMaxRows) && row_bytes <= kRowKernelMaxBytes) {
-      // a thread a 16-byte chunk where the row allows (4,096 bf16: 512), so that staging the
-      // row is one round trip to memory rather than two in series
-      const int chunks = p.vec_ok ? p.n / kVec : p.n;
-      const unsigned threads = static_cast<unsigned>(
-          std::min(kMaxThreads, std::max({p.lanes, 256, (chunks + kWarp - 1) / kWarp * kWarp})));
+      const unsigned threads = static_cast<unsigned>(std::max(p.lanes, 256));
       const dim3 rows(static_cast<unsigned>(p.rows));
       if (p.residual != nullptr) {
         if (p.vec_ok) launch(rms_norm_row_kernel<T, kVec, true>, rows, threads, row_bytes, stream, p);
