@@ -265,12 +265,17 @@ def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) 
             flush=True,
         )
     _set(engine, graphs, True)
-    ttft = _ttft_ms(engine, args.context)
+    runs = _ttft_runs_ms(engine, args.context)
+    ttft = runs[len(runs) // 2]
     flop_floor = 2 * active_params(model) * args.context / (BF16_TFLOPS * 1e12) * 1e3
     result["prefill"].append(
-        {"shape": shape, "tokens": args.context, "ttft_ms": ttft, "flop_floor_ms": flop_floor}
+        {"shape": shape, "tokens": args.context, "ttft_ms": ttft, "ttft_runs_ms": runs,
+         "flop_floor_ms": flop_floor}
+    )  # fmt: skip
+    print(
+        f"{shape:14s} TTFT {args.context} tokens: {ttft:.2f} ms (runs {runs[0]:.2f}-{runs[-1]:.2f}; "
+        f"FLOP floor {flop_floor:.2f} ms)"
     )
-    print(f"{shape:14s} TTFT {args.context} tokens: {ttft:.2f} ms (FLOP floor {flop_floor:.2f} ms)")
     if args.profile:
         result.setdefault("profile", []).append(
             _profile_shape(engine, shape, args.batches, args.context)
@@ -388,8 +393,9 @@ def _kernels_per_step(engine: Engine) -> int:
     return sum(1 for n in names if not n.startswith(("Memcpy", "Memset")))
 
 
-def _ttft_ms(engine: Engine, context: int) -> float:
-    """Median of 4 (after one warm-up) lone `context`-token prompts, submit to first token."""
+def _ttft_runs_ms(engine: Engine, context: int) -> list[float]:
+    """4 lone `context`-token prompts (after one warm-up), submit to first token, sorted: the
+    benchmark reports their median (index 2) and their spread, against which an A/B is read."""
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     prompt = _prompts(1, context, 1)[0]
     times = []
@@ -400,7 +406,7 @@ def _ttft_ms(engine: Engine, context: int) -> float:
         while not stream.finished:
             engine.step()
         times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times[1:])[len(times[1:]) // 2]
+    return sorted(times[1:])
 
 
 # Kernel name fragments -> where a step's GPU time goes (first match wins: FlashAttention's
@@ -569,7 +575,7 @@ def device_intervals(events: Iterable[Any]) -> list[tuple[float, float]]:
 def _trace_shape(
     engine: Engine, shape: str, batch: int, context: int, out: Path, python: bool = False
 ) -> dict[str, Any]:
-    """Traces of one lone prompt, run as `_ttft_ms` runs it, and of 5 decode steps at `batch`
+    """Traces of one lone prompt, run as `_ttft_runs_ms` runs it, and of 5 decode steps at `batch`
     (graphs and overlap on, as the default variant runs)."""
     out.mkdir(parents=True, exist_ok=True)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
