@@ -60,7 +60,7 @@ class CudaBackend(AttentionBackend):
         # takes its first layer on FlashAttention-2, which needs no plan, and plans FA3 at the
         # second, while the device runs the first layer's MLP (docs/performance.md).
         self._defer_fa3 = self._fa3 is not None and flash.available(dtype, head_dim)
-        self._fa3_deferred: tuple[ForwardBatch, CacheView] | None = None
+        self._fa3_deferred = False  # this step's FA3 plan waits for its second layer
         self._first_layer_pending = False
         self._batch: ForwardBatch | None = None
         self._plan: flash.GatherPlan | None = None  # the prompt rows' K/V, when gathered
@@ -76,7 +76,7 @@ class CudaBackend(AttentionBackend):
         # give each a 64-query tile per head that is almost all idle.
         self._num_leading_decodes = 0
         self._plan, self._flash, self._packed = None, False, None
-        self._fa3_planned, self._fa3_deferred = False, None
+        self._fa3_planned, self._fa3_deferred = False, False
         if self._decode:
             return
         d = 0
@@ -91,7 +91,7 @@ class CudaBackend(AttentionBackend):
         if self._fa3 is not None and view.k_scale is None:
             lone_fresh = len(batch.q_lens) == 1 and batch.q_lens == batch.seq_lens_host
             if self._defer_fa3 and lone_fresh:
-                self._fa3_deferred, self._first_layer_pending = (batch, view), True
+                self._fa3_deferred = self._first_layer_pending = True
             else:
                 self._plan_fa3(batch, view, d)
             return
@@ -213,15 +213,15 @@ class CudaBackend(AttentionBackend):
         """`new_kv`: the rows a ragged FA3 plan reads instead of the cache."""
         b, d, plan = self._batch, self._num_leading_decodes, self._plan
         assert b is not None
-        if self._fa3_deferred is not None:
+        if self._fa3_deferred:
             if self._first_layer_pending:
                 self._first_layer_pending = False
                 assert new_kv is not None, "a lone fresh prompt attends over its new K/V"
                 n = q.shape[0]
                 result = flash.fresh(q, *new_kv, b.qo_indptr, n, self.scale)
                 return result if out is None else out.copy_(result)
-            self._plan_fa3(*self._fa3_deferred, 0)
-            self._fa3_deferred = None
+            self._plan_fa3(b, view, 0)
+            self._fa3_deferred = False
         if self._fa3_planned:
             assert self._fa3 is not None
             if self._fa3.ragged:
