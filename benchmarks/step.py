@@ -87,6 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixed-batches", nargs="+", type=int, default=[0, 32, 64])
     parser.add_argument("--prompts", nargs="+", type=int, default=[32, 128, 512, 1024])
     parser.add_argument("--mixed-steps", type=int, default=10, help="timed mixed steps a row")
+    parser.add_argument(
+        "--ttft-runs",
+        type=int,
+        default=16,
+        help="timed lone prompts (their median is the TTFT: an H100's own GEMM time spreads by "
+        "~10 %% from one 30 ms burst to the next)",
+    )
     parser.add_argument("--profile", action="store_true", help="print step breakdowns too")
     parser.add_argument(
         "--trace", metavar="DIR", help="write Chrome traces of a prompt and decode steps"
@@ -265,15 +272,17 @@ def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) 
             flush=True,
         )
     _set(engine, graphs, True)
-    runs = _ttft_runs_ms(engine, args.context)
+    runs = _ttft_runs_ms(engine, args.context, args.ttft_runs)
     ttft = runs[len(runs) // 2]
+    quarter = len(runs) // 4
     flop_floor = 2 * active_params(model) * args.context / (BF16_TFLOPS * 1e12) * 1e3
     result["prefill"].append(
         {"shape": shape, "tokens": args.context, "ttft_ms": ttft, "ttft_runs_ms": runs,
          "flop_floor_ms": flop_floor}
     )  # fmt: skip
     print(
-        f"{shape:14s} TTFT {args.context} tokens: {ttft:.2f} ms (runs {runs[0]:.2f}-{runs[-1]:.2f}; "
+        f"{shape:14s} TTFT {args.context} tokens: {ttft:.2f} ms, the median of {len(runs)} runs "
+        f"(middle half {runs[quarter]:.2f}-{runs[-1 - quarter]:.2f}, all {runs[0]:.2f}-{runs[-1]:.2f}; "
         f"FLOP floor {flop_floor:.2f} ms)"
     )
     if args.profile:
@@ -393,13 +402,13 @@ def _kernels_per_step(engine: Engine) -> int:
     return sum(1 for n in names if not n.startswith(("Memcpy", "Memset")))
 
 
-def _ttft_runs_ms(engine: Engine, context: int) -> list[float]:
-    """4 lone `context`-token prompts (after one warm-up), submit to first token, sorted: the
-    benchmark reports their median (index 2) and their spread, against which an A/B is read."""
+def _ttft_runs_ms(engine: Engine, context: int, runs: int) -> list[float]:
+    """`runs` lone `context`-token prompts (after one warm-up), submit to first token, sorted:
+    the benchmark reports their median and their spread, against which an A/B is read."""
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     prompt = _prompts(1, context, 1)[0]
     times = []
-    for i in range(5):
+    for i in range(runs + 1):
         stream = engine.submit([EngineRequest(f"ttft-{i}", [p + i for p in prompt], params)])
         torch.cuda.synchronize()
         start = time.perf_counter()
