@@ -91,8 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ttft-runs",
         type=int,
         default=16,
-        help="timed lone prompts (their median is the TTFT: an H100's own GEMM time spreads by "
-        "~10 %% from one 30 ms burst to the next)",
+        help="timed lone prompts; their median is the TTFT (docs/performance.md: why 16)",
     )
     parser.add_argument("--profile", action="store_true", help="print step breakdowns too")
     parser.add_argument(

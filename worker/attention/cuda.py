@@ -61,7 +61,6 @@ class CudaBackend(AttentionBackend):
         # second, while the device runs the first layer's MLP (docs/performance.md).
         self._defer_fa3 = self._fa3 is not None and flash.available(dtype, head_dim)
         self._fa3_deferred = False  # this step's FA3 plan waits for its second layer
-        self._first_layer_pending = False
         self._batch: ForwardBatch | None = None
         self._plan: flash.GatherPlan | None = None  # the prompt rows' K/V, when gathered
         self._flash = False
@@ -91,7 +90,7 @@ class CudaBackend(AttentionBackend):
         if self._fa3 is not None and view.k_scale is None:
             lone_fresh = len(batch.q_lens) == 1 and batch.q_lens == batch.seq_lens_host
             if self._defer_fa3 and lone_fresh:
-                self._fa3_deferred = self._first_layer_pending = True
+                self._fa3_deferred = True
             else:
                 self._plan_fa3(batch, view, d)
             return
@@ -214,8 +213,7 @@ class CudaBackend(AttentionBackend):
         b, d, plan = self._batch, self._num_leading_decodes, self._plan
         assert b is not None
         if self._fa3_deferred:
-            if self._first_layer_pending:
-                self._first_layer_pending = False
+            if layer == 0:
                 assert new_kv is not None, "a lone fresh prompt attends over its new K/V"
                 n = q.shape[0]
                 result = flash.fresh(q, *new_kv, b.qo_indptr, n, self.scale)
