@@ -4,12 +4,10 @@
 //
 // skinny.cu streams w through registers and has every warp read all of x through L1: on the
 // 8B shape's matrices that is 2-4x the weight bytes in L1 and L2 traffic, and it lost to
-// cuBLAS. Here a block owns a 128-row tile of w and a K range of it; w and x come into shared
-// memory in 64-K stages through a cp.async ring (kStages deep, the next stages' bytes in
-// flight while this one's MMAs run), x once per block instead of once per warp, and ldmatrix
-// feeds mma.sync. A block has 4 warps for each 16-row tile of x (warp w takes x tile w / 4
-// against its slice w % 4 of the w tile), so a warp's MMAs and registers a stage are those of
-// one x tile at any batch: with one warp doing every x tile, 32 rows ran behind cuBLAS. The weights of the first stages are loaded before the wait on the
+// cuBLAS. Here a block of 4 warps owns a 128-row tile of w and a K range of it; w and x come
+// into shared memory in 64-K stages through a cp.async ring (kStages deep, the next stages'
+// bytes in flight while this one's MMAs run), x once per block instead of once per warp, and
+// ldmatrix feeds mma.sync. The weights of the first stages are loaded before the wait on the
 // kernel before (they are never its output), so they stream while it finishes.
 //
 // A matrix with too few tiles to fill the SMs splits K over up to 8 blocks, run as one
@@ -33,7 +31,7 @@
 namespace kvray {
 namespace {
 
-constexpr int kSliceWarps = 4;  // warps over a w tile's rows, for each 16-row tile of x
+constexpr int kThreads = 128;  // 4 warps
 constexpr int kTileN = 128;  // rows of w a block owns (gated: 64 gate rows, 64 up rows)
 constexpr int kTileK = 64;   // K a stage: 128-byte rows, eight 16-byte chunks
 constexpr int kStages = 4;
@@ -41,16 +39,13 @@ constexpr int kMaxSplit = 8;  // blocks a cluster: the portable cluster size
 constexpr int kChunks = kTileK / 8;
 
 template <int MT>
-constexpr int kThreads = kSliceWarps * MT * kWarp;
-
-template <int MT>
 struct Smem {
   static constexpr int kW = kTileN * kTileK, kX = MT * 16 * kTileK;  // elements a stage
   static constexpr int kStageBytes = (kW + kX) * 2;
   static constexpr int kBytes = kStages * kStageBytes;
   // the partial sums a block leaves for the cluster's merge, over the ring once it is done
-  static constexpr int kAcc = 4 * 4;  // floats a thread: [4 n tiles][4]
-  static_assert(kAcc * kThreads<MT> * 4 <= kBytes, "the partials fit in the ring");
+  static constexpr int kAcc = MT * 4 * 4;  // floats a thread: [MT][4 n tiles][4]
+  static_assert(kAcc * kThreads * 4 <= kBytes, "the partials fit in the ring");
 };
 
 // Splits of K: p.split when set. Else, where the tiles fill at most half a wave of resident
@@ -92,11 +87,9 @@ __device__ __forceinline__ void load_stage(const GemvParams& p, int tile, int it
   const int k_chunks = p.k / 8, c0 = it * kChunks;
   if constexpr (W) {
     const T* w = static_cast<const T*>(p.w);
-    constexpr int kAll = kTileN * kChunks;  // not a multiple of the block at 3 x tiles
 #pragma unroll
-    for (int i = 0; i < (kAll + kThreads<MT> - 1) / kThreads<MT>; ++i) {
-      const int idx = threadIdx.x + i * kThreads<MT>, r = idx / kChunks, c = idx % kChunks;
-      if (kAll % kThreads<MT> != 0 && idx >= kAll) break;
+    for (int i = 0; i < kTileN * kChunks / kThreads; ++i) {
+      const int idx = threadIdx.x + i * kThreads, r = idx / kChunks, c = idx % kChunks;
       bool ok;
       const int row = w_row(p, tile, r, GATED, ok);
       ok = ok && c0 + c < k_chunks;
@@ -108,8 +101,8 @@ __device__ __forceinline__ void load_stage(const GemvParams& p, int tile, int it
     const T* x = static_cast<const T*>(p.x);
     T* xs = slot + Smem<MT>::kW;
 #pragma unroll
-    for (int i = 0; i < MT * 16 * kChunks / kThreads<MT>; ++i) {
-      const int idx = threadIdx.x + i * kThreads<MT>, r = idx / kChunks, c = idx % kChunks;
+    for (int i = 0; i < MT * 16 * kChunks / kThreads; ++i) {
+      const int idx = threadIdx.x + i * kThreads, r = idx / kChunks, c = idx % kChunks;
       const bool ok = r < p.m && c0 + c < k_chunks;
       const T* src = x + (ok ? r * p.x_stride + (c0 + c) * 8 : 0);
       cp_async16(xs + swz<kTileK>(r, c), src, ok);
@@ -118,16 +111,15 @@ __device__ __forceinline__ void load_stage(const GemvParams& p, int tile, int it
 }
 
 // Writes one unit of a lane's sums (see the kernel's end): v0 of n tile nt, v1 of n tile
-// nt + 2 of the warp's slice, for row m = mt * 16 + g (+ 8 when e >= 2) of x. Plain: the two
-// outputs plus bias, rounded once; gated: silu(gate) * up from the two rounded outputs, as
-// silu_and_mul.
+// nt + 2, for row m = mt * 16 + g (+ 8 when e >= 2) of x. Plain: the two outputs plus bias,
+// rounded once; gated: silu(gate) * up from the two rounded outputs, as silu_and_mul.
 template <typename T, bool GATED>
-__device__ __forceinline__ void finish(const GemvParams& p, int tile, int slice, int lane, int mt,
+__device__ __forceinline__ void finish(const GemvParams& p, int tile, int warp, int lane, int mt,
                                        int nt, int e, float v0, float v1) {
   const int g = lane / 4, t = lane % 4;
   const int m = mt * 16 + g + (e >= 2 ? 8 : 0);
   if (m >= p.m) return;
-  const int r = 16 * slice + 8 * nt + 2 * t + (e & 1);  // the tile row of v0; v1's is r + 64
+  const int r = 16 * warp + 8 * nt + 2 * t + (e & 1);  // the tile row of v0; v1's is r + 64
   T* out = static_cast<T*>(p.out) + static_cast<int64_t>(m) * p.out_stride;
   const T* bias = static_cast<const T*>(p.bias);
   bool ok;
@@ -149,17 +141,15 @@ __device__ __forceinline__ void finish(const GemvParams& p, int tile, int slice,
 }
 
 // One block: tile blockIdx.x / split of w over the split-th K range (blockIdx.x % split, the
-// block's rank in its cluster). Warp w multiplies x tile mt = w / 4 by slice w % 4 of the w
-// tile, four 8-row n tiles: tiles 0 and 1 are the tile's rows 16 * slice .. + 15; tiles 2 and
-// 3 are rows 64 + 16 * slice .. + 15 (gated: the up rows of tiles 0 and 1's gate rows).
+// block's rank in its cluster). A warp's four 8-row n tiles: tiles 0 and 1 are the tile's rows
+// 16 * warp .. + 15; tiles 2 and 3 are rows 64 + 16 * warp .. + 15 (gated: the up rows of
+// tiles 0 and 1's gate rows).
 template <typename T, int MT, bool GATED>
-__global__ void __launch_bounds__(kThreads<MT>, MT <= 2 ? 2 : 1)
-    tiled_kernel(const GemvParams p, int split) {
+__global__ void __launch_bounds__(kThreads, 2) tiled_kernel(const GemvParams p, int split) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   T* ring = reinterpret_cast<T*>(smem_raw);
   constexpr int kStageElems = Smem<MT>::kStageBytes / 2;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int slice = warp % kSliceWarps, mt = warp / kSliceWarps;
   const int tile = blockIdx.x / split, part = blockIdx.x % split;
   const int iters = (p.k + kTileK - 1) / kTileK;
   const int per_part = (iters + split - 1) / split;
@@ -181,12 +171,12 @@ __global__ void __launch_bounds__(kThreads<MT>, MT <= 2 ? 2 : 1)
 
   // ldmatrix row addresses (element offsets within a stage), per k16 step kk via swz_step:
   // A (x, rows mt * 16 + lane % 16, chunk lane / 16); B (w, row of matrix lane / 8).
-  const int a_off = mt * 16 * kTileK + swz<kTileK>(lane % 16, lane / 16);
+  const int a_off = swz<kTileK>(lane % 16, lane / 16);
   const int q = lane / 8, b_row = (q / 2) * 8 + lane % 8;
-  const int b_off0 = swz<kTileK>(16 * slice + b_row, q % 2);
-  const int b_off1 = swz<kTileK>(kTileN / 2 + 16 * slice + b_row, q % 2);
+  const int b_off0 = swz<kTileK>(16 * warp + b_row, q % 2);
+  const int b_off1 = swz<kTileK>(kTileN / 2 + 16 * warp + b_row, q % 2);
 
-  float acc[4][4] = {};
+  float acc[MT][4][4] = {};
   for (int i = 0; i < n_it; ++i) {
     if (i == 0) {
       cp_async_wait<0>();
@@ -206,49 +196,54 @@ __global__ void __launch_bounds__(kThreads<MT>, MT <= 2 ? 2 : 1)
       uint32_t b[2][4];
       ldsm_x4(b[0], ws + swz_step(b_off0, kk));
       ldsm_x4(b[1], ws + swz_step(b_off1, kk));
-      uint32_t a[4];
-      ldsm_x4(a, xs + swz_step(a_off, kk));
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-        Dtype<T>::mma(acc[nt], a, b[nt / 2][2 * (nt % 2)], b[nt / 2][2 * (nt % 2) + 1]);
+      for (int mt = 0; mt < MT; ++mt) {
+        uint32_t a[4];
+        ldsm_x4(a, xs + mt * 16 * kTileK + swz_step(a_off, kk));
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+          Dtype<T>::mma(acc[mt][nt], a, b[nt / 2][2 * (nt % 2)], b[nt / 2][2 * (nt % 2) + 1]);
+      }
     }
   }
 
-  // acc[nt] holds C(m, col) for m = mt * 16 + g (+ 8 in [2], [3]), col = 2t, 2t + 1 of n tile
-  // nt's 8 rows. A unit (nt < 2, e) is one value of n tile nt and one of nt + 2: two outputs,
-  // or (gated) the gate and up values of one.
+  // acc[mt][nt] holds C(m, col) for m = mt * 16 + g (+ 8 in [2], [3]), col = 2t, 2t + 1 of
+  // n tile nt's 8 rows. A unit (mt, nt < 2, e) is one value of n tile nt and one of nt + 2:
+  // two outputs, or (gated) the gate and up values of one.
 #if KVRAY_CLUSTERS  // tiled_split gives 1 before Hopper
-  constexpr int kUnits = 2 * 4, kThr = kThreads<MT>;
+  constexpr int kUnits = MT * 2 * 4;
   if (split > 1) {  // rank r of the cluster adds every rank's partials of units r, r + split, ..
     namespace cg = cooperative_groups;
     cg::cluster_group cluster = cg::this_cluster();
     cp_async_wait<0>();
     __syncthreads();  // the ring is free
     float* mine = reinterpret_cast<float*>(smem_raw);  // [kAcc][kThreads]
-    const float* flat = &acc[0][0];
+    const float* flat = &acc[0][0][0];
 #pragma unroll
-    for (int e = 0; e < Smem<MT>::kAcc; ++e) mine[e * kThr + threadIdx.x] = flat[e];
+    for (int e = 0; e < Smem<MT>::kAcc; ++e) mine[e * kThreads + threadIdx.x] = flat[e];
     cluster.sync();
     for (int u = part; u < kUnits; u += split) {
-      const int nt = u / 4, e = u % 4;
-      const int i0 = (nt * 4 + e) * kThr + threadIdx.x;
-      const int i1 = i0 + 8 * kThr;  // acc[nt + 2][e]
+      const int mt = u / 8, nt = u / 4 % 2, e = u % 4;
+      const int i0 = ((mt * 4 + nt) * 4 + e) * kThreads + threadIdx.x;
+      const int i1 = i0 + 8 * kThreads;  // acc[mt][nt + 2][e]
       float v0 = 0.f, v1 = 0.f;
       for (int r = 0; r < split; ++r) {  // in rank order: the same bits whoever finished first
         const float* theirs = cluster.map_shared_rank(mine, r);
         v0 += theirs[i0], v1 += theirs[i1];
       }
-      finish<T, GATED>(p, tile, slice, lane, mt, nt, e, v0, v1);
+      finish<T, GATED>(p, tile, warp, lane, mt, nt, e, v0, v1);
     }
     cluster.sync();  // every block's partials stay until the others have read them
     return;
   }
 #endif
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      finish<T, GATED>(p, tile, slice, lane, mt, nt, e, acc[nt][e], acc[nt + 2][e]);
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        finish<T, GATED>(p, tile, warp, lane, mt, nt, e, acc[mt][nt][e], acc[mt][nt + 2][e]);
 }
 
 template <typename T, int MT, bool GATED>
@@ -263,7 +258,7 @@ cudaError_t launch_gated(const GemvParams& p, cudaStream_t stream) {
   const int rows_per_tile = GATED ? kTileN / 2 : kTileN;
   const int tiles = ((GATED ? p.n / 2 : p.n) + rows_per_tile - 1) / rows_per_tile;
   const dim3 grid(static_cast<unsigned>(tiles * split));
-  return launch_clustered(kernel, grid, kThreads<MT>, smem, stream,
+  return launch_clustered(kernel, grid, kThreads, smem, stream,
                           static_cast<unsigned>(split > 1 ? split : 0), p, split);
 }
 
