@@ -33,6 +33,8 @@
 // before the PV MMA (attend_tile_fp8).
 #include <algorithm>
 #include <cooperative_groups.h>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "common.cuh"
@@ -871,6 +873,18 @@ const KernelInfo* find_info(DType dtype, bool kv_fp8, int head_dim, int variant)
   return nullptr;
 }
 
+// KVRAY_DECODE_LAYOUT=split or head: every automatic launch in that layout, for measuring
+// decode_resolve_variant's rule against either on a GPU (0 when unset or anything else).
+int forced_layout() {
+  static const int forced = [] {
+    const char* value = std::getenv("KVRAY_DECODE_LAYOUT");
+    if (value == nullptr) return 0;
+    if (std::string(value) == "split") return kAutoSplit;
+    return std::string(value) == "head" ? kAutoHead : 0;
+  }();
+  return forced;
+}
+
 }  // namespace
 
 int decode_num_variants() { return kNumVariants; }
@@ -878,6 +892,7 @@ int decode_num_variants() { return kNumVariants; }
 int decode_resolve_variant(int variant, int batch, int num_q_heads, int num_kv_heads,
                            int num_sms) {
   if (variant != 0 || num_kv_heads <= 0) return variant;
+  if (forced_layout() != 0) return forced_layout();
   const int group = num_q_heads / num_kv_heads;
   const int units = num_kv_heads * ((group + kRows - 1) / kRows);
   const int head_blocks = batch * ((units + kHeadUnitsPerBlock - 1) / kHeadUnitsPerBlock);

@@ -8,6 +8,9 @@ a kernel that reads them fails), and poisons every output with NaN before the ca
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from functools import partial
 
@@ -182,6 +185,23 @@ def test_decode_large_batch_head_major_path(dtype, d: int, hq: int, hkv: int) ->
     assert variant == 5
     out = run_decode(q, kv, d**-0.5, 16)
     check_close(out, ref_decode(q, kv, d**-0.5), dtype)
+
+
+@pytest.mark.parametrize(("layout", "variant"), [("split", 1), ("head", 5)])
+def test_decode_layout_setting_forces_the_automatic_pick(layout: str, variant: int) -> None:
+    """KVRAY_DECODE_LAYOUT puts every automatic launch in one layout, a lone request's and an
+    SM-filling batch's alike (read once a process: so in a fresh one)."""
+    batches = (1, 2 * torch.cuda.get_device_properties(0).multi_processor_count)
+    code = (
+        "import torch; from worker.attention import cuda_ops; print([cuda_ops.decode_plan("
+        f"b, 32, 8, 128, torch.bfloat16, 16)[0] for b in {batches}])"
+    )
+    env = {**os.environ, "KVRAY_DECODE_LAYOUT": layout}
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-2:] == [f"[{variant},", f"{variant}]"]
 
 
 def test_decode_strided_q_and_out() -> None:

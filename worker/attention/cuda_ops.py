@@ -206,7 +206,8 @@ def decode_attention(
     o_part [>=B, Hq, S, D] and ml_part [>=B, Hq, S, 2] (float32) hold split partials
     (size S with recommended_max_splits). The kernel layout and split count are chosen
     from B and the shapes (see decode_plan); `num_splits` / `variant` force them, for
-    tests and benchmarks (variant 0 = automatic; an FP8 cache has variants 1 and 5 only).
+    tests and benchmarks (variant 0 = automatic, whose layout KVRAY_DECODE_LAYOUT=split or
+    head forces, for measuring; an FP8 cache has variants 1 and 5 only).
     An FP8 cache needs k_scale / v_scale and bf16 q. `counters` (int32, >= B * Hq, zeros,
     left zero): the last split of each head merges the partials, in the same launch and
     with the same bits as the combine kernel that runs without them.
