@@ -746,6 +746,27 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{r['sdpa_contiguous_us']:8.1f} {r['sdpa_contiguous_tbps']:5.2f}")  # fmt: skip
 
 
+def print_sweep_table(rows: list[dict[str, Any]]) -> None:
+    """--sweep's figures: each tiling variant at its own split count, and the automatic variant
+    at forced split counts, beside what `auto` runs (µs; the fastest of the row starred)."""
+    if not rows or "variant_us" not in rows[0]:
+        return
+    variants, splits = list(rows[0]["variant_us"]), list(rows[0]["forced_splits_us"])
+    print(
+        f"\n{'sweep':>4} {'L':>5} | {'auto':>12} | "
+        + " ".join(f"{'v' + v:>7}" for v in variants)
+        + " | "
+        + " ".join(f"{'s' + n:>7}" for n in splits)
+    )
+    for r in rows:
+        times = [*r["variant_us"].values(), *r["forced_splits_us"].values()]
+        best = min(times)
+        cells = [f"{t:6.1f}{'*' if t == best else ' '}" for t in times]
+        auto = f"v{r['kvray_variant']} s{r['kvray_splits']} {r['kvray_us']:5.1f}"
+        print(f"{r['batch']:>4} {r['seq_len']:>5} | {auto:>12} | "
+              f"{' '.join(cells[: len(variants)])} | {' '.join(cells[len(variants) :])}")  # fmt: skip
+
+
 def print_fp8_table(rows: list[dict[str, Any]], bf16: list[dict[str, Any]]) -> None:
     bf16_us = {(r["batch"], r["seq_len"]): r["kvray_us"] for r in bf16}
     print(
@@ -854,6 +875,7 @@ def run(args: argparse.Namespace) -> int:
     write_result(args.result_json, "kernels", result)
     if "decode" in result:
         print_table(result["decode"])
+        print_sweep_table(result["decode"])
     if "decode_fp8" in result:
         print_fp8_table(result["decode_fp8"], result.get("decode", []))
     if "prefill" in result:
