@@ -753,7 +753,7 @@ def print_sweep_table(rows: list[dict[str, Any]]) -> None:
         return
     variants, splits = list(rows[0]["variant_us"]), list(rows[0]["forced_splits_us"])
     print(
-        f"\n{'sweep':>4} {'L':>5} | {'auto':>12} | "
+        f"\n{'B':>4} {'L':>5} | {'auto (sweep)':>12} | "
         + " ".join(f"{'v' + v:>7}" for v in variants)
         + " | "
         + " ".join(f"{'s' + n:>7}" for n in splits)
