@@ -87,10 +87,11 @@ class ReqToTokenPool:
         self._free_rows = list(range(max_running - 1, -1, -1))
         self._dirty: list[tuple[int, int, int]] = []
         pin = device.type == "cuda"
-        self._h_idx = torch.zeros(staging, dtype=torch.int64, pin_memory=pin)
-        self._h_val = torch.zeros(staging, dtype=torch.int32, pin_memory=pin)
-        self._d_idx = torch.zeros(staging, dtype=torch.int64, device=device)
-        self._d_val = torch.zeros(staging, dtype=torch.int32, device=device)
+        # A flush of n writes stages n int64 flat indices (as 2n int32) then their n values:
+        # one copy carries both.
+        self._staging = staging
+        self._h_stage = torch.zeros(3 * staging, dtype=torch.int32, pin_memory=pin)
+        self._d_stage = torch.zeros(3 * staging, dtype=torch.int32, device=device)
         # Recorded after each staged copy: the engine may bind the next step while the device
         # still runs this one, so the staging buffers are refilled only once their copy ran.
         self._copied = torch.cuda.Event() if pin else None
@@ -119,19 +120,20 @@ class ReqToTokenPool:
         self._dirty.clear()
         values = self.host.reshape(-1)[flat]
         n = len(flat)
-        if n > len(self._h_idx):  # a long prefix hit at admission: rare, allocate
+        if n > self._staging:  # a long prefix hit at admission: rare, allocate
             idx = torch.from_numpy(flat).to(self.table.device)
             self.table.view(-1).scatter_(0, idx, torch.from_numpy(values).to(self.table.device))
             return
         if self._copied is not None:
             self._copied.synchronize()
-        self._h_idx.numpy()[:n] = flat
-        self._h_val.numpy()[:n] = values
-        self._d_idx[:n].copy_(self._h_idx[:n], non_blocking=True)
-        self._d_val[:n].copy_(self._h_val[:n], non_blocking=True)
+        host = self._h_stage.numpy()
+        host[: 2 * n].view(np.int64)[:] = flat
+        host[2 * n : 3 * n] = values
+        self._d_stage[: 3 * n].copy_(self._h_stage[: 3 * n], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        self.table.view(-1).scatter_(0, self._d_idx[:n], self._d_val[:n])
+        idx = self._d_stage[: 2 * n].view(torch.int64)
+        self.table.view(-1).scatter_(0, idx, self._d_stage[2 * n : 3 * n])
 
 
 @dataclass(frozen=True)
@@ -263,25 +265,29 @@ class KVCache(CacheView):
             self._staged.synchronize()
         h64, h32 = ws.host_i64.numpy(), ws.host_i32.numpy()
         q_lens = np.fromiter((t.num_new for t in tasks), dtype=np.int64, count=b)
-        qo = np.cumsum(q_lens)
+        qo = q_lens.cumsum()
         # token i of task j sits at position starts[j] + (i - first index of task j)
         positions = np.arange(n_tokens, dtype=np.int64) + np.repeat(starts - (qo - q_lens), q_lens)
-        h64[0, :n_tokens] = list(
+        h64[0, :n_tokens] = np.fromiter(
             chain.from_iterable(
                 t.request.token_ids(int(s), int(s) + t.num_new)
                 for t, s in zip(tasks, starts, strict=True)
-            )
+            ),
+            dtype=np.int64,
+            count=n_tokens,
         )
         h64[1, :n_tokens] = positions
-        h64[2, :n_tokens] = self.req_pool.host[np.repeat(rows, q_lens), positions]
+        table = self.req_pool.host
+        row_base = np.asarray(rows, dtype=np.int64) * table.shape[1]
+        h64[2, :n_tokens] = table.reshape(-1)[np.repeat(row_base, q_lens) + positions]
         h32[0, :b] = rows
         h32[1, :b] = seq_lens
         h32[2, 0], h32[3, 0] = 0, 0
         h32[2, 1 : b + 1] = qo
-        h32[3, 1 : b + 1] = np.cumsum(seq_lens)
+        h32[3, 1 : b + 1] = np.asarray(seq_lens).cumsum()
         hl = ws.host_logits.numpy()
         hl[0, :b] = h32[2, 1 : b + 1] - 1
-        hl[1, :b] = np.asarray(rows, dtype=np.int64) * self.req_pool.host.shape[1]
+        hl[1, :b] = row_base
         sampling = np.flatnonzero(np.fromiter((t.samples for t in tasks), dtype=bool, count=b))
         sample_rows = None
         if len(sampling) < b:  # a prompt chunk that does not end its prompt samples nothing
@@ -336,6 +342,11 @@ class KVCache(CacheView):
 
     def commit(self, request: Request) -> None:
         """Called after a step advanced `num_computed`: publish newly full pages (prefix cache)."""
+
+    def hash_ahead(self, tasks: list[ScheduledTask]) -> None:
+        """After a step is queued, while the device runs it: key the full pages its prompt
+        chunks fill, so that `commit` after it only publishes them (the prefix cache's
+        hashing off a prompt's time to first token)."""
 
     def admitted(self, request: Request) -> None:
         """The scheduler kept an admission (it may roll one back and retry it next step)."""
@@ -439,15 +450,8 @@ class PageCache(KVCache):
             return False
         request.row, request.num_computed = row, 0
         if self.prefix is not None:
-            # Match at most num_tokens - 1 tokens: the last one must run to give logits.
-            _extend_keys(request, self.page_size, request.num_tokens - 1)
             first = request.num_preemptions == 0
-            keys = request.page_keys[: (request.num_tokens - 1) // self.page_size]
-            scored = request.prompt_logprobs
-            if scored is not None and len(scored) < len(request.prompt_ids):
-                hits = []  # every prompt token it has not scored yet must run
-            else:
-                hits = self.prefix.match(keys)
+            hits = self._cached_prefix(request)
             for page in hits:
                 self._ref[page] += 1
             if hits:
@@ -460,6 +464,32 @@ class PageCache(KVCache):
                 request.num_cached = request.num_computed
         return True
 
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """Pages of the request's longest cached prefix, of at most num_tokens - 1 tokens (the
+        last one must run to give logits). Its keys are hashed as the walk needs them: a prompt
+        whose first page misses costs one hash before its step, the rest are hashed while the
+        step runs (`hash_ahead`)."""
+        scored = request.prompt_logprobs
+        if scored is not None and len(scored) < len(request.prompt_ids):
+            return []  # every prompt token it has not scored yet must run
+        assert self.prefix is not None
+        limit = (request.num_tokens - 1) // self.page_size
+        if limit == 0:
+            return []
+        _extend_keys(request, self.page_size, self.page_size)
+        hits = self.prefix.match(request.page_keys[:1])
+        if hits and limit > 1:
+            _extend_keys(request, self.page_size, limit * self.page_size)
+            hits += self.prefix.match(request.page_keys[1:limit])
+        return hits
+
+    def hash_ahead(self, tasks: list[ScheduledTask]) -> None:
+        if self.prefix is None:
+            return
+        for t in tasks:  # a decode's page fills over many steps: `commit` keys it, cheaply
+            if t.num_new > 1 and t.request.row >= 0:
+                _extend_keys(t.request, self.page_size, int(self._task_len[t.request.row]))
+
     def admitted(self, request: Request) -> None:
         if self.prefix is not None and request.num_preemptions == 0:
             self.prefix.record(request.num_tokens, request.num_cached)
@@ -470,7 +500,7 @@ class PageCache(KVCache):
             return True
         if need > self.num_free_pages:
             return False
-        new = [self._take_page() for _ in range(need)]
+        new = self._take_pages(need)
         pages = self._pages[request.row]
         self._set_page_slots(request.row, len(pages), new)
         pages.extend(new)
@@ -483,9 +513,8 @@ class PageCache(KVCache):
         if n_full <= self._published[row]:
             return
         _extend_keys(request, self.page_size, request.num_computed)
-        pages = self._pages[row]
-        for i in range(int(self._published[row]), n_full):
-            self.prefix.publish(request.page_keys[i], pages[i])
+        first = int(self._published[row])
+        self.prefix.publish(request.page_keys[first:n_full], self._pages[row][first:n_full])
         self._published[row] = n_full
 
     def release(self, request: Request) -> None:
@@ -493,10 +522,11 @@ class PageCache(KVCache):
             return
         self.commit(request)
         row = request.row
-        for page in reversed(self._pages[row]):  # deepest first: evicted before its ancestors
-            self._ref[page] -= 1
-            if self._ref[page] == 0 and not (self.prefix and self.prefix.park(page)):
-                self._free.append(page)
+        deepest_first = self._pages[row][::-1]  # parked so: evicted before its ancestors
+        self._ref[deepest_first] -= 1  # a row holds each page once
+        refs = self._ref[deepest_first].tolist()
+        unused = [p for p, n in zip(deepest_first, refs, strict=True) if n == 0]
+        self._free.extend(self.prefix.park(unused) if self.prefix else unused)
         self._pages[row] = []
         self._published[row] = 0
         self._reset_row(request)
@@ -508,10 +538,16 @@ class PageCache(KVCache):
     def prefix_stats(self) -> tuple[int, int]:
         return (self.prefix.hit_tokens, self.prefix.query_tokens) if self.prefix else (0, 0)
 
-    def _take_page(self) -> int:
-        page = self._free.pop() if self._free else self.prefix.evict()  # type: ignore[union-attr]
-        self._ref[page] = 1
-        return page
+    def _take_pages(self, n: int) -> list[int]:
+        """`n` pages, referenced once: free ones first, in the order popping them would give,
+        then evicted cached ones (one slice, not a pop a page: a long prompt takes many)."""
+        free = self._free
+        k = min(n, len(free))
+        pages = free[len(free) - k :][::-1]
+        del free[len(free) - k :]
+        pages += [self.prefix.evict() for _ in range(n - k)]  # type: ignore[union-attr]
+        self._ref[pages] = 1
+        return pages
 
     def _set_page_slots(self, row: int, first_page: int, pages: list[int]) -> None:
         ps = self.page_size

@@ -270,6 +270,7 @@ class Engine:
         step.overlapped = overlapped
         step.schedule_seconds = time.perf_counter() - since - step.launch_seconds
         self.observer.launched(step)
+        self.executor.cache.hash_ahead(tasks)
         return step
 
     def _resolve(self, step: PendingStep, deltas: list[RequestDelta], started: float) -> None:

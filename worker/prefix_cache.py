@@ -8,6 +8,7 @@ there only when a page is needed and no free page is left.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from itertools import islice
 
 
@@ -48,20 +49,28 @@ class PrefixCache:
         self.query_tokens += num_tokens
         self.hit_tokens += hit_tokens
 
-    def publish(self, key: int, page: int) -> None:
-        """Make a just-computed full page findable (no-op if that prefix is already cached)."""
-        if key in self._page_of or page in self._key_of:
-            return
-        self._page_of[key] = page
-        self._key_of[page] = key
-        self._recent[key] = None
+    def publish(self, keys: Iterable[int], pages: Iterable[int]) -> None:
+        """Make just-computed full pages findable, each under its key (a no-op for a prefix
+        already cached)."""
+        page_of, key_of, recent = self._page_of, self._key_of, self._recent
+        for key, page in zip(keys, pages, strict=True):
+            if key in page_of or page in key_of:
+                continue
+            page_of[key] = page
+            key_of[page] = key
+            recent[key] = None
 
-    def park(self, page: int) -> bool:
-        """The last reference to `page` went away: keep it evictable if cached. False: not cached."""
-        if page not in self._key_of:
-            return False
-        self._parked[page] = None
-        return True
+    def park(self, pages: Iterable[int]) -> list[int]:
+        """The last references to `pages` went away: the cached ones stay, evictable, in this
+        order. Returns the others (free to reuse)."""
+        key_of, parked = self._key_of, self._parked
+        uncached = []
+        for page in pages:
+            if page in key_of:
+                parked[page] = None
+            else:
+                uncached.append(page)
+        return uncached
 
     def evict(self) -> int:
         """Drop the least recently parked page and return it for reuse."""

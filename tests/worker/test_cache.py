@@ -3,6 +3,7 @@
 import torch
 
 from worker.cache import KVStorage, PageCache, ReqToTokenPool, _BindState, _is_steady_increment
+from worker.page_hash import page_hashes
 from worker.prefix_cache import PrefixCache
 from worker.request import Request, ScheduledTask
 from worker.sampling import SamplingParams
@@ -92,6 +93,39 @@ def test_pages_return_and_prefix_pages_are_reused():
     assert cache.prefix_stats == (12, 26)
 
 
+def test_a_missed_prompt_is_hashed_past_its_first_page_only_once_its_step_is_queued():
+    """Admission keys pages as the prefix walk needs them; `hash_ahead` keys the rest while
+    the step runs, and `commit` publishes exactly those keys."""
+    cache = _cache(num_pages=16)
+    a = _request("a", 13)
+    assert cache.admit(a) and cache.reserve(a, 13) and a.num_computed == 0
+    assert a.page_keys == page_hashes(a.prompt_ids, PAGE, max_pages=1)
+    cache.bind_tasks([ScheduledTask(a, 13)])
+    cache.hash_ahead([ScheduledTask(a, 13)])
+    assert a.page_keys == page_hashes(a.prompt_ids, PAGE)  # 3 full pages
+    a.num_computed = 13
+    cache.commit(a)
+    assert cache.prefix_summary() == a.page_keys[::-1]  # published, the newest first
+    b = _request("b", 13)
+    c = _request("c", 13)
+    c.prompt_ids[9] = 0  # the same first two pages, then not
+    assert cache.admit(b) and b.num_computed == 12
+    assert cache.admit(c) and c.num_computed == 8
+
+
+def test_pages_come_free_ones_first_in_order_then_evicted_ones():
+    cache = _cache(num_pages=6)  # pages 1-5
+    a = _request("a", 8)
+    assert cache.admit(a) and cache.reserve(a, 8)
+    assert cache._pages[a.row] == [1, 2]
+    a.num_computed = 8
+    cache.release(a)  # page 2 parked before page 1: the deepest goes first
+    b = _request("b", 20, start=100)
+    assert cache.admit(b) and cache.reserve(b, 20)
+    assert cache._pages[b.row] == [3, 4, 5, 2, 1]
+    assert cache.num_free_pages == 0
+
+
 def test_eviction_takes_the_deepest_unreferenced_page_first():
     cache = _cache(num_pages=6)  # 5 usable pages
     a = _request("a", 12)
@@ -168,11 +202,11 @@ def test_prefix_summary_lists_cached_keys_most_recently_used_first() -> None:
     # key leaves; at most max_pages of them
     cache = PrefixCache(page_size=16)
     for key, page in ((11, 1), (12, 2), (13, 3), (14, 4)):
-        cache.publish(key, page)
+        cache.publish([key], [page])
     assert cache.summary(10) == [14, 13, 12, 11]
     assert cache.match([11, 12]) == [1, 2]
     assert cache.summary(3) == [12, 11, 14]
-    cache.park(3)
+    assert cache.park([3]) == []
     assert cache.evict() == 3
     assert cache.summary(10) == [12, 11, 14]
     assert cache.summary() == [12, 11, 14]  # no cap: the whole cache
