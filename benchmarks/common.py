@@ -3,6 +3,7 @@ kvray; and writing it."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -128,6 +129,13 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+
+
+def decode_layout(engine: Any) -> dict[str, Any] | None:
+    """The decode layout an engine measured at start (worker/attention/decode_layout.py), for
+    a result file: an A/B across trees or GPUs may differ by it."""
+    choice = getattr(engine.executor, "decode_layout", None)
+    return dataclasses.asdict(choice) if choice is not None else None
 
 
 def copy_tokenizer(src: Path, dst: Path) -> None:

@@ -47,7 +47,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import BF16_TFLOPS, COPY_TBPS, copy_tokenizer, environment
+from benchmarks.common import (
+    BF16_TFLOPS,
+    COPY_TBPS,
+    copy_tokenizer,
+    decode_layout,
+    environment,
+)
 from benchmarks.schema_corpus import ENDLESS
 from benchmarks.step import active_params, decode_weight_bytes
 from worker.config import EngineAdvanced, EngineConfig
@@ -472,6 +478,7 @@ def _bench_engine(
         "preemptions": after.num_preemptions - before.num_preemptions,
         "prefix_hit_tokens": after.prefix_hits - before.prefix_hits,
         "others_cpu_cores": watch.others_cores,
+        "decode_layout": decode_layout(llm.engine),
         "step_profile": step_profile(steps, costs),
         "token_ids": [o.token_ids for o in outputs],
     }

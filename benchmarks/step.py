@@ -55,6 +55,7 @@ from benchmarks.common import (
     BF16_TFLOPS,
     COPY_TBPS,
     copy_tokenizer,
+    decode_layout,
     environment,
     hardware_text,
     write_result,
@@ -230,6 +231,10 @@ def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) 
     kv_per_token = kv_bytes_per_token(engine.model_config, torch.bfloat16)  # MLA: latent rows
     graphs = _graphs(engine)
     kernels = _kernels_per_step(engine)
+    if layout := decode_layout(engine):
+        result.setdefault("decode_layout", {})[shape] = layout
+        if layout["batches"]:
+            print(f"{shape:14s} decode layout measured at start: {layout}", flush=True)
     for number, batch in enumerate(args.batches):
         row: dict[str, Any] = {"shape": shape, "batch": batch, "kernels_per_step": kernels}
         for index, (key, with_graphs, overlap) in enumerate(VARIANTS):

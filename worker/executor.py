@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from worker.attention import BACKENDS, cuda_ops, mla_backend
+from worker.attention import BACKENDS, cuda_ops, decode_layout, mla_backend
 from worker.attention.cuda import CudaBackend
 from worker.batch import ForwardBatch
 from worker.config import EngineConfig
 from worker.grammar import GrammarState, MaskBuilder
-from worker.graphs import DecodeGraphRunner, PromptGraphRunner
+from worker.graphs import DecodeGraphRunner, PromptGraphRunner, graph_buckets
 from worker.kv_sizing import build_cache
 from worker.model.config import ModelConfig
 from worker.model.deepseek import DeepseekForCausalLM
@@ -163,6 +163,12 @@ class Executor:
                 self.workspace,
                 config.advanced.prefill_kernel,
             )
+        self.decode_layout: decode_layout.Choice | None = None  # CudaBackend's, measured
+        if isinstance(self.backend, CudaBackend):
+            self.decode_layout = decode_layout.choose(
+                self.cache, self.workspace, graph_buckets(config.max_running)
+            )
+            self.backend.decode_variant = self.decode_layout.variant
         log.info(
             "attention backend: %s, layer ops: %s",
             type(self.backend).__name__,

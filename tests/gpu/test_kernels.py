@@ -204,6 +204,39 @@ def test_decode_layout_setting_forces_the_automatic_pick(layout: str, variant: i
     assert run.stdout.split()[-2:] == [f"[{variant},", f"{variant}]"]
 
 
+def test_decode_layout_is_measured_where_auto_would_switch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine's start-up choice times both layouts on its own cache, at the first batch
+    where `auto` goes head-major and at the largest, and keeps the one `pick` names."""
+    from types import SimpleNamespace
+
+    from worker.attention import decode_layout
+    from worker.workspace import InferenceWorkspace
+
+    monkeypatch.delenv("KVRAY_DECODE_LAYOUT", raising=False)
+    hq, hkv, d, page, dtype = 32, 8, 128, 16, torch.bfloat16
+    ws = InferenceWorkspace(max_tokens=256, max_running=256, max_seq_len=2048, num_heads=hq,
+                            head_dim=d, dtype=dtype, device=torch.device(DEV), split_kv=True)  # fmt: skip
+    k = torch.randn(1, page + 256 * 1024, hkv, d, device=DEV).to(dtype)
+
+    def view(slots: int) -> SimpleNamespace:
+        return SimpleNamespace(k_cache=k[:, :slots], v_cache=k[:, :slots], k_scale=None,
+                               v_scale=None, page_size=page)  # fmt: skip
+
+    plans = [cuda_ops.decode_plan(b, hq, hkv, d, dtype, ws.num_kv_splits)[0] for b in range(1, 257)]
+    first_head = plans.index(decode_layout.HEAD) + 1
+    choice = decode_layout.choose(view(k.shape[1]), ws, [1, 8, first_head, 128, 256])  # type: ignore[arg-type]
+    assert choice.batches == (first_head, 256) and choice.context == 1024
+    assert all(t > 0 for t in choice.split_us + choice.head_us)
+    assert choice.variant == decode_layout.pick(choice.split_us, choice.head_us)
+    # a cache with too few tokens a request to time anything: the rule stands
+    small = decode_layout.choose(view(page + 256 * 128), ws, [first_head, 256])  # type: ignore[arg-type]
+    assert small == decode_layout.Choice(decode_layout.AUTO)
+    # batches where auto stays token-split: nothing to measure
+    assert decode_layout.choose(view(k.shape[1]), ws, [1, 8]).batches == ()  # type: ignore[arg-type]
+
+
 def test_decode_strided_q_and_out() -> None:
     """q and out as views into wider rows (as from a fused QKV projection)."""
     dtype, d, hq, hkv = torch.bfloat16, 128, 32, 8

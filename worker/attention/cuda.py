@@ -66,6 +66,9 @@ class CudaBackend(AttentionBackend):
         self._flash = False
         self._fa3_planned = False  # this step's prompt rows go to FA3
         self._packed: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        # the decode kernel variant every launch passes: 0, the kernels' automatic pick, or the
+        # layout decode_layout.choose measured faster on this GPU (set before graph capture)
+        self.decode_variant = 0
 
     def prepare(self, batch: ForwardBatch, view: CacheView) -> None:
         self._batch = batch
@@ -200,6 +203,7 @@ class CudaBackend(AttentionBackend):
             out,
             self.ws.decode_o_part,
             self.ws.decode_ml_part,
+            variant=self.decode_variant,
             k_scale=k_scale,
             v_scale=v_scale,
             counters=self.ws.decode_counters,
