@@ -233,8 +233,9 @@ def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) 
     kernels = _kernels_per_step(engine)
     if layout := decode_layout(engine):
         result.setdefault("decode_layout", {})[shape] = layout
-        if layout["batches"]:
-            print(f"{shape:14s} decode layout measured at start: {layout}", flush=True)
+        if choice := engine.executor.decode_layout:
+            print(f"{shape:14s} decode layout at start (µs token-split / head-major -> kept): "
+                  f"{choice.summary() or 'not measured'}", flush=True)  # fmt: skip
     for number, batch in enumerate(args.batches):
         row: dict[str, Any] = {"shape": shape, "batch": batch, "kernels_per_step": kernels}
         for index, (key, with_graphs, overlap) in enumerate(VARIANTS):

@@ -168,7 +168,7 @@ class Executor:
             self.decode_layout = decode_layout.choose(
                 self.cache, self.workspace, graph_buckets(config.max_running)
             )
-            self.backend.decode_variant = self.decode_layout.variant
+            self.backend.decode_variants = self.decode_layout.table(config.max_running)
         log.info(
             "attention backend: %s, layer ops: %s",
             type(self.backend).__name__,

@@ -207,11 +207,12 @@ def test_decode_layout_setting_forces_the_automatic_pick(layout: str, variant: i
 def test_decode_layout_is_measured_where_auto_would_switch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The engine's start-up choice times both layouts on its own cache, at the first batch
-    where `auto` goes head-major and at the largest, and keeps the one `pick` names."""
+    """The engine's start-up choice times both layouts on its own cache at every bucket
+    where `auto` goes head-major, and keeps at each the one `pick` names."""
     from types import SimpleNamespace
 
     from worker.attention import decode_layout
+    from worker.graphs import graph_buckets
     from worker.workspace import InferenceWorkspace
 
     monkeypatch.delenv("KVRAY_DECODE_LAYOUT", raising=False)
@@ -224,17 +225,20 @@ def test_decode_layout_is_measured_where_auto_would_switch(
         return SimpleNamespace(k_cache=k[:, :slots], v_cache=k[:, :slots], k_scale=None,
                                v_scale=None, page_size=page)  # fmt: skip
 
-    plans = [cuda_ops.decode_plan(b, hq, hkv, d, dtype, ws.num_kv_splits)[0] for b in range(1, 257)]
-    first_head = plans.index(decode_layout.HEAD) + 1
-    choice = decode_layout.choose(view(k.shape[1]), ws, [1, 8, first_head, 128, 256])  # type: ignore[arg-type]
-    assert choice.batches == (first_head, 256) and choice.context == 1024
+    buckets = graph_buckets(256)
+    head = tuple(
+        b for b in buckets if cuda_ops.decode_plan(b, hq, hkv, d, dtype, ws.num_kv_splits)[0] == 5
+    )
+    choice = decode_layout.choose(view(k.shape[1]), ws, buckets)  # type: ignore[arg-type]
+    assert head and choice.measured == head and choice.context == 1024
     assert all(t > 0 for t in choice.split_us + choice.head_us)
-    assert choice.variant == decode_layout.pick(choice.split_us, choice.head_us)
+    kept = dict(zip(choice.batches, choice.variants, strict=True))
+    for b, s, h in zip(head, choice.split_us, choice.head_us, strict=True):
+        assert kept[b] == decode_layout.pick(s, h)
+    assert all(kept[b] == decode_layout.AUTO for b in buckets if b not in head)
     # a cache with too few tokens a request to time anything: the rule stands
-    small = decode_layout.choose(view(page + 256 * 128), ws, [first_head, 256])  # type: ignore[arg-type]
-    assert small == decode_layout.Choice(decode_layout.AUTO)
-    # batches where auto stays token-split: nothing to measure
-    assert decode_layout.choose(view(k.shape[1]), ws, [1, 8]).batches == ()  # type: ignore[arg-type]
+    small = decode_layout.choose(view(page + 256 * 128), ws, buckets)  # type: ignore[arg-type]
+    assert small.measured == () and set(small.variants) == {decode_layout.AUTO}
 
 
 def test_decode_strided_q_and_out() -> None:

@@ -66,9 +66,10 @@ class CudaBackend(AttentionBackend):
         self._flash = False
         self._fa3_planned = False  # this step's prompt rows go to FA3
         self._packed: tuple[torch.Tensor, torch.Tensor, int] | None = None
-        # the decode kernel variant every launch passes: 0, the kernels' automatic pick, or the
-        # layout decode_layout.choose measured faster on this GPU (set before graph capture)
-        self.decode_variant = 0
+        # the decode kernel variant a launch of B rows passes, at index B (0, the kernels'
+        # automatic pick, past its end): the layout decode_layout.choose measured faster on
+        # this GPU at B's bucket, set before graph capture
+        self.decode_variants: list[int] = []
 
     def prepare(self, batch: ForwardBatch, view: CacheView) -> None:
         self._batch = batch
@@ -190,6 +191,7 @@ class CudaBackend(AttentionBackend):
         rows: torch.Tensor, seq_lens: torch.Tensor,
     ) -> None:  # fmt: skip
         k_scale, v_scale = _scales(view, layer)
+        n, variants = q.shape[0], self.decode_variants
         # fmt: skip
         cuda_ops.decode_attention(
             q,
@@ -203,7 +205,7 @@ class CudaBackend(AttentionBackend):
             out,
             self.ws.decode_o_part,
             self.ws.decode_ml_part,
-            variant=self.decode_variant,
+            variant=variants[n] if n < len(variants) else 0,
             k_scale=k_scale,
             v_scale=v_scale,
             counters=self.ws.decode_counters,

@@ -6,9 +6,9 @@ one (variant 5: a block per request and four KV heads, over the whole sequence).
 faster depends on the GPU and the batch: head-major was 3-6 % faster at B=128 on an H200
 (2026-11-29); on an H100 it is ~4 % faster at B=72 and ~4 % slower at B=256 (2026-12-07;
 docs/performance.md). So before the decode graphs are captured, the engine times both on
-its own KV cache, at the first batch where `auto` switches and at the largest, and takes a
-layout only where it wins at both by `MARGIN`; otherwise `auto`'s rule stands.
-KVRAY_DECODE_LAYOUT, when set, decides instead (in the kernels, for every automatic launch).
+its own KV cache at every batch bucket where `auto` goes head-major, and takes a layout at a
+bucket where it wins by `MARGIN`; elsewhere `auto`'s rule stands. KVRAY_DECODE_LAYOUT, when
+set, decides instead (in the kernels, for every automatic launch).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import time
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,70 +30,94 @@ from worker.workspace import InferenceWorkspace
 log = logging.getLogger("kvray.attention")
 
 AUTO, SPLIT, HEAD = 0, 1, 5  # decode.cu's automatic pick and its kAutoSplit / kAutoHead
-MARGIN = 0.03  # a layout must be this much faster at every measured batch to be kept
+MARGIN = 0.03  # a layout must be this much faster at a bucket to be kept there
 CONTEXT = 1024  # tokens of KV a request, where the cache has room for them
 MIN_CONTEXT = 256  # less, and the timing says little about serving lengths: keep the rule
 REPS = 15
 
 
-def pick(split_us: Sequence[float], head_us: Sequence[float], margin: float = MARGIN) -> int:
-    """SPLIT or HEAD where it is `margin` faster than the other at every measured batch, else
-    AUTO (the kernels' rule)."""
-    pairs = list(zip(split_us, head_us, strict=True))
-    if pairs and all(s < h * (1 - margin) for s, h in pairs):
+def pick(split_us: float, head_us: float, margin: float = MARGIN) -> int:
+    """SPLIT or HEAD where it is `margin` faster than the other, else AUTO (the kernels' rule)."""
+    if split_us < head_us * (1 - margin):
         return SPLIT
-    if pairs and all(h < s * (1 - margin) for s, h in pairs):
+    if head_us < split_us * (1 - margin):
         return HEAD
     return AUTO
 
 
 @dataclass(frozen=True)
 class Choice:
-    """The variant decode launches pass, and the timings it came from (none: not measured)."""
+    """The variant decode launches pass in each batch bucket (`variants[i]` for batches up to
+    `batches[i]`, AUTO past the last), and the timings of the buckets where `auto` goes
+    head-major (`measured`), `context` tokens a request."""
 
-    variant: int
     batches: tuple[int, ...] = ()
+    variants: tuple[int, ...] = ()
+    measured: tuple[int, ...] = ()
     context: int = 0
     split_us: tuple[float, ...] = ()
     head_us: tuple[float, ...] = ()
 
+    def summary(self) -> str:
+        """The measured buckets: µs token-split / head-major, and the layout kept."""
+        kept = dict(zip(self.batches, self.variants, strict=True))
+        names = {AUTO: "rule", SPLIT: "split", HEAD: "head"}
+        return ", ".join(
+            f"B={b} {s:.1f} / {h:.1f} -> {names[kept[b]]}"
+            for b, s, h in zip(self.measured, self.split_us, self.head_us, strict=True)
+        )
+
+    def table(self, max_batch: int) -> list[int]:
+        """The variant of each batch size 0..max_batch: its bucket's, as its CUDA graph runs."""
+        return [
+            self.variants[i] if (i := bisect_left(self.batches, b)) < len(self.batches) else AUTO
+            for b in range(max_batch + 1)
+        ]
+
 
 def choose(view: CacheView, ws: InferenceWorkspace, batches: Sequence[int]) -> Choice:
-    """The variant the engine's decode launches pass (AUTO, SPLIT or HEAD), from timing
-    both layouts over layer 0 of `view`'s cache at the batches where `auto` would switch."""
+    """Each batch bucket's variant (ascending `batches`: the decode graphs' buckets), from
+    timing both layouts over layer 0 of `view`'s cache at the buckets where `auto` would go
+    head-major; AUTO at every other bucket, and at all of them with KVRAY_DECODE_LAYOUT set."""
+    batches = tuple(batches)
+    unmeasured = Choice(batches, (AUTO,) * len(batches))
     if os.environ.get("KVRAY_DECODE_LAYOUT"):
-        return Choice(AUTO)
+        return unmeasured
     num_heads, head_dim = ws.decode_out.shape[1:]
     num_kv_heads = view.k_cache.shape[2]
     kv_fp8 = view.k_scale is not None
-    max_splits = ws.num_kv_splits
-    head = [
+    dtype, max_splits = ws.decode_out.dtype, ws.num_kv_splits
+    head = tuple(
         b
         for b in batches
         if cuda_ops.decode_plan(
-            b, num_heads, num_kv_heads, head_dim, ws.decode_out.dtype, max_splits, kv_fp8=kv_fp8
+            b, num_heads, num_kv_heads, head_dim, dtype, max_splits, kv_fp8=kv_fp8
         )[0]
         == HEAD
-    ]
-    if not head:
-        return Choice(AUTO)  # auto never leaves the token-split layout at these batches
-    measured = tuple(sorted({head[0], head[-1]}))
+    )
     page = view.page_size
     # every request its own slots, past the scratch page: the reads are HBM's, not L2's
     slots = view.k_cache.shape[1] - page
-    context = min(CONTEXT, slots // measured[-1] // page * page)
-    if context < MIN_CONTEXT:
-        return Choice(AUTO)
-    timed = [_time_layouts(view, ws, b, context) for b in measured]
-    split_us, head_us = tuple(t[0] for t in timed), tuple(t[1] for t in timed)
-    choice = Choice(pick(split_us, head_us), measured, context, split_us, head_us)
-    log.info(
-        "decode layout: %s (µs at B=%s, %d tokens each: token-split %s, head-major %s)",
-        {AUTO: "auto's rule", SPLIT: "token-split", HEAD: "head-major"}[choice.variant],
-        "/".join(map(str, measured)),
+    context = min(CONTEXT, slots // head[-1] // page * page) if head else 0
+    if context < MIN_CONTEXT:  # nothing to decide, or too little room to time it
+        return unmeasured
+    start = time.perf_counter()
+    timed = [_time_layouts(view, ws, b, context) for b in head]
+    picked = dict(zip(head, (pick(s, h) for s, h in timed), strict=True))
+    choice = Choice(
+        batches,
+        tuple(picked.get(b, AUTO) for b in batches),
+        head,
         context,
-        " / ".join(f"{t:.1f}" for t in split_us),
-        " / ".join(f"{t:.1f}" for t in head_us),
+        tuple(t[0] for t in timed),
+        tuple(t[1] for t in timed),
+    )
+    log.info(
+        "decode layout, measured in %.2f s at %d tokens a request (µs token-split / "
+        "head-major -> kept): %s",
+        time.perf_counter() - start,
+        context,
+        choice.summary(),
     )
     return choice
 
