@@ -8,7 +8,8 @@ faster depends on the GPU and the batch: head-major was 3-6 % faster at B=128 on
 docs/performance.md). So before the decode graphs are captured, the engine times both on
 its own KV cache at every batch bucket where `auto` goes head-major, and takes a layout at a
 bucket where it wins by `MARGIN`; elsewhere `auto`'s rule stands. KVRAY_DECODE_LAYOUT, when
-set, decides instead (in the kernels, for every automatic launch).
+set, decides instead, in the kernels: `split` or `head` for every automatic launch, any other
+value (`rule`) the rule unmeasured.
 """
 
 from __future__ import annotations
