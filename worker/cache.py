@@ -486,8 +486,12 @@ class PageCache(KVCache):
     def hash_ahead(self, tasks: list[ScheduledTask]) -> None:
         if self.prefix is None:
             return
-        for t in tasks:  # a decode's page fills over many steps: `commit` keys it, cheaply
-            if t.num_new > 1 and t.request.row >= 0:
+        # The scheduler puts one-token rows first (decodes: a page fills over many steps, and
+        # `commit` keys it cheaply), so a decode step costs one look at its last task.
+        for t in reversed(tasks):
+            if t.num_new == 1:
+                break
+            if t.request.row >= 0:
                 _extend_keys(t.request, self.page_size, int(self._task_len[t.request.row]))
 
     def admitted(self, request: Request) -> None:
