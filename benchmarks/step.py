@@ -231,11 +231,10 @@ def _decode_shape(args: argparse.Namespace, shape: str, result: dict[str, Any]) 
     kv_per_token = kv_bytes_per_token(engine.model_config, torch.bfloat16)  # MLA: latent rows
     graphs = _graphs(engine)
     kernels = _kernels_per_step(engine)
-    if layout := decode_layout(engine):
-        result.setdefault("decode_layout", {})[shape] = layout
-        if choice := engine.executor.decode_layout:
-            print(f"{shape:14s} decode layout at start (µs token-split / head-major -> kept): "
-                  f"{choice.summary() or 'not measured'}", flush=True)  # fmt: skip
+    if choice := engine.executor.decode_layout:
+        result.setdefault("decode_layout", {})[shape] = decode_layout(engine)
+        print(f"{shape:14s} decode layout at start (µs token-split / head-major -> kept): "
+              f"{choice.summary() or 'not measured'}", flush=True)  # fmt: skip
     for number, batch in enumerate(args.batches):
         row: dict[str, Any] = {"shape": shape, "batch": batch, "kernels_per_step": kernels}
         for index, (key, with_graphs, overlap) in enumerate(VARIANTS):
