@@ -287,6 +287,7 @@ class KVCache(CacheView):
         h32[3, 1 : b + 1] = np.asarray(seq_lens).cumsum()
         hl = ws.host_logits.numpy()
         hl[0, :b] = h32[2, 1 : b + 1] - 1
+        hl[0, b:] = 0  # rows past the batch pad `InferenceWorkspace.last_rows`: valid, unread
         hl[1, :b] = row_base
         sampling = np.flatnonzero(np.fromiter((t.samples for t in tasks), dtype=bool, count=b))
         sample_rows = None

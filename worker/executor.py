@@ -224,17 +224,26 @@ class Executor:
             and self.graphs.bucket(batch.batch_size)
         ):
             return self.graphs.run(batch)
-        hidden = self._hidden(batch)
-        return self.model.compute_logits(hidden if all_logits else hidden[batch.logits_indices])
+        return self.model.compute_logits(self._hidden(batch, last_rows=not all_logits))
 
-    def _hidden(self, batch: ForwardBatch) -> torch.Tensor:
-        """The last hidden state of every token of the batch (no decode graph)."""
-        if self.prompt_graphs is not None and (
-            bucket := self.prompt_graphs.bucket(batch.num_tokens)
+    def _hidden(self, batch: ForwardBatch, last_rows: bool) -> torch.Tensor:
+        """The last hidden state of every token of the batch, or (`last_rows`) of each
+        request's last new token only, `[B, hidden]` (no decode graph)."""
+        runner, kept = self.prompt_graphs, False
+        if (
+            runner is not None
+            and (bucket := runner.bucket(batch.num_tokens))
+            and (last_rows or not runner.keeps_last_rows(bucket))
         ):
-            return self.prompt_graphs.run(batch, bucket)
-        self.backend.prepare(batch, self.cache)
-        return self.model(batch.input_ids, batch.positions, self.cache, self.backend)
+            hidden, kept = runner.run(batch, bucket), runner.keeps_last_rows(bucket)
+        else:  # eagerly; a step that reads every token's state where the bucket's graphs do not
+            self.backend.prepare(batch, self.cache)
+            keep = self.workspace.last_rows(batch.num_tokens) if last_rows else None
+            hidden = self.model(batch.input_ids, batch.positions, self.cache, self.backend, keep)
+            kept = keep is not None
+        if not last_rows:
+            return hidden
+        return hidden[: batch.batch_size] if kept else hidden[batch.logits_indices]
 
     @torch.inference_mode()
     def launch(
@@ -315,7 +324,7 @@ class Executor:
         scored = _prompt_spans(tasks, batch) if batch.steady is None else []  # no prompt in it
         prompt_scores = None
         if scored:
-            hidden = self._hidden(batch)
+            hidden = self._hidden(batch, last_rows=False)
             prompt_scores = self._score_prompts(tasks, batch, scored, hidden)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
         else:

@@ -206,6 +206,7 @@ class _Pieces:
     inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     rope: RopeInputs
     hidden: torch.Tensor
+    last_rows: bool  # `hidden` holds only `InferenceWorkspace.last_rows`, each request's last token
 
 
 class PromptGraphRunner:
@@ -218,6 +219,8 @@ class PromptGraphRunner:
     which run eagerly on the real tokens only, writing into a fixed buffer that the next
     piece reads. Padded rows hold stale but finite tokens and positions; every op is
     row-wise, so they touch nothing but themselves, and they never reach the KV cache.
+    Buckets past max_running tokens carry only the workspace's `last_rows` past the last
+    attention, so their graphs give each request's last hidden state, not every token's.
     """
 
     def __init__(
@@ -254,16 +257,24 @@ class PromptGraphRunner:
                 sorted(self.buckets, reverse=True), desc="capturing prompt graphs", leave=False
             ):
                 ids, positions = self.ws.input_ids[:t], self.ws.positions[:t]
+                keep = self.ws.last_rows(t)
+                if keep is not None:
+                    keep.zero_()  # rows the live forward may read
                 boundary = _PieceBoundary(self.attn_out, pool)
                 with torch.cuda.stream(stream):  # the live forward warms up the capture's stream
-                    self.model(ids, positions, self.cache, _PieceBoundary(self.attn_out, None))
+                    live = _PieceBoundary(self.attn_out, None)
+                    self.model(ids, positions, self.cache, live, keep)
                     stream.synchronize()
                     boundary.begin()
-                    hidden = self.model(ids, positions, self.cache, boundary)
+                    hidden = self.model(ids, positions, self.cache, boundary, keep)
                     boundary.end()
                 assert boundary.rope is not None, "a Llama-family forward hands RoPE on"
                 self.pieces[t] = _Pieces(
-                    boundary.graphs, boundary.inputs, boundary.rope, cuda_ops.alias(hidden)
+                    boundary.graphs,
+                    boundary.inputs,
+                    boundary.rope,
+                    cuda_ops.alias(hidden),
+                    keep is not None,
                 )
                 del hidden
             torch.cuda.current_stream().wait_stream(stream)
@@ -278,9 +289,14 @@ class PromptGraphRunner:
             (torch.cuda.memory_reserved() - before) / 2**20,
         )
 
+    def keeps_last_rows(self, bucket: int) -> bool:
+        """Whether `bucket`'s graphs give only each request's last hidden state."""
+        return self.pieces[bucket].last_rows
+
     def run(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
-        """Hidden states `[T, hidden]` after the final norm, as the model's forward gives them,
-        from the pieces of `bucket` (`self.bucket(T)`)."""
+        """Hidden states after the final norm, as the model's forward gives them, from the
+        pieces of `bucket` (`self.bucket(T)`): `[T, hidden]`, or `[B, hidden]` at each
+        request's last token where the bucket `keeps_last_rows`."""
         n = batch.num_tokens
         pieces = self.pieces[bucket]
         out = self.attn_out[:n]
@@ -294,7 +310,7 @@ class PromptGraphRunner:
                 pieces.graphs[layer].replay()
             self.backend.forward(layer, q[:n], k[:n], v[:n], self.cache, rope, out=out)
         pieces.graphs[-1].replay()
-        return pieces.hidden[:n]
+        return pieces.hidden[: batch.batch_size if pieces.last_rows else n]
 
 
 @contextmanager

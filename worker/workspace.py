@@ -73,6 +73,13 @@ class InferenceWorkspace:
         # finished splits per (request, head): the last one merges the partials in the kernel
         self.decode_counters = i32(max_running * num_heads if s else 0)
 
+    def last_rows(self, num_tokens: int) -> torch.Tensor | None:
+        """The rows a step of `num_tokens` tokens carries past its last layer's attention when
+        only each request's last token is read (CausalLM's `keep`): `logits_indices`, whole,
+        which the bind pads with row 0, so that a prompt graph holds a fixed count. None, every
+        row, where that count is no smaller than the step."""
+        return self.logits_indices if num_tokens > self.max_running else None
+
 
 def _meta_sizes(max_tokens: int, max_running: int) -> list[int]:
     """int64 units of the metadata block's four parts, each a whole number of 64 bytes."""

@@ -101,8 +101,9 @@ def test_graph_greedy_is_bit_identical_to_eager(graph_engine, eager_engine, batc
     assert _greedy(graph_engine, prompts, 24) == _greedy(eager_engine, prompts, 24)
 
 
-def _prompt_logits(engine: Engine, prompts: list[list[int]]) -> torch.Tensor:
-    """Logits at every token of one step that prefills `prompts` whole."""
+def _prompt_logits(engine: Engine, prompts: list[list[int]], all_logits: bool) -> torch.Tensor:
+    """Logits at every token (`all_logits`), else at each prompt's last one, of one step that
+    prefills `prompts` whole; the step must take the prompt graphs where the engine has them."""
     ex, cache = engine.executor, engine.executor.cache
     reqs = [Request(f"p{i}-{id(prompts)}", p, SamplingParams()) for i, p in enumerate(prompts)]
     for r in reqs:
@@ -111,37 +112,56 @@ def _prompt_logits(engine: Engine, prompts: list[list[int]]) -> torch.Tensor:
             and cache.reserve(r, r.num_pending)
             and r.num_pending == len(r.prompt_ids)
         )
-    logits = ex.forward(
-        cache.bind_tasks([ScheduledTask(r, r.num_pending) for r in reqs]), all_logits=True
-    ).clone()
+    runner, replays = ex.prompt_graphs, []
+    if runner is not None:
+        run = runner.run
+        runner.run = lambda *a: replays.append(a[1]) or run(*a)  # type: ignore[method-assign]
+    try:
+        batch = cache.bind_tasks([ScheduledTask(r, r.num_pending) for r in reqs])
+        logits = ex.forward(batch, all_logits=all_logits).clone()
+    finally:
+        if runner is not None:
+            del runner.run
+    assert runner is None or replays == [runner.bucket(sum(map(len, prompts)))]
     for r in reqs:
         cache.release(r)
     cache.invalidate_bind()
     return logits
 
 
-@pytest.mark.parametrize("lengths", [[96], [50, 40, 38], [700, 500, 300, 100, 61, 3]])
+# Steps up to MAX_RUNNING tokens: every token's logits. Past it the graphs carry only each
+# request's last token past the last attention (InferenceWorkspace.last_rows), and so does
+# the eager forward, at the same row count.
+@pytest.mark.parametrize(
+    "lengths", [[32], [20, 9, 3], [96], [50, 40, 38], [700, 500, 300, 100, 61, 3]]
+)
 def test_prompt_graphs_are_bit_identical_to_eager_at_a_bucket(
     prompt_graph_engine, eager_engine, lengths
 ):
     """A step whose tokens fill a bucket exactly runs the same kernels on the same shapes as
     the eager forward, so every logit has the same bits."""
     assert sum(lengths) in prompt_graph_engine.executor.prompt_graphs.buckets
+    every = sum(lengths) <= MAX_RUNNING
     prompts = random_prompts(lengths, vocab=49152, seed=100 + sum(lengths))
-    ours, ref = _prompt_logits(prompt_graph_engine, prompts), _prompt_logits(eager_engine, prompts)
-    assert ours.shape == (sum(lengths), 49152) and torch.equal(ours, ref)
+    ours = _prompt_logits(prompt_graph_engine, prompts, every)
+    ref = _prompt_logits(eager_engine, prompts, every)
+    assert ours.shape == ((sum(lengths) if every else len(lengths)), 49152)
+    assert torch.equal(ours, ref)
 
 
-@pytest.mark.parametrize("lengths", [[77], [300, 41, 9], [1000, 601]])
+@pytest.mark.parametrize("lengths", [[27], [77], [300, 41, 9], [1000, 601]])
 def test_prompt_graphs_between_buckets_match_eager(prompt_graph_engine, eager_engine, lengths):
     """Padded to the next bucket, the step's GEMMs (and torch's norm order, which
     follows the row count) may round differently; logits agree within bf16 noise."""
     assert sum(lengths) not in prompt_graph_engine.executor.prompt_graphs.buckets
+    every = sum(lengths) <= MAX_RUNNING
     prompts = random_prompts(lengths, vocab=49152, seed=200 + sum(lengths))
-    ours, ref = _prompt_logits(prompt_graph_engine, prompts), _prompt_logits(eager_engine, prompts)
-    assert ours.shape == ref.shape == (sum(lengths), 49152)
+    ours = _prompt_logits(prompt_graph_engine, prompts, every)
+    ref = _prompt_logits(eager_engine, prompts, every)
+    assert ours.shape == ref.shape == ((sum(lengths) if every else len(lengths)), 49152)
     assert (ours - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
-    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.97
+    if every:  # a few last tokens' argmax is too small a sample for a rate
+        assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.97
 
 
 def test_mixed_steps_at_a_bucket_are_bit_identical_to_eager(prompt_graph_engine, eager_engine):

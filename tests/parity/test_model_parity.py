@@ -9,6 +9,8 @@ from tests.factories.tiny_models import random_prompts
 from worker.config import EngineConfig
 from worker.executor import Executor
 from worker.model.config import ModelConfig
+from worker.request import Request, ScheduledTask
+from worker.sampling import SamplingParams
 
 LENGTHS = [5, 17, 1, 33]
 
@@ -47,3 +49,26 @@ def test_unknown_architecture_is_named(tmp_path):
     )
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
         ModelConfig.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_last_tokens_skip_the_last_layers_mlp_elsewhere_and_match_transformers(tiny_model, arch):
+    """A step past max_running tokens carries only each request's last token past the last
+    attention; their logits are transformers'. A later, shorter step finds no row of the
+    longer one's left in the padding."""
+    path, hf = tiny_model(arch)
+    ex = _executor(path, cache="paged", page_size=4)
+    for prompts in (random_prompts(LENGTHS), random_prompts([12], seed=5)):
+        reqs = [Request(f"last{i}-{len(p)}", p, SamplingParams()) for i, p in enumerate(prompts)]
+        for r in reqs:
+            assert ex.cache.admit(r) and ex.cache.reserve(r, len(r.prompt_ids))
+        batch = ex.cache.bind_tasks([ScheduledTask(r, len(r.prompt_ids)) for r in reqs])
+        assert ex.workspace.last_rows(batch.num_tokens) is not None
+        ours = ex.forward(batch)
+        for r in reqs:
+            ex.cache.release(r)
+        assert ours.shape[0] == len(prompts)
+        for prompt, got in zip(prompts, ours, strict=True):
+            with torch.no_grad():
+                want = hf(torch.tensor([prompt])).logits[0, -1].float()
+            assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item(), arch

@@ -31,15 +31,19 @@ class DecoderLayer(nn.Module):
         view: CacheView,
         backend: AttentionBackend,
         ops: ModelOps,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before adding it); the next layer's
-        norm (or the final one) adds them. The first layer gets residual None."""
+        norm (or the final one) adds them. The first layer gets residual None. `keep`: the
+        rows that go on past attention (which needs every row's K/V), the others dropped."""
         norm, post = self.input_layernorm, self.post_attention_layernorm
         if residual is None:
             x, residual = ops.rms_norm(x, norm.weight, norm.eps), x
         else:
             x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         x = self.self_attn(x, rope, view, backend, ops)
+        if keep is not None:
+            x, residual = x.index_select(0, keep), residual.index_select(0, keep)
         x, residual = ops.add_rms_norm(x, residual, post.weight, post.eps)
         return self.mlp(x, ops), residual
 
@@ -78,13 +82,18 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         view: CacheView,
         backend: AttentionBackend,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states `[T, hidden]` after the final norm for a packed batch of T tokens."""
+        """Hidden states `[T, hidden]` after the final norm for a packed batch of T tokens; with
+        `keep` (row indices), those rows' only, `[len(keep), hidden]`. Nothing reads the last
+        layer's output at the other rows, so its MLP, most of a layer's FLOPs, skips them."""
         x = self.model.embed_tokens(input_ids)
         rope = self.rope_inputs(positions, x.dtype)
         residual: torch.Tensor | None = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, rope, view, backend, self.ops)
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            rows = keep if i == last else None
+            x, residual = layer(x, residual, rope, view, backend, self.ops, rows)
         norm = self.model.norm
         if residual is None:
             return self.ops.rms_norm(x, norm.weight, norm.eps)
