@@ -707,9 +707,9 @@ def load_flashinfer(mode: str) -> tuple[Any, str | None]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def warm_flashinfer() -> None:
-    """JIT-compile FlashInfer's FA3 prefill and paged decode kernels (tensor-core and
-    CUDA-core paths) for these shapes, so a later run only loads them (`scripts/gpu-check`
+def warm_flashinfer(decode: bool = True) -> None:
+    """JIT-compile FlashInfer's FA3 prefill and (`decode`) paged decode kernels (tensor-core
+    and CUDA-core paths) for these shapes, so a later run only loads them (`scripts/gpu-check`
     runs this in the background while the kvray kernels build and their tests run)."""
     import flashinfer
 
@@ -718,6 +718,8 @@ def warm_flashinfer() -> None:
     print(
         f"flashinfer FA3 prefill: {'ready' if ready else 'unavailable'} in {time.time() - t0:.1f}s"
     )
+    if not decode:
+        return
     batch, pages = 2, 4
     k = torch.randn(batch * pages, PAGE, HKV, D, device=DEV, dtype=DTYPE)
     q = torch.randn(batch, HQ, D, device=DEV, dtype=DTYPE)
