@@ -229,7 +229,7 @@ class Executor:
     def _hidden(self, batch: ForwardBatch, last_rows: bool) -> torch.Tensor:
         """The last hidden state of every token of the batch, or (`last_rows`) of each
         request's last new token only, `[B, hidden]` (no decode graph)."""
-        runner, kept = self.prompt_graphs, False
+        runner = self.prompt_graphs
         if (
             runner is not None
             and (bucket := runner.bucket(batch.num_tokens))

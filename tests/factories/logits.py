@@ -12,15 +12,19 @@ from worker.request import Request, ScheduledTask
 from worker.sampling import SamplingParams
 
 
-def packed_logits(ex: Executor, prompts: list[list[int]]) -> list[torch.Tensor]:
-    reqs = [Request(f"r{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
+def packed_logits(
+    ex: Executor, prompts: list[list[int]], all_logits: bool = True
+) -> list[torch.Tensor]:
+    """Each prompt's logits from one step that prefills them all: at every token, or (not
+    `all_logits`) at its last one."""
+    reqs = [Request(f"r{i}-{id(prompts)}", p, SamplingParams()) for i, p in enumerate(prompts)]
     for r in reqs:
         assert ex.cache.admit(r) and ex.cache.reserve(r, len(r.prompt_ids))
     batch = ex.cache.bind_tasks([ScheduledTask(r, len(r.prompt_ids)) for r in reqs])
-    logits = ex.forward(batch, all_logits=True)
+    logits = ex.forward(batch, all_logits=all_logits)
     for r in reqs:
         ex.cache.release(r)
-    return list(logits.split([len(p) for p in prompts]))
+    return list(logits.split([len(p) for p in prompts] if all_logits else 1))
 
 
 def hf_greedy_tokens(
