@@ -170,11 +170,12 @@ class CallParser:
         return self._content("".join(content)), calls
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
-        """The end of the text: an unclosed call that parses counts, anything else is content."""
+        """The end of the text: an unclosed call that parses counts, anything else is content.
+        A call cut off inside its closing tag (by `max_tokens`) is whole, so it counts too."""
         rest, self._buffer = self._buffer, ""
         calls = []
         if self._inside:
-            call = parse_call(rest)
+            call = parse_call(rest[: len(rest) - partial_suffix(rest, CLOSE)])
             if call is None:
                 rest = OPEN + rest
             else:

@@ -61,6 +61,9 @@ def test_text_that_is_no_call_stays_content() -> None:
     assert split_calls(broken) == (broken, [])
     content, [call] = split_calls('<tool_call>\n{"name": "f", "arguments": {}}')  # unclosed
     assert content is None and call.name == "f"
+    for cut in (1, 5, len("</tool_call>") - 1):  # max_tokens ended inside the closing tag
+        content, calls = split_calls(f"{CALL}\n{CALL[:-cut]}")
+        assert content is None and [c.arguments for c in calls] == ['{"city": "Paris"}'] * 2
     assert split_calls("  \n") == ("  \n", [])
 
 
