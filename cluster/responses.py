@@ -274,6 +274,12 @@ class Collector:
         return prompt_logprobs(token_text, ids, scored, self.prompt_alternatives)
 
 
+def _says_nothing(choice: ChatChunkChoice) -> bool:
+    d = choice.delta
+    said = d.content or d.reasoning_content or d.tool_calls or choice.finish_reason
+    return not said and choice.logprobs is None
+
+
 @dataclass
 class ChunkWriter:
     """Turns deltas into SSE `data:` lines for a streaming request; with `tool_calls`, each
@@ -309,8 +315,12 @@ class ChunkWriter:
         ]
 
     def deltas(self, deltas: list[ChoiceDelta]) -> list[str]:
+        """The step's chunk, leaving out choices that say nothing yet (text held back while
+        it may start a tag or a stop string), and no chunk when none says anything."""
         if self.chat:
-            chat_choices = [self._chat_choice(d) for d in deltas]
+            chat_choices = [c for c in map(self._chat_choice, deltas) if not _says_nothing(c)]
+            if not chat_choices:
+                return []
             return [
                 self._sse(
                     ChatCompletionChunk(
@@ -331,6 +341,9 @@ class ChunkWriter:
                 )
             )
             self._offsets[d.index] = offset + len(d.text)
+        choices = [c for c in choices if c.text or c.finish_reason or c.logprobs is not None]
+        if not choices:
+            return []
         return [
             self._sse(
                 Completion(id=self.rid, created=self.created, model=self.model, choices=choices)

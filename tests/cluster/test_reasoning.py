@@ -82,8 +82,8 @@ def test_chat_replies_carry_reasoning_content_then_content_and_calls() -> None:
     deltas = []
     for i in range(0, len(text), 4):
         last = i + 4 >= len(text)
-        line = writer.deltas([ChoiceDelta(0, text[i : i + 4], [], None, "stop" if last else None)])
-        deltas.append(json.loads(line[0][6:])["choices"][0]["delta"])
+        lines = writer.deltas([ChoiceDelta(0, text[i : i + 4], [], None, "stop" if last else None)])
+        deltas += [json.loads(line[6:])["choices"][0]["delta"] for line in lines]
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Two plus two."
     assert "".join(d.get("content") or "" for d in deltas) == "Four."
 

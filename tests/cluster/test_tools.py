@@ -129,6 +129,9 @@ def test_responses_carry_calls_and_finish_with_tool_calls() -> None:
         (1, "get_weather"),
     ]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # cut off: not tool_calls
+    for chunk in chunks[:-1]:  # text held back inside a call sends nothing, not empty chunks
+        delta = chunk["choices"][0]["delta"]
+        assert delta.get("content") or delta.get("tool_calls")
     assert "tool_calls" not in ChunkWriter("r", 0, "m", True, str, False).deltas([_delta("x")])[0]
 
 
