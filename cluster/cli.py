@@ -94,13 +94,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve_config(args: argparse.Namespace) -> Any:
+    """The ClusterConfig of `-c` and the flags; a config that cannot be read or does not
+    validate ends the command with one line per fault, not a traceback."""
     import yaml
+    from pydantic import ValidationError
 
     from cluster.config import ClusterConfig
 
-    data: dict[str, Any] = {}
+    where = f"kvray serve: {args.config or 'the options'}"
+    data: Any = {}
     if args.config:
-        data = yaml.safe_load(Path(args.config).read_text()) or {}
+        try:
+            data = yaml.safe_load(Path(args.config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise SystemExit(f"{where}: {exc}") from None
+        if not isinstance(data, dict):
+            raise SystemExit(f"{where}: expected a mapping at the top level")
     if args.model:
         data["engine"] = {**data.get("engine", {}), "model": args.model}
     overrides = {
@@ -111,7 +120,23 @@ def _serve_config(args: argparse.Namespace) -> Any:
         "reasoning_parser": args.reasoning_parser,
     }
     data.update({k: v for k, v in overrides.items() if v is not None})
-    return ClusterConfig.model_validate(data)
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        faults = [f"  {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+        raise SystemExit("\n".join([f"{where}: not a valid config", *faults])) from None
+
+
+def _check_model_here(model: str) -> None:
+    """With a Ray of its own, every replica loads `model` from this machine: a path that is
+    not there fails now, not as a deployment error after Ray has started."""
+    from worker.model.demo import DEMO, resolve_model_path
+
+    if model != DEMO:  # the demo model is converted where it is missing
+        try:
+            resolve_model_path(model)
+        except FileNotFoundError as exc:
+            raise SystemExit(f"kvray serve: {exc}") from None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -129,6 +154,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = resolve_http_proxy(
         _serve_config(args), own_ray=args.address is None, nodes=args.ray_nodes
     )
+    if args.address is None:
+        _check_model_here(config.engine.model)
     set_serve_env()
     if args.address is None:
         set_own_ray_env()

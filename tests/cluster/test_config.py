@@ -173,3 +173,27 @@ def test_serve_flags_override_the_yaml(tmp_path) -> None:
     assert (
         _serve_config(_parser().parse_args(["serve", "-c", str(path)])).reasoning_parser == "qwen3"
     )
+
+
+def test_serve_ends_a_bad_config_or_a_missing_model_with_its_faults(tmp_path) -> None:
+    from cluster.cli import _check_model_here, _parser, _serve_config
+
+    path = tmp_path / "bad.yaml"
+    args = _parser().parse_args(["serve", "-c", str(path)])
+    path.write_text("engine: {model: demo, max_runing: 8}\nport: eighty\n")
+    with pytest.raises(SystemExit) as caught:
+        _serve_config(args)
+    lines = str(caught.value).splitlines()
+    assert lines[0] == f"kvray serve: {path}: not a valid config"
+    assert "  engine.max_runing: Extra inputs are not permitted" in lines
+    assert any(line.startswith("  port: ") for line in lines)
+    for text in ("- a list\n", "engine: {model: demo\n"):  # not a mapping; not YAML
+        path.write_text(text)
+        with pytest.raises(SystemExit, match=f"kvray serve: {path}: "):
+            _serve_config(args)
+    path.unlink()
+    with pytest.raises(SystemExit, match="No such file"):
+        _serve_config(args)
+    with pytest.raises(SystemExit, match="neither 'demo' nor an existing directory"):
+        _check_model_here(str(tmp_path / "no-model"))
+    _check_model_here(str(tmp_path))  # a directory: the engine loads it, or says why not
