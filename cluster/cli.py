@@ -277,7 +277,10 @@ def _generate(args: argparse.Namespace) -> int:
     from worker.llm import LLM
     from worker.sampling import SamplingParams
 
-    llm = LLM(args.model)
+    try:
+        llm = LLM(args.model)
+    except FileNotFoundError as exc:  # the model path: a message, not a traceback
+        raise SystemExit(f"kvray generate: {exc}") from None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     for prompt in args.prompts:
         if len(args.prompts) > 1:

@@ -175,8 +175,8 @@ def test_serve_flags_override_the_yaml(tmp_path) -> None:
     )
 
 
-def test_serve_ends_a_bad_config_or_a_missing_model_with_its_faults(tmp_path) -> None:
-    from cluster.cli import _check_model_here, _parser, _serve_config
+def test_the_cli_ends_a_bad_config_or_a_missing_model_with_its_faults(tmp_path) -> None:
+    from cluster.cli import _check_model_here, _parser, _serve_config, main
 
     path = tmp_path / "bad.yaml"
     args = _parser().parse_args(["serve", "-c", str(path)])
@@ -197,3 +197,5 @@ def test_serve_ends_a_bad_config_or_a_missing_model_with_its_faults(tmp_path) ->
     with pytest.raises(SystemExit, match="neither 'demo' nor an existing directory"):
         _check_model_here(str(tmp_path / "no-model"))
     _check_model_here(str(tmp_path))  # a directory: the engine loads it, or says why not
+    with pytest.raises(SystemExit, match="kvray generate: model .* neither 'demo'"):
+        main(["generate", "--model", str(tmp_path / "no-model"), "Hi"])
