@@ -8,7 +8,8 @@ that ask for a feature kvray lacks (suffix, legacy functions, ...) are refused.
 Limits an operator sets (stop list size, prompt count, ...) are checked by `cluster.limits`.
 
 Structured output (`response_format`, and vLLM's `guided_json` / `guided_regex` /
-`guided_grammar`) and a `required` or named `tool_choice` become one `GuidedDecoding` for
+`guided_grammar` / `guided_choice`) and a `required` or named `tool_choice` become one
+`GuidedDecoding` for
 the engine (`guided()`); the ingress checks that it compiles (cluster/api.py).
 """
 
@@ -70,6 +71,7 @@ NumChoices = Annotated[int, Field(ge=1, le=16), _WHOLE]
 Bias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]
 # checked by `_Request._stop` (one error naming `stop`); the schema still says non-empty
 StopString = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1})]
+Choice = Annotated[str, Field(min_length=1)]
 _STRICT = ConfigDict(extra="allow", strict=True)
 
 
@@ -120,6 +122,9 @@ class _Request(BaseModel):
     guided_regex: str | None = Field(None, description="the output matches this regex")
     guided_grammar: str | None = Field(
         None, description="the output matches this grammar (Lark, or GBNF / EBNF)"
+    )
+    guided_choice: list[Choice] | None = Field(
+        None, min_length=1, description="the output is exactly one of these strings"
     )
     prompt_logprobs: NumLogprobs | None = Field(
         None, description="each prompt token's logprob, with this many alternatives (not streamed)"
@@ -179,6 +184,8 @@ class _Request(BaseModel):
             asked["guided_regex"] = GuidedDecoding.from_regex(self.guided_regex)
         if self.guided_grammar is not None:
             asked["guided_grammar"] = GuidedDecoding.from_grammar(self.guided_grammar)
+        if self.guided_choice is not None:
+            asked["guided_choice"] = GuidedDecoding.from_choices(self.guided_choice)
         return asked
 
     def guided_param(self) -> str | None:

@@ -67,6 +67,15 @@ class GuidedDecoding(BaseModel):
     def from_grammar(cls, text: str) -> GuidedDecoding:
         return cls(kind="grammar", spec=text)
 
+    @classmethod
+    def from_choices(cls, choices: list[str]) -> GuidedDecoding:
+        """Output that is exactly one of these strings: a Lark grammar of their literals
+        (JSON's string escapes are Lark's)."""
+        if not choices or "" in choices:
+            raise ValueError("choices are one or more non-empty strings")
+        literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+        return cls.from_grammar(f"start: {literals}\n")
+
     def grammar_text(self) -> str:
         """llguidance's grammar for this spec; ValueError when the spec cannot be read."""
         body = self._body_text()

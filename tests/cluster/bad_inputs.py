@@ -642,6 +642,9 @@ def structured_output(b: _Builder) -> None:
     b.add("guided_grammar-unclosed", b.chat(guided_grammar="root ::= ("), param="guided_grammar")
     b.add("guided_json-not-json", b.chat(guided_json="{nope"), param="guided_json")
     b.add("guided_regex-number", b.chat(guided_regex=5), param="guided_regex")
+    b.add("guided_choice-none", b.chat(guided_choice=[]), param="guided_choice")
+    b.add("guided_choice-empty", b.chat(guided_choice=["yes", ""]), param="guided_choice.1")
+    b.add("guided_choice-string", b.chat(guided_choice="yes"), param="guided_choice")
     b.add(
         "two-guided-fields",
         b.chat(response_format={"type": "json_object"}, guided_regex="a+"),

@@ -1,7 +1,7 @@
 """Structured output and tool calling against the running app, with the official `openai`
 client: `chat.completions.parse` with a pydantic model, JSON schemas and regexes on both
-endpoints, streamed and not, a constrained and an unconstrained request in one batch, and a
-tool-calling round trip."""
+endpoints, streamed and not, a choice of strings, a constrained and an unconstrained request
+in one batch, and a tool-calling round trip."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from openai import AsyncOpenAI, OpenAI
 from pydantic import BaseModel, Field
 
 from tests.cluster.conftest import Served
+from worker.guided import GuidedDecoding
 
 MAX_TOKENS = 48
 WEATHER = {
@@ -98,6 +99,15 @@ def test_schemas_and_regexes_on_both_endpoints_streamed_or_not(client: OpenAI) -
         extra_body={"guided_json": schema},
     )
     jsonschema.validate(json.loads(json_mode.choices[0].text), schema)
+    options = ["Yes, it is.", "No."]
+    picked = client.chat.completions.create(
+        model="demo",
+        messages=question,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"guided_choice": options},
+    )
+    assert picked.choices[0].message.content in options
 
 
 def test_a_constrained_and_a_free_request_in_one_batch(served: Served) -> None:
@@ -191,3 +201,10 @@ def test_an_invalid_schema_is_a_400_naming_the_field(client: OpenAI) -> None:
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == "response_format.json_schema.schema"
     assert "uniqueItems" in error["message"]
+
+
+def test_a_choice_admits_exactly_its_strings_whatever_they_hold(accepts) -> None:
+    choices = ["yes", 'say "hi"\\n', "naïve café", "a|b", "tab\there\nline", "/x?/", "🎉"]
+    spec = GuidedDecoding.from_choices(choices)
+    assert all(accepts(spec, c) for c in choices)
+    assert not any(accepts(spec, c) for c in ("ye", "yesyes", "a", "naive café", "x"))
