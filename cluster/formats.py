@@ -1,6 +1,7 @@
-"""OpenAI models of structured output and tool calls: `response_format`, function tools
-and `tool_choice`, past calls in a chat's history, and the calls of a reply (whole, or as
-stream deltas). `cluster/protocol.py` puts them into its requests and responses.
+"""OpenAI models of structured output and tool calls: `response_format` (and vLLM's
+`structured_outputs`), function tools and `tool_choice`, past calls in a chat's history, and
+the calls of a reply (whole, or as stream deltas). `cluster/protocol.py` puts them into its
+requests and responses.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 _STRICT = ConfigDict(extra="allow", strict=True)
 
@@ -46,6 +47,37 @@ class JsonSchemaResponseFormat(BaseModel):
 ResponseFormat = Annotated[
     TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")
 ]
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (its `guided_*` fields since v0.12): one of `json` (a
+    schema or its text), `regex`, `choice`, `grammar` or `json_object: true`. Its hints
+    (`whitespace_pattern`, `disable_*`) are ignored; `structural_tag` is refused."""
+
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+    json_: JsonObject | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> StructuredOutputs:
+        if (self.model_extra or {}).get("structural_tag") is not None:
+            raise ValueError("structural_tag is not supported by this server")
+        kinds = [k for k, v in self._kinds().items() if v not in (None, False)]
+        if len(kinds) > 1:
+            raise ValueError(f"set one of json, regex, choice, grammar, json_object, not {kinds}")
+        return self
+
+    def _kinds(self) -> dict[str, Any]:
+        return {
+            "json": self.json_,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+            "json_object": self.json_object,
+        }
 
 
 def schema_text(schema: JsonObject | bool | str) -> str:

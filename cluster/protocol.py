@@ -8,9 +8,9 @@ that ask for a feature kvray lacks (suffix, legacy functions, ...) are refused.
 Limits an operator sets (stop list size, prompt count, ...) are checked by `cluster.limits`.
 
 Structured output (`response_format`, and vLLM's `guided_json` / `guided_regex` /
-`guided_grammar` / `guided_choice`) and a `required` or named `tool_choice` become one
-`GuidedDecoding` for
-the engine (`guided()`); the ingress checks that it compiles (cluster/api.py).
+`guided_grammar` / `guided_choice`, or its `structured_outputs` since v0.12) and a `required`
+or named `tool_choice` become one `GuidedDecoding` for the engine (`guided()`); the ingress
+checks that it compiles (cluster/api.py).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from cluster.formats import (
     JsonSchemaResponseFormat,
     NamedToolChoice,
     ResponseFormat,
+    StructuredOutputs,
     ToolCall,
     ToolCallParam,
     ToolChoice,
@@ -126,6 +127,7 @@ class _Request(BaseModel):
     guided_choice: list[Choice] | None = Field(
         None, min_length=1, description="the output is exactly one of these strings"
     )
+    structured_outputs: StructuredOutputs | None = None
     prompt_logprobs: NumLogprobs | None = Field(
         None, description="each prompt token's logprob, with this many alternatives (not streamed)"
     )
@@ -155,7 +157,9 @@ class _Request(BaseModel):
         return None
 
     def _refused_extras(self) -> dict[str, Any]:
-        return {"functions": [], "function_call": "none"}
+        # vLLM's sampling fields for features kvray lacks, set to anything but their default
+        vllm = {"use_beam_search": False, "allowed_token_ids": [], "bad_words": []}
+        return {"functions": [], "function_call": "none", **vllm, "truncate_prompt_tokens": None}
 
     def guided(self) -> GuidedDecoding | None:
         """What the output must match, from whichever field asks; FieldError when more than
@@ -186,6 +190,17 @@ class _Request(BaseModel):
             asked["guided_grammar"] = GuidedDecoding.from_grammar(self.guided_grammar)
         if self.guided_choice is not None:
             asked["guided_choice"] = GuidedDecoding.from_choices(self.guided_choice)
+        so = self.structured_outputs  # at most one of its kinds is set (StructuredOutputs)
+        if so is not None and so.json_ is not None:
+            asked["structured_outputs.json"] = GuidedDecoding.from_schema(schema_text(so.json_))
+        elif so is not None and so.regex is not None:
+            asked["structured_outputs.regex"] = GuidedDecoding.from_regex(so.regex)
+        elif so is not None and so.choice is not None:
+            asked["structured_outputs.choice"] = GuidedDecoding.from_choices(so.choice)
+        elif so is not None and so.grammar is not None:
+            asked["structured_outputs.grammar"] = GuidedDecoding.from_grammar(so.grammar)
+        elif so is not None and so.json_object:
+            asked["structured_outputs.json_object"] = GuidedDecoding.any_object()
         return asked
 
     def guided_param(self) -> str | None:

@@ -576,6 +576,13 @@ def unsupported(b: _Builder) -> None:
     b.add("history-function_call", b.chat(messages=legacy), param="messages.0.function_call")
     for name, value in {"suffix": "x", "best_of": 3}.items():
         b.add(f"completion-{name}", b.completion(**{name: value}), param=name, path=COMPLETIONS)
+    vllm = {"use_beam_search": True, "allowed_token_ids": [1], "bad_words": ["x"],
+            "truncate_prompt_tokens": 8}  # fmt: skip
+    for name, value in vllm.items():
+        b.add(f"vllm-{name}", b.chat(**{name: value}), param=name)
+        b.add(
+            f"completion-vllm-{name}", b.completion(**{name: value}), param=name, path=COMPLETIONS
+        )
 
 
 def logit_biases(b: _Builder) -> None:
@@ -645,6 +652,13 @@ def structured_output(b: _Builder) -> None:
     b.add("guided_choice-none", b.chat(guided_choice=[]), param="guided_choice")
     b.add("guided_choice-empty", b.chat(guided_choice=["yes", ""]), param="guided_choice.1")
     b.add("guided_choice-string", b.chat(guided_choice="yes"), param="guided_choice")
+    so = "structured_outputs"
+    b.add("so-two-kinds", b.chat(**{so: {"regex": "a+", "choice": ["a"]}}), param=so)
+    b.add("so-structural_tag", b.chat(**{so: {"structural_tag": "{}"}}), param=so)
+    b.add("so-no-choices", b.chat(**{so: {"choice": []}}), param=f"{so}.choice")
+    b.add("so-regex-unclosed", b.chat(**{so: {"regex": "(("}}), param=f"{so}.regex")
+    b.add("so-json-not-json", b.chat(**{so: {"json": "{nope"}}), param=f"{so}.json")
+    b.add("so-and-guided", b.chat(guided_regex="a+", **{so: {"regex": "b+"}}), param=so)
     b.add(
         "two-guided-fields",
         b.chat(response_format={"type": "json_object"}, guided_regex="a+"),

@@ -73,8 +73,8 @@ def narrowed(spec: dict[str, Any], model: str) -> dict[str, Any]:
         body["additionalProperties"] = False  # extra fields are refused functions, suffix, ...
         props.pop("logit_bias")  # its keys must be token ids of the vocabulary: test_logit_bias
         # a schema, regex or grammar valid JSON may still not compile (400): test_structured
-        for name in ("guided_json", "guided_regex", "guided_grammar", "guided_choice", "tools",
-                     "tool_choice"):  # fmt: skip
+        for name in ("guided_json", "guided_regex", "guided_grammar", "guided_choice",
+                     "structured_outputs", "tools", "tool_choice"):  # fmt: skip
             props.pop(name, None)
         props.pop("prompt_logprobs")  # refused with stream: test_prompt_logprobs_as_vllm_*
         formats = ("TextFormat", "JsonObjectFormat")

@@ -108,6 +108,14 @@ def test_schemas_and_regexes_on_both_endpoints_streamed_or_not(client: OpenAI) -
         extra_body={"guided_choice": options},
     )
     assert picked.choices[0].message.content in options
+    current_vllm = client.completions.create(  # vLLM's name for the same since v0.12
+        model="demo",
+        prompt="The year the Eiffel Tower opened:",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": r" [0-9]{4}\."}},
+    )
+    assert current_vllm.choices[0].text == completion.choices[0].text
 
 
 def test_a_constrained_and_a_free_request_in_one_batch(served: Served) -> None:
