@@ -65,19 +65,17 @@ class StructuredOutputs(BaseModel):
     def _one_kind(self) -> StructuredOutputs:
         if (self.model_extra or {}).get("structural_tag") is not None:
             raise ValueError("structural_tag is not supported by this server")
-        kinds = [k for k, v in self._kinds().items() if v not in (None, False)]
-        if len(kinds) > 1:
-            raise ValueError(f"set one of json, regex, choice, grammar, json_object, not {kinds}")
+        if len(self.kinds()) > 1:
+            raise ValueError(f"set one of {', '.join(_KINDS)}, not {list(self.kinds())}")
         return self
 
-    def _kinds(self) -> dict[str, Any]:
-        return {
-            "json": self.json_,
-            "regex": self.regex,
-            "choice": self.choice,
-            "grammar": self.grammar,
-            "json_object": self.json_object,
-        }
+    def kinds(self) -> dict[str, Any]:
+        """The kinds set (at most one once validated), each with its value."""
+        values = (self.json_, self.regex, self.choice, self.grammar, self.json_object)
+        return {k: v for k, v in zip(_KINDS, values, strict=True) if v not in (None, False)}
+
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def schema_text(schema: JsonObject | bool | str) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
@@ -79,6 +80,16 @@ _STRICT = ConfigDict(extra="allow", strict=True)
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+
+
+# vLLM's structured_outputs kinds -> the spec each asks for
+_VLLM_KINDS: dict[str, Callable[[Any], GuidedDecoding]] = {
+    "json": lambda schema: GuidedDecoding.from_schema(schema_text(schema)),
+    "regex": GuidedDecoding.from_regex,
+    "choice": GuidedDecoding.from_choices,
+    "grammar": GuidedDecoding.from_grammar,
+    "json_object": lambda _: GuidedDecoding.any_object(),
+}
 
 
 class FieldError(ValueError):
@@ -190,17 +201,8 @@ class _Request(BaseModel):
             asked["guided_grammar"] = GuidedDecoding.from_grammar(self.guided_grammar)
         if self.guided_choice is not None:
             asked["guided_choice"] = GuidedDecoding.from_choices(self.guided_choice)
-        so = self.structured_outputs  # at most one of its kinds is set (StructuredOutputs)
-        if so is not None and so.json_ is not None:
-            asked["structured_outputs.json"] = GuidedDecoding.from_schema(schema_text(so.json_))
-        elif so is not None and so.regex is not None:
-            asked["structured_outputs.regex"] = GuidedDecoding.from_regex(so.regex)
-        elif so is not None and so.choice is not None:
-            asked["structured_outputs.choice"] = GuidedDecoding.from_choices(so.choice)
-        elif so is not None and so.grammar is not None:
-            asked["structured_outputs.grammar"] = GuidedDecoding.from_grammar(so.grammar)
-        elif so is not None and so.json_object:
-            asked["structured_outputs.json_object"] = GuidedDecoding.any_object()
+        for kind, value in (self.structured_outputs or StructuredOutputs()).kinds().items():
+            asked[f"structured_outputs.{kind}"] = _VLLM_KINDS[kind](value)
         return asked
 
     def guided_param(self) -> str | None:
