@@ -15,6 +15,7 @@ _STRICT = ConfigDict(extra="allow", strict=True)
 
 
 JsonObject = dict[str, Any]
+Choice = Annotated[str, Field(min_length=1)]  # one string a choice-constrained output may be
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
@@ -57,7 +58,7 @@ class StructuredOutputs(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
     json_: JsonObject | str | None = Field(None, alias="json")
     regex: str | None = None
-    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    choice: list[Choice] | None = Field(None, min_length=1)
     grammar: str | None = None
     json_object: bool | None = None
 

@@ -32,6 +32,7 @@ from pydantic import (
 from pydantic.json_schema import models_json_schema
 
 from cluster.formats import (
+    Choice,
     DeltaToolCall,
     JsonObject,
     JsonObjectFormat,
@@ -73,7 +74,6 @@ NumChoices = Annotated[int, Field(ge=1, le=16), _WHOLE]
 Bias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]
 # checked by `_Request._stop` (one error naming `stop`); the schema still says non-empty
 StopString = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1})]
-Choice = Annotated[str, Field(min_length=1)]
 _STRICT = ConfigDict(extra="allow", strict=True)
 
 
