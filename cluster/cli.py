@@ -11,7 +11,6 @@ import importlib
 import signal
 import sys
 import time
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -99,17 +98,17 @@ def _serve_config(args: argparse.Namespace) -> Any:
     import yaml
     from pydantic import ValidationError
 
-    from cluster.config import ClusterConfig
+    from cluster.config import ClusterConfig, yaml_fields
 
     where = f"kvray serve: {args.config or 'the options'}"
-    data: Any = {}
+    data: dict[str, Any] = {}
     if args.config:
         try:
-            data = yaml.safe_load(Path(args.config).read_text()) or {}
+            data = yaml_fields(args.config)
         except (OSError, yaml.YAMLError) as exc:
             raise SystemExit(f"{where}: {exc}") from None
-        if not isinstance(data, dict):
-            raise SystemExit(f"{where}: expected a mapping at the top level")
+        except ValueError as exc:  # its message names the file
+            raise SystemExit(f"kvray serve: {exc}") from None
     if args.model:
         data["engine"] = {**data.get("engine", {}), "model": args.model}
     overrides = {

@@ -293,10 +293,7 @@ class ClusterConfig(BaseModel):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterConfig:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping at the top level")
-        return cls.model_validate(data)
+        return cls.model_validate(yaml_fields(path))
 
     @classmethod
     def coerce(cls, config: ClusterConfig | dict[str, Any] | None) -> ClusterConfig:
@@ -320,3 +317,12 @@ def worker_torch_threads(
     if engine.device == "cpu" or (engine.device == "auto" and not cuda):
         return cores - 1 if cores >= SPARE_CORE_FROM else cores
     return None
+
+
+def yaml_fields(path: str | Path) -> dict[str, Any]:
+    """A config file's fields, not yet validated; ValueError when its top level is no mapping
+    (OSError and yaml.YAMLError as they come)."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return data

@@ -201,8 +201,9 @@ class _Request(BaseModel):
             asked["guided_grammar"] = GuidedDecoding.from_grammar(self.guided_grammar)
         if self.guided_choice is not None:
             asked["guided_choice"] = GuidedDecoding.from_choices(self.guided_choice)
-        for kind, value in (self.structured_outputs or StructuredOutputs()).kinds().items():
-            asked[f"structured_outputs.{kind}"] = _VLLM_KINDS[kind](value)
+        if self.structured_outputs is not None:
+            for kind, value in self.structured_outputs.kinds().items():
+                asked[f"structured_outputs.{kind}"] = _VLLM_KINDS[kind](value)
         return asked
 
     def guided_param(self) -> str | None:
