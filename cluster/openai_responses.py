@@ -32,7 +32,7 @@ from cluster.formats import (
     TextFormat,
 )
 from cluster.generation import ChoiceDelta
-from cluster.protocol import ChatCompletionRequest, PositiveInt, Usage
+from cluster.protocol import ChatCompletionRequest, PositiveInt, Usage, text_only
 from cluster.reasoning import ReasoningParser, ReasoningParserName
 from cluster.tools import CallParser, ParsedCall
 
@@ -41,7 +41,8 @@ _STRICT = ConfigDict(extra="allow", strict=True)
 
 class InputText(BaseModel):
     model_config = _STRICT
-    type: Literal["input_text", "output_text"]  # an assistant turn replayed holds output_text
+    # an assistant turn replayed holds output_text
+    type: Annotated[Literal["input_text", "output_text"], text_only("input_text", "output_text")]
     text: str
 
 

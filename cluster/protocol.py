@@ -30,6 +30,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic.json_schema import models_json_schema
+from pydantic_core import PydanticCustomError
 
 from cluster.formats import (
     Choice,
@@ -255,9 +256,26 @@ class _Request(BaseModel):
         )
 
 
+def text_only(*allowed: str) -> BeforeValidator:
+    """A content part's `type`: an image, audio or file part is refused saying why (the
+    models served are text-only), not as a mere mismatch with the text part's type."""
+
+    def check(value: object) -> object:
+        if isinstance(value, str) and value not in allowed:
+            raise PydanticCustomError(
+                "text_only",
+                "content parts of type {got} are not supported: the models served here read "
+                "text only (parts of type {want})",
+                {"got": repr(value), "want": " or ".join(map(repr, allowed))},
+            )
+        return value
+
+    return BeforeValidator(check)
+
+
 class ContentPart(BaseModel):
     model_config = _STRICT
-    type: Literal["text"]
+    type: Annotated[Literal["text"], text_only("text")]
     text: str
 
 

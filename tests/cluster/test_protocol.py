@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.errors import from_validation
+from cluster.openai_responses import ResponsesRequest
 from cluster.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -123,6 +124,26 @@ def test_each_role_is_validated_by_its_own_schema_naming_the_field(
     with pytest.raises(ValidationError) as caught:
         ChatCompletionRequest.model_validate_json(json.dumps(body))
     assert from_validation(caught.value).param == param
+
+
+@pytest.mark.parametrize(
+    ("request_model", "body", "says"),
+    [
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+         "'image_url' are not supported: the models served here read text only (parts of type 'text')"),
+        (ResponsesRequest, {"input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": "http://x/y.png"}]}]},
+         "'input_image' are not supported: the models served here read text only"),
+    ],
+)  # fmt: skip
+def test_an_image_part_is_refused_as_not_text(request_model: type, body: dict, says: str) -> None:
+    """Not "Input should be 'text'": the client learns the model reads text only."""
+    with pytest.raises(ValidationError) as caught:
+        request_model.model_validate_json(json.dumps({"model": "m", **body}))
+    error = from_validation(caught.value)
+    assert error.param.endswith("content.0.type")
+    assert says in error.message
 
 
 def test_an_assistant_turn_may_be_empty_and_its_tool_calls_reach_the_template() -> None:
