@@ -4,12 +4,16 @@
 //
 // It is the GEMV's weight stream with mma.sync doing the arithmetic. Each warp owns 16 rows
 // of w (two 8-row tiles, the MMA's B operand) and all M rows of x (16-row tiles, the A
-// operand), and streams its rows with 16-byte loads, the next kUnroll steps' chunks in flight
-// while this step's are multiplied. An MMA takes 16 values of K, but the dot product does not care in which order K is
-// visited, so a lane's 16-byte chunk of a weight row (8 consecutive K) feeds two MMAs: lane
-// (g, t) loads chunk t of each 32-K step of rows g and 8 + g, and the x chunk it loads at the
-// same K fills the matching slots of A. No shared memory, no ldmatrix; x's few rows come
-// through L1. Float32 accumulation, one rounding at the end. Where the engine runs it
+// operand), and streams its rows in 16-byte chunks. An MMA takes 16 values of K, but the dot
+// product does not care in which order K is visited, so a lane's 16-byte chunk of a weight
+// row (8 consecutive K) feeds two MMAs: lane (g, t) loads chunk t of each 32-K step of rows g
+// and 8 + g, and the x chunk it loads at the same K fills the matching slots of A.
+//
+// The weight chunks come through a ring in shared memory private to each lane: cp.async
+// keeps kRing steps in flight without holding registers, and a lane reads back only what it
+// wrote, so no barrier. On the demo's matrices the ring's first steps, issued before the
+// wait on the previous kernel, are most of a warp's weights. x's few rows come through L1;
+// no ldmatrix. Float32 accumulation, one rounding at the end. Where the engine runs it
 // (small matrices, where it beats cuBLAS) is CudaOps' choice, worker/model/ops.py.
 //
 // Gated (the MLP's gate_up, w = [gate; up], N = 2 * inter): a warp's two tiles are gate rows
@@ -33,10 +37,10 @@ enum class Epilogue { kPlain, kGated, kRope };
 constexpr int kThreads = 256, kWarps = kThreads / kWarp;
 constexpr int kStepChunks = 4;  // 16-byte chunks of a row per 32-K step, one per lane of a quad
 
-// 32-K steps whose weight chunks a lane loads at once (twice that in flight, double-buffered):
-// fewer with more x tiles, which would otherwise spill the registers
-template <int MT>
-constexpr int kUnroll = MT == 1 ? 4 : 2;
+// 32-K steps of weight chunks in flight a lane, and the ring's bytes a block: [warp][step
+// mod kRing][tile][lane], 16 bytes each
+constexpr int kRing = 8;
+constexpr int kRingBytes = kWarps * kRing * 2 * kWarp * 16;
 
 // Warps sharing a group of rows over K (1, 2, 4 or 8): p.split when set, else the fewest that
 // give at least two blocks an SM.
@@ -50,21 +54,33 @@ int skinny_split(const GemvParams& p) {
   return split;
 }
 
-// This lane's chunk of each of U steps from chunk c0 on, of its rows in the two tiles.
-template <int U>
-__device__ __forceinline__ void load_w(const uint4* w0, const uint4* w1, bool ok0, bool ok1,
-                                       int c0, int c_end, uint4 (&wv)[U][2]) {
+// The MMAs of one 32-K step from its first chunk c: w's two tiles in wv, x through L1.
+template <typename T, int MT>
+__device__ __forceinline__ void step_mma(const GemvParams& p, const uint4* x, int64_t x_chunks,
+                                         int c, bool c_ok, int g, const uint4 (&wv)[2],
+                                         float (&acc)[MT][2][4]) {
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int c = c0 + u * kStepChunks;
-    wv[u][0] = ok0 && c < c_end ? __ldcs(w0 + c) : make_uint4(0, 0, 0, 0);
-    wv[u][1] = ok1 && c < c_end ? __ldcs(w1 + c) : make_uint4(0, 0, 0, 0);
+  for (int mt = 0; mt < MT; ++mt) {
+    const int m0 = mt * 16 + g, m1 = m0 + 8;
+    const uint4 xa = c_ok && m0 < p.m ? __ldg(x + m0 * x_chunks + c) : make_uint4(0, 0, 0, 0);
+    const uint4 xb = c_ok && m1 < p.m ? __ldg(x + m1 * x_chunks + c) : make_uint4(0, 0, 0, 0);
+    const uint32_t* a0 = reinterpret_cast<const uint32_t*>(&xa);
+    const uint32_t* a1 = reinterpret_cast<const uint32_t*>(&xb);
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {  // K 8t + 4s .. 8t + 4s + 3 of the step
+      const uint32_t a[4] = {a0[2 * s], a1[2 * s], a0[2 * s + 1], a1[2 * s + 1]};
+#pragma unroll
+      for (int tile = 0; tile < 2; ++tile) {
+        const uint32_t* b = reinterpret_cast<const uint32_t*>(&wv[tile]);
+        Dtype<T>::mma(acc[mt][tile], a, b[2 * s], b[2 * s + 1]);
+      }
+    }
   }
 }
 
 template <typename T, int MT, Epilogue E, int SPLIT>
 __global__ void __launch_bounds__(kThreads, 2) skinny_kernel(const GemvParams p) {
-  constexpr int kGroups = kWarps / SPLIT, U = kUnroll<MT>;
+  constexpr int kGroups = kWarps / SPLIT;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int g = lane / 4, t = lane % 4;  // the MMA's groupID and thread-in-group
   const int group = warp / SPLIT, part = warp % SPLIT;
@@ -89,46 +105,32 @@ __global__ void __launch_bounds__(kThreads, 2) skinny_kernel(const GemvParams p)
   const uint4* w = reinterpret_cast<const uint4*>(static_cast<const T*>(p.w));
   const uint4* w0 = w + static_cast<int64_t>(ok0 ? r0 : 0) * chunks + t;
   const uint4* w1 = w + static_cast<int64_t>(ok1 ? r1 : 0) * chunks + t;
-  uint4 wv[U][2], next[U][2];
-  load_w(w0, w1, ok0, ok1, c_begin, c_end - t, wv);  // weights first (see gemv.cu)
-  grid_dependency_wait();
-
   const uint4* x = reinterpret_cast<const uint4*>(p.x) + t;
   const int64_t x_chunks = p.x_stride / 8;
   float acc[MT][2][4] = {};
-  for (int c0 = c_begin; c0 < c_end; c0 += U * kStepChunks) {
-    // the next U steps' weights are in flight while this one's MMAs run
-    const int c_next = c0 + U * kStepChunks;
-    if (c_next < c_end) load_w(w0, w1, ok0, ok1, c_next, c_end - t, next);
+  extern __shared__ uint4 ring[];
+  uint4* own = ring + warp * kRing * 2 * kWarp + lane;
+  const int steps = (c_end - c_begin + kStepChunks - 1) / kStepChunks;
+  const auto issue = [&](int s) {  // step s's chunks into its slot (zeros past the end)
+    const int c = c_begin + s * kStepChunks;
+    const bool in = s < steps && c + t < c_end;
+    uint4* slot = own + (s % kRing) * 2 * kWarp;
+    cp_async16(slot, w0 + (in ? c : 0), ok0 && in);
+    cp_async16(slot + kWarp, w1 + (in ? c : 0), ok1 && in);
+    cp_async_commit();
+  };
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + u * kStepChunks;  // the quad's first chunk of this step
-      if (c >= c_end) break;
-      const bool c_ok = c + t < c_end;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int m0 = mt * 16 + g, m1 = m0 + 8;
-        const uint4 xa = c_ok && m0 < p.m ? __ldg(x + m0 * x_chunks + c) : make_uint4(0, 0, 0, 0);
-        const uint4 xb = c_ok && m1 < p.m ? __ldg(x + m1 * x_chunks + c) : make_uint4(0, 0, 0, 0);
-        const uint32_t* a0 = reinterpret_cast<const uint32_t*>(&xa);
-        const uint32_t* a1 = reinterpret_cast<const uint32_t*>(&xb);
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {  // K 8t + 4s .. 8t + 4s + 3 of the step
-          const uint32_t a[4] = {a0[2 * s], a1[2 * s], a0[2 * s + 1], a1[2 * s + 1]};
-#pragma unroll
-          for (int tile = 0; tile < 2; ++tile) {
-            const uint32_t* b = reinterpret_cast<const uint32_t*>(&wv[u][tile]);
-            Dtype<T>::mma(acc[mt][tile], a, b[2 * s], b[2 * s + 1]);
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      wv[u][0] = next[u][0];
-      wv[u][1] = next[u][1];
-    }
+  for (int s = 0; s < kRing - 1; ++s) issue(s);  // weights first (see gemv.cu)
+  grid_dependency_wait();
+  for (int s = 0; s < steps; ++s) {
+    cp_async_wait<kRing - 2>();  // step s has landed
+    issue(s + kRing - 1);        // into the slot step s - 1 read
+    const uint4* slot = own + (s % kRing) * 2 * kWarp;
+    const uint4 wv[2] = {slot[0], slot[kWarp]};
+    const int c = c_begin + s * kStepChunks;
+    step_mma<T, MT>(p, x, x_chunks, c, c + t < c_end, g, wv, acc);
   }
+  cp_async_wait<0>();  // the zero-fills past the end, before the block leaves
 
   if constexpr (SPLIT > 1) {  // the group's first warp adds the others' sums, in order
     __shared__ float parts[kWarps][MT * 8][kWarp];
@@ -180,31 +182,34 @@ __global__ void __launch_bounds__(kThreads, 2) skinny_kernel(const GemvParams p)
     }
 }
 
+template <auto kernel>
+cudaError_t launch_one(unsigned blocks, const GemvParams& p, cudaStream_t stream) {
+  static const cudaError_t set =  // once a kernel: the ring is over the 48 KiB default
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes);
+  if (set != cudaSuccess) return set;
+  return launch(kernel, blocks, kThreads, kRingBytes, stream, p);
+}
+
 template <typename T, int MT, int SPLIT>
-void launch_split(const GemvParams& p, cudaStream_t stream) {
+cudaError_t launch_split(const GemvParams& p, cudaStream_t stream) {
   const bool rope = p.rope.positions != nullptr, paired = p.gated || rope;
   const int rows_per_block = kWarps / SPLIT * (paired ? 8 : 16);
   const int out_rows = paired ? p.n / 2 : p.n;
   const unsigned blocks = static_cast<unsigned>((out_rows + rows_per_block - 1) / rows_per_block);
-  if (rope) {
-    launch(skinny_kernel<T, MT, Epilogue::kRope, SPLIT>, blocks, kThreads, 0, stream, p);
-  } else if (p.gated) {
-    launch(skinny_kernel<T, MT, Epilogue::kGated, SPLIT>, blocks, kThreads, 0, stream, p);
-  } else {
-    launch(skinny_kernel<T, MT, Epilogue::kPlain, SPLIT>, blocks, kThreads, 0, stream, p);
-  }
+  if (rope) return launch_one<skinny_kernel<T, MT, Epilogue::kRope, SPLIT>>(blocks, p, stream);
+  if (p.gated) return launch_one<skinny_kernel<T, MT, Epilogue::kGated, SPLIT>>(blocks, p, stream);
+  return launch_one<skinny_kernel<T, MT, Epilogue::kPlain, SPLIT>>(blocks, p, stream);
 }
 
 template <typename T, int MT>
 cudaError_t launch_tiles(const GemvParams& p, cudaStream_t stream) {
   switch (skinny_split(p)) {
-    case 1: launch_split<T, MT, 1>(p, stream); break;
-    case 2: launch_split<T, MT, 2>(p, stream); break;
-    case 4: launch_split<T, MT, 4>(p, stream); break;
-    case 8: launch_split<T, MT, 8>(p, stream); break;
+    case 1: return launch_split<T, MT, 1>(p, stream);
+    case 2: return launch_split<T, MT, 2>(p, stream);
+    case 4: return launch_split<T, MT, 4>(p, stream);
+    case 8: return launch_split<T, MT, 8>(p, stream);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 }  // namespace
