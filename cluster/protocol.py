@@ -414,7 +414,8 @@ class ChatCompletionRequest(_Request, ChatTemplateFields):
             return asked
         functions = self.functions
         if not functions:
-            raise FieldError("tool_choice names a tool, but no tools are given", "tool_choice")
+            asks = "names a tool" if isinstance(choice, NamedToolChoice) else f"is '{choice}'"
+            raise FieldError(f"tool_choice {asks}, but no tools are given", "tool_choice")
         if isinstance(choice, NamedToolChoice):
             functions = [f for f in functions if f.name == choice.function.name]
             if not functions:

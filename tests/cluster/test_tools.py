@@ -98,6 +98,9 @@ def test_tool_choice_decides_what_is_shown_parsed_and_enforced() -> None:
     with pytest.raises(FieldError) as caught:
         _chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "nope"}}).guided()
     assert caught.value.param == "tool_choice.function.name"
+    for choice, says in (("required", "tool_choice is 'required'"), (named, "names a tool")):
+        with pytest.raises(FieldError, match=f"{says}, but no tools are given"):
+            _chat(tool_choice=choice).guided()
 
 
 def _delta(text: str, finish=None) -> ChoiceDelta:
