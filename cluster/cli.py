@@ -12,7 +12,10 @@ import signal
 import sys
 import time
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 BENCH_MODULES = {
     name: f"benchmarks.{name}"
@@ -122,8 +125,14 @@ def _serve_config(args: argparse.Namespace) -> Any:
     try:
         return ClusterConfig.model_validate(data)
     except ValidationError as exc:
-        faults = [f"  {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
-        raise SystemExit("\n".join([f"{where}: not a valid config", *faults])) from None
+        raise SystemExit(_faults(f"{where}: not a valid config", exc)) from None
+
+
+def _faults(head: str, exc: ValidationError) -> str:
+    """`head`, then a line for each fault: its field, its message."""
+    return "\n".join(
+        [head, *(f"  {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())]
+    )
 
 
 def _check_model_here(model: str) -> None:
@@ -273,14 +282,19 @@ def _prepare_demo(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from worker.llm import LLM
     from worker.sampling import SamplingParams
 
+    try:  # before the model loads
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    except ValidationError as exc:
+        raise SystemExit(_faults("kvray generate: not valid sampling options", exc)) from None
     try:
         llm = LLM(args.model)
     except FileNotFoundError as exc:  # the model path: a message, not a traceback
         raise SystemExit(f"kvray generate: {exc}") from None
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     for prompt in args.prompts:
         if len(args.prompts) > 1:
             print(f"\n>>> {prompt}")

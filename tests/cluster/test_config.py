@@ -199,3 +199,8 @@ def test_the_cli_ends_a_bad_config_or_a_missing_model_with_its_faults(tmp_path) 
     _check_model_here(str(tmp_path))  # a directory: the engine loads it, or says why not
     with pytest.raises(SystemExit, match="kvray generate: model .* neither 'demo'"):
         main(["generate", "--model", str(tmp_path / "no-model"), "Hi"])
+    with pytest.raises(SystemExit) as caught:  # before the model path is even looked at
+        main(["generate", "--model", str(tmp_path / "no-model"), "--max-tokens", "-3", "Hi"])
+    lines = str(caught.value).splitlines()
+    assert lines[0] == "kvray generate: not valid sampling options"
+    assert lines[1].startswith("  max_tokens: Input should be greater than or equal to 0")
