@@ -1,11 +1,12 @@
 """Full-sequence logits of a packed batch of prompts through kvray's executor, and
 transformers' greedy continuations to compare kvray's tokens with."""
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, GenerationMixin
 
 from worker.executor import Executor
 from worker.request import Request, ScheduledTask
@@ -27,6 +28,15 @@ def packed_logits(
     return list(logits.split([len(p) for p in prompts] if all_logits else 1))
 
 
+# generate's name for a KV cache of the caller's: `cache` in newer transformers, where
+# `past_key_values` is deprecated (to go in 6.0), `past_key_values` before
+_CACHE_KWARG = (
+    "cache"
+    if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    else "past_key_values"
+)
+
+
 def hf_greedy_tokens(
     hf: Any, prompts: list[list[int]], new_tokens: int, make_cache: Callable[[], Any] | None = None
 ) -> list[list[int]]:
@@ -41,7 +51,7 @@ def hf_greedy_tokens(
     )
     outs = []
     for p in prompts:
-        extra = {"past_key_values": make_cache()} if make_cache is not None else {}
+        extra = {_CACHE_KWARG: make_cache()} if make_cache is not None else {}
         with torch.no_grad():
             out = hf.generate(
                 torch.tensor([p]),
